@@ -1,0 +1,3 @@
+from lss.cli import main
+
+raise SystemExit(main())

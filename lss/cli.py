@@ -1,0 +1,191 @@
+"""The `lss` command line: train / eval / viz / demo / bench / make-synthetic / config / env."""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import shutil
+import subprocess
+import sys
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--config", required=required, help="YAML file (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set train.max_steps=100")
+
+
+def _load(args):
+    from lss.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--image-size {text!r}: expected WIDTHxHEIGHT, e.g. 1600x900") from None
+    if w <= 0 or h <= 0:
+        raise argparse.ArgumentTypeError(f"--image-size {text!r}: width and height must be positive")
+    return w, h
+
+
+def cmd_env(args) -> int:
+    import torch
+
+    from lss.ops import _ext
+
+    def version(pkg):
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    nvcc = shutil.which("nvcc")
+    nvcc_version = "not found"
+    if nvcc:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        nvcc_version = out[-1] if out else "unknown"
+    rows = [
+        ("lss", version("lss")),
+        ("python", platform.python_version()),
+        ("platform", platform.platform()),
+        ("torch", torch.__version__),
+        ("torch CUDA", str(torch.version.cuda)),
+        ("torchvision", version("torchvision")),
+        ("nvcc", nvcc_version),
+        ("lss._C", "loaded" if _ext.has_ext() else f"missing ({_ext.load_error()})"),
+        ("lss CUDA kernels", f"yes, archs {_ext.cuda_archs()}" if _ext.has_cuda_ops() else "no"),
+        ("GPU", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none"),
+        ("nuscenes-devkit", version("nuscenes-devkit")),
+        ("efficientnet-pytorch", version("efficientnet-pytorch")),
+        ("numpy", version("numpy")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    from lss.config import dump_config
+
+    print(dump_config(_load(args)), end="")
+    return 0
+
+
+def cmd_make_synthetic(args) -> int:
+    from lss.data.synthetic import generate
+
+    generate(args.out_dir, version=args.version, scenes=args.scenes, samples_per_scene=args.samples_per_scene,
+             image_size=args.image_size, seed=args.seed, workers=args.workers, force=args.force)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from lss.engine.train import train
+
+    train(_load(args), out_dir=args.out, resume=args.resume)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from lss.engine.eval import evaluate_checkpoint
+
+    evaluate_checkpoint(_load(args), ckpt=args.ckpt, out_dir=args.out)
+    return 0
+
+
+def cmd_viz(args) -> int:
+    from lss.viz import render_checkpoint
+
+    render_checkpoint(_load(args), ckpt=args.ckpt, out_dir=args.out, num=args.num)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from lss.engine.demo import demo
+
+    demo(config=args.config, overrides=args.overrides, out_dir=args.out)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from lss import bench
+
+    bench.run(suites=args.suite or None, device=args.device, out_dir=args.out, quick=args.quick)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lss", description="Lift-Splat-Shoot BEV perception trainer")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("env", help="print versions and build facts for a bug report")
+    p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    ps = csub.add_parser("show", help="print the resolved config (defaults + YAML + --set)")
+    _add_config_args(ps, required=False)
+    ps.set_defaults(func=cmd_config_show)
+
+    p = sub.add_parser("make-synthetic", help="generate a synthetic dataset in the nuScenes format")
+    p.add_argument("out_dir")
+    p.add_argument("--version", default="v1.0-mini", help="v1.0-mini or v1.0-trainval")
+    p.add_argument("--scenes", type=int, default=10)
+    p.add_argument("--samples-per-scene", type=int, default=40)
+    p.add_argument("--image-size", type=_image_size, default=(1600, 900), help="WIDTHxHEIGHT (default 1600x900)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=None, help="parallel processes (default: CPU count)")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT_DIR")
+    p.set_defaults(func=cmd_make_synthetic)
+
+    p = sub.add_parser("train", help="train from a config")
+    _add_config_args(p)
+    p.add_argument("--out", default=None, help="run directory (default: train.out_dir)")
+    p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/last.pt")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the validation split")
+    _add_config_args(p)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", default=None, help="where eval.json goes (default: the checkpoint's run directory)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("viz", help="render camera + BEV pictures of a checkpoint's predictions")
+    _add_config_args(p)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--num", type=int, default=None, help="number of samples (default: viz.num)")
+    p.set_defaults(func=cmd_viz)
+
+    p = sub.add_parser("demo", help="generate the synthetic set if missing, train, evaluate and render (CPU ok)")
+    p.add_argument("--config", default=None, help="default: configs/synthetic_demo.yaml settings")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--out", default="runs/demo")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="time our ops against peers in the same run")
+    p.add_argument("--suite", action="append", help="suite name (repeatable; default: all)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--out", default=None, help="directory for bench.json and bench.md")
+    p.add_argument("--quick", action="store_true", help="few repetitions and small cases (smoke test)")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from lss.config import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"lss: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

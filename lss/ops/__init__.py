@@ -1,0 +1,2 @@
+"""lss custom ops: each has CPU and CUDA kernels (torch.ops.lss.*), autograd, fake kernels and a reference."""
+from lss.ops._ext import cuda_archs, has_cuda_ops, has_ext

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU check, in one call on the GPU machine (see docs/gpu.md): install the wheels the machine lacks, build the
+# ops for sm_90, run the CUDA tests, run compute-sanitizer memcheck on every op's smoke test, run the benchmarks,
+# and write logs, bench.json and bench.md under $OUT. A summary is printed last.
+#   device run: bash scripts/gpu_check.sh            (carry .whl, made by ../shared/tools/device_wheels.sh .whl)
+set -uo pipefail
+OUT=${OUT:-/tmp/lss-gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} FORCE_CUDA=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lss-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/lss-site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+summary=()
+step() {  # step NAME LOG CMD...: run, log to $OUT/LOG, remember pass/fail
+  local name=$1 log=$2; shift 2
+  local t0=$SECONDS
+  "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$log")")")
+  return $rc
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+step build build.log python3 setup.py build_ext --inplace || { tail -n 40 "$OUT/build.log"; exit 1; }
+step cuda-tests cuda_tests.log python3 -m pytest -q -m cuda tests ${LSS_TEST_ARGS:-}
+step sanitizer sanitizer.log compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_ops.py
+step bench bench.log python3 -m lss bench --out "$OUT" ${LSS_BENCH_ARGS:-}
+grep -E "failed|FAILED|Error" "$OUT/cuda_tests.log" | tail -n 30
+grep -E "ERROR SUMMARY|Invalid" "$OUT/sanitizer.log" | head -n 20
+cat "$OUT/bench.md" 2>/dev/null
+printf '%s\n' "${summary[@]}"
