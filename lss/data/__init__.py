@@ -1,0 +1,1 @@
+"""Data: nuScenes loading, BEV targets and the synthetic dataset generator."""
