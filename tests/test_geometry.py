@@ -104,6 +104,9 @@ def brute_force_lut(points, grid):
     cells = []
     for b in range(B):
         for x, y, z in flat[b].tolist():
+            if math.isnan(x + y + z):
+                cells.append(-1)
+                continue
             ijk = [math.floor((c - lo) / s) for c, lo, s in zip((x, y, z), grid.lower, grid.cell_size)]
             inside = all(0 <= i < n for i, n in zip(ijk, (grid.nx, grid.ny, grid.nz)))
             cells.append(((b * grid.nz + ijk[2]) * grid.nx + ijk[0]) * grid.ny + ijk[1] if inside else -1)
