@@ -1,2 +1,4 @@
 """lss custom ops: each has CPU and CUDA kernels (torch.ops.lss.*), autograd, fake kernels and a reference."""
 from lss.ops._ext import cuda_archs, has_cuda_ops, has_ext
+from lss.ops.focal_loss import (SigmoidFocalLoss, SoftmaxFocalLoss, sigmoid_focal_loss, sigmoid_focal_loss_reference,
+                                softmax_focal_loss, softmax_focal_loss_reference)
