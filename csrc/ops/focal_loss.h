@@ -157,6 +157,13 @@ inline void check_backward_args(const at::Tensor& grad_output, const at::Tensor&
   LSS_CHECK_SAME_DEVICE(grad, grad_scale, "focal loss backward: grad", "grad_scale");
 }
 
+// grad_output * grad_scale * grad for any grad_output that broadcasts to grad, computed in grad_scale's dtype.
+inline at::Tensor scale_grad_broadcast(const at::Tensor& grad_output, const at::Tensor& grad,
+                                       const at::Tensor& grad_scale) {
+  const auto acc = grad_scale.scalar_type();
+  return (grad.to(acc) * (grad_output.to(acc) * grad_scale)).to(grad.scalar_type());
+}
+
 // The accumulation dtype of the weights and of grad_scale.
 inline at::ScalarType acc_dtype(const at::Tensor& logits) {
   return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

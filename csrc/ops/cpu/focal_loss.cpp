@@ -210,9 +210,8 @@ Outputs softmax_focal_loss_cpu(const at::Tensor& logits_in, const at::Tensor& ta
 at::Tensor focal_loss_backward_cpu(const at::Tensor& grad_output, const at::Tensor& grad,
                                    const at::Tensor& grad_scale) {
   check_backward_args(grad_output, grad, grad_scale);
-  const auto acc = grad_scale.scalar_type();
-  const at::Tensor factor = grad_output.to(acc) * grad_scale;
-  return (grad.to(acc) * factor).to(grad.scalar_type());
+  LSS_CHECK_CPU(grad, "focal loss backward: grad");
+  return scale_grad_broadcast(grad_output, grad, grad_scale);
 }
 
 }  // namespace
