@@ -72,13 +72,9 @@ template <typename acc_t, typename target_t>
 __device__ __forceinline__ bool sigmoid_element(const SigmoidParams<acc_t>& p, const target_t* targets, int64_t i,
                                                 acc_t x, acc_t t, bool keep, acc_t& loss, acc_t& grad,
                                                 int* bad_target) {
-  if (!keep) {
-    loss = acc_t(0);
-    grad = acc_t(0);
-    return false;
-  }
   int64_t cls;
   if constexpr (std::is_same<target_t, int64_t>::value) {
+    // Labels are checked before the mask so that CPU and CUDA reject the same inputs.
     const int64_t row = i / p.classes;
     cls = i - row * p.classes;
     const int64_t label = targets[row];
@@ -90,6 +86,11 @@ __device__ __forceinline__ bool sigmoid_element(const SigmoidParams<acc_t>& p, c
     t = label == cls ? acc_t(1) : acc_t(0);
   } else {
     cls = p.weight != nullptr ? (i / p.inner) % p.classes : 0;
+  }
+  if (!keep) {
+    loss = acc_t(0);
+    grad = acc_t(0);
+    return false;
   }
   sigmoid_focal<acc_t>(x, t, p.alpha, p.gamma, loss, grad);
   if (p.weight != nullptr) {
