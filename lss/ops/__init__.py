@@ -2,3 +2,5 @@
 from lss.ops._ext import cuda_archs, has_cuda_ops, has_ext
 from lss.ops.upsample import UpsampleBilinear, upsample_bilinear, upsample_bilinear_reference
 from lss.ops.bev_pool import bev_pool, bev_pool_reference
+from lss.ops.focal_loss import (SigmoidFocalLoss, SoftmaxFocalLoss, sigmoid_focal_loss, sigmoid_focal_loss_reference,
+                                softmax_focal_loss, softmax_focal_loss_reference)
