@@ -189,6 +189,7 @@ def test_projected_boxes_land_on_their_object(nusc, synthetic_root):
         assert np.median(vis1) < np.median(vis4) - 0.2, (vis1, vis4)
 
 
+@pytest.mark.slow
 def test_same_seed_same_tables(tmp_path):
     kwargs = dict(version="v1.0-mini", scenes=1, samples_per_scene=2, image_size=(64, 36), seed=3)
     a = generate(tmp_path / "a", workers=1, **kwargs)
