@@ -6,6 +6,7 @@ images and rasterizes, and forked loader workers share the arrays without copyin
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -92,7 +93,12 @@ def load_tables(root: Path, version: str):
 
     key = (str(Path(root).resolve()), version)
     if key not in _TABLES:
-        _TABLES[key] = NuScenes(version=version, dataroot=str(root), verbose=False)
+        try:
+            _TABLES[key] = NuScenes(version=version, dataroot=str(root), verbose=False)
+        except (AssertionError, KeyError, json.JSONDecodeError) as e:
+            raise DatasetNotFoundError(f"nuscenes-devkit could not load the {version} tables under {root}: "
+                                       f"{type(e).__name__}: {e}. Check that the tables and the files they "
+                                       f"name (maps/*.png, samples/) are complete.") from None
     return _TABLES[key]
 
 
