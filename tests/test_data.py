@@ -293,3 +293,129 @@ def test_collate_and_dataloader(tiny_root):
         collate([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}])
     mixed = collate([{"x": torch.zeros(2, 3)}, {"x": torch.zeros(4, 3)}])
     assert isinstance(mixed["x"], list)
+
+
+# --- the synthetic set (tests/conftest.py: 2 scenes x 3 key frames, 400 x 225 images, maps) ---------------------
+
+def synthetic_config(**data):
+    return make_config(final_dim=(128, 352), resize_lim=(0.95, 1.15), **data)
+
+
+def devkit_ego_boxes(nusc, sample_token):
+    """All annotation boxes of a sample in its LIDAR_TOP ego frame, through the devkit's own transforms."""
+    sample = nusc.get("sample", sample_token)
+    pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+    boxes = []
+    for token in sample["anns"]:
+        box = nusc.get_box(token)
+        box.translate(-np.asarray(pose["translation"]))
+        box.rotate(Quaternion(pose["rotation"]).inverse)
+        boxes.append(box)
+    return boxes, pose
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_synthetic_object_centres_are_marked(synthetic_root, split):
+    from nuscenes.nuscenes import NuScenes
+
+    ds = NuScenesBEV(synthetic_root, VERSION, split, synthetic_config(), is_train=False, verbose=False)
+    nusc = NuScenes(VERSION, str(synthetic_root), verbose=False)
+    checked = 0
+    for index in range(len(ds)):
+        targets = ds.bev_targets(index)
+        boxes, _ = devkit_ego_boxes(nusc, ds.sample_tokens[index])
+        for box in boxes:
+            k = 0 if box.name.startswith("vehicle.") else 1 if box.name.startswith("human.pedestrian.") else None
+            x, y = box.center[:2]
+            if k is None or not (-50 <= x < 50 and -50 <= y < 50):
+                continue
+            assert targets[k][cell(x, y, ds.config)] == 1, (box.name, x, y)
+            checked += 1
+    assert checked > 10
+
+
+@pytest.mark.slow
+def test_synthetic_map_raster_matches_devkit_geometry(synthetic_root):
+    import shapely
+    from nuscenes.map_expansion.map_api import NuScenesMap
+    from nuscenes.nuscenes import NuScenes
+    from shapely import affinity
+    from shapely.ops import unary_union
+
+    cfg = synthetic_config()
+    ds = NuScenesBEV(synthetic_root, VERSION, "train", cfg, is_train=False, verbose=False)
+    nusc = NuScenes(VERSION, str(synthetic_root), verbose=False)
+    location = ds.locations[ds.location_index[0]]
+    nmap = NuScenesMap(str(synthetic_root), location)
+    drivable = unary_union([nmap.extract_polygon(t) for r in nmap.drivable_area for t in r["polygon_tokens"]])
+    dividers = unary_union([nmap.extract_line(r["line_token"]) for r in nmap.lane_divider])
+    xs, ys = np.meshgrid(*[(np.arange(200) + 0.5) * 0.5 - 50] * 2, indexing="ij")
+    for index in range(len(ds)):
+        targets = ds.bev_targets(index)
+        _, pose = devkit_ego_boxes(nusc, ds.sample_tokens[index])
+        yaw = Quaternion(pose["rotation"]).yaw_pitch_roll[0]
+        to_ego = dict(xoff=-pose["translation"][0], yoff=-pose["translation"][1])
+
+        def ego(geom):
+            return affinity.rotate(affinity.translate(geom, **to_ego), -yaw, origin=(0, 0), use_radians=True)
+
+        area, lines = ego(drivable), ego(dividers)
+        pts = shapely.points(xs, ys)
+        inside = shapely.contains_xy(area, xs, ys)
+        far = shapely.distance(area.boundary, pts) >= 0.5
+        raster = targets[cfg.data.classes.index("drivable_area")] > 0
+        assert inside.any() and not ((raster != inside) & far).any()
+        divider = targets[cfg.data.classes.index("lane_divider")] > 0
+        dist_cells = shapely.distance(lines, pts) / 0.5
+        assert divider.any() and dist_cells[divider].max() <= cfg.data.divider_width / 2 + 0.75
+        assert divider[dist_cells <= cfg.data.divider_width / 2 - 0.3].all()
+
+
+def _bilinear(image, u, v):
+    h, w = image.shape[:2]
+    u0, v0 = np.clip(np.floor(u).astype(int), 0, w - 2), np.clip(np.floor(v).astype(int), 0, h - 2)
+    fu, fv = (u - u0)[:, None], (v - v0)[:, None]
+    return ((1 - fu) * (1 - fv) * image[v0, u0] + fu * (1 - fv) * image[v0, u0 + 1]
+            + (1 - fu) * fv * image[v0 + 1, u0] + fu * fv * image[v0 + 1, u0 + 1])
+
+
+@pytest.mark.slow
+def test_synthetic_box_corners_project_onto_the_same_content(synthetic_root):
+    """Box corners and centres projected with intrinsics, sensor2ego and post_* sample the augmented image
+    where the same points, projected without augmentation, sample the source image."""
+    import cv2
+    from nuscenes.nuscenes import NuScenes
+    from nuscenes.utils.geometry_utils import view_points
+
+    cfg = synthetic_config()
+    torch.manual_seed(0)
+    ds = NuScenesBEV(synthetic_root, VERSION, "train", cfg, is_train=True, verbose=False)
+    nusc = NuScenes(VERSION, str(synthetic_root), verbose=False)
+    mean, std = np.asarray(cfg.data.image_mean), np.asarray(cfg.data.image_std)
+    right, shifted = [], []
+    for index in range(len(ds)):
+        boxes, _ = devkit_ego_boxes(nusc, ds.sample_tokens[index])
+        points = np.concatenate([np.concatenate([b.corners(), b.center[:, None]], 1) for b in boxes], 1)
+        for _ in range(2):
+            item = ds[index]
+            for k in range(len(ds.cameras)):
+                aug = (item["images"][k].permute(1, 2, 0).numpy() * std + mean) * 255
+                source = np.asarray(Image.open(ds.image_paths[index, k]).convert("RGB"), dtype=np.float64)
+                scale = abs(np.linalg.det(item["post_rot"][k, :2, :2].numpy())) ** 0.5
+                source = cv2.GaussianBlur(source, (0, 0), max(0.5 / scale, 0.3))
+                rot, trans = item["sensor2ego_rot"][k].double().numpy(), item["sensor2ego_trans"][k].double().numpy()
+                cam = rot.T @ (points - trans[:, None])
+                ok = cam[2] > 2.0
+                src = view_points(cam[:, ok], item["intrinsics"][k].double().numpy(), normalize=True)[:2]
+                uvd = np.concatenate([src, cam[2:, ok]])
+                dst = item["post_rot"][k].double().numpy() @ uvd + item["post_trans"][k].double().numpy()[:, None]
+                h, w = source.shape[:2]
+                keep = ((src[0] > 2) & (src[0] < w - 3) & (src[1] > 2) & (src[1] < h - 3) & (dst[0] > 5)
+                        & (dst[0] < 352 - 6) & (dst[1] > 2) & (dst[1] < 128 - 3))
+                ref = _bilinear(source, src[0, keep], src[1, keep])
+                right.append(np.abs(_bilinear(aug, dst[0, keep], dst[1, keep]) - ref).mean(1))
+                shifted.append(np.abs(_bilinear(aug, dst[0, keep] + 3, dst[1, keep]) - ref).mean(1))
+    right, shifted = np.concatenate(right), np.concatenate(shifted)
+    assert len(right) > 200
+    assert np.median(right) < 6.0 and np.median(shifted) > 2 * np.median(right), (np.median(right), np.median(shifted))
