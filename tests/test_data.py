@@ -419,3 +419,24 @@ def test_synthetic_box_corners_project_onto_the_same_content(synthetic_root):
     right, shifted = np.concatenate(right), np.concatenate(shifted)
     assert len(right) > 200
     assert np.median(right) < 6.0 and np.median(shifted) > 2 * np.median(right), (np.median(right), np.median(shifted))
+
+
+def test_loader_generates_the_synthetic_set_when_asked(tmp_path, monkeypatch, capsys):
+    import lss.data.synthetic as synthetic
+
+    calls = []
+
+    def fake_generate(out_dir, version, **kwargs):
+        calls.append((out_dir, version, kwargs))
+        return build_tiny_set(tmp_path / "gen")
+
+    monkeypatch.setattr(synthetic, "generate", fake_generate)
+    cfg = make_config(dataroot=str(tmp_path / "gen"), workers=0)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        build_dataloader(cfg, "train", is_train=False)
+    assert not calls
+    cfg.data.make_synthetic_if_missing = True
+    loader = build_dataloader(cfg, "train", is_train=False)
+    assert len(calls) == 1 and calls[0][1] == VERSION and calls[0][2]["image_size"] == (1600, 900)
+    assert "generating a synthetic set" in capsys.readouterr().out
+    assert len(loader.dataset) == 2
