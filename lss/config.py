@@ -136,6 +136,33 @@ class VizConfig:
 
 
 @dataclass
+class DetectionConfig:
+    """3D box head on the BEV features (active when "detection" is in model.heads); see docs/detection.md."""
+
+    head_channels: int = 64
+    gaussian_overlap: float = 0.1  # heatmap radius: the centre shift that keeps this box IoU (CenterNet rule)
+    min_radius: int = 2  # heatmap cells
+    focal_alpha: float = 0.5  # penalty-reduced focal loss on the heatmaps (our sigmoid_focal_loss op)
+    focal_gamma: float = 2.0
+    heatmap_weight: float = 1.0
+    regression_weight: float = 0.25
+    # per channel: offset x, y, z, log w, l, h, sin, cos yaw, vx, vy
+    code_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2)
+    top_k: int = 500  # heatmap peaks per sample before NMS
+    score_threshold: float = 0.05
+    nms_iou: float = 0.2  # on the boxes' axis-aligned BEV envelopes, per class; <= 0 disables NMS
+    max_detections: int = 300  # per sample (the nuScenes evaluation accepts at most 500)
+    refine: bool = True  # second stage: RoIAlign on the BEV features + MLP refining score and box
+    refine_proposals: int = 128  # first-stage boxes refined per sample while training
+    refine_gt_proposals: bool = True  # add jittered ground-truth boxes as proposals while training
+    roi_size: int = 7
+    roi_enlarge: float = 1.5  # envelope scale, for context around the box
+    refine_hidden: int = 256
+    refine_weight: float = 1.0
+    match_distance: float = 2.0  # metres between centres: a proposal's positive ground truth
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     grid: GridConfig = field(default_factory=GridConfig)
@@ -145,6 +172,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     viz: VizConfig = field(default_factory=VizConfig)
+    detection: DetectionConfig = field(default_factory=DetectionConfig)
 
 
 def _type_name(tp: Any) -> str:
