@@ -1,4 +1,5 @@
-"""BEV segmentation loss: our sigmoid focal loss (default) or the LSS paper's BCE with pos_weight."""
+"""Training losses: BEV segmentation (our sigmoid focal loss by default, or the LSS paper's BCE with pos_weight),
+plus the 3D detection losses when "detection" is in model.heads."""
 from __future__ import annotations
 
 from typing import Optional
@@ -63,3 +64,24 @@ def _masked_mean(values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Te
     if mask is None:
         return values.mean(dim=dims)
     return (values * mask).sum(dim=dims) / mask.sum(dim=dims).clamp(min=1.0)
+
+
+class TotalLoss(nn.Module):
+    """forward(outputs, batch) -> {"loss": the sum of every head's loss, plus each term for logging (detached)}."""
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        self.segmentation = SegmentationLoss(config)
+        self.detection = "detection" in config.model.heads
+
+    def forward(self, outputs: dict, batch: dict) -> dict:
+        out = self.segmentation(outputs, batch)
+        if self.detection:
+            from lss.models.detection import detection_loss
+
+            terms = detection_loss(outputs, batch, self.config)
+            out["loss/segmentation"] = out["loss"].detach()
+            out["loss"] = out["loss"] + sum(terms.values())
+            out.update({f"loss/{k}": v.detach() for k, v in terms.items()})
+        return out

@@ -22,7 +22,7 @@ from lss.config import Config, ConfigError, config_to_dict, save_config
 from lss.engine import checkpoint as ckpt_io
 from lss.engine.distributed import DistInfo, EpochSampler, barrier, init_distributed, shutdown
 from lss.engine.eval import evaluate
-from lss.engine.losses import SegmentationLoss
+from lss.engine.losses import TotalLoss
 
 ModelFn = Callable[[Config], nn.Module]
 DatasetFn = Callable[[Config, str, bool], Dataset]
@@ -113,17 +113,12 @@ def default_collate():
 
 
 def ensure_dataset(cfg: Config, dist_info: DistInfo) -> None:
-    """Generate the synthetic dataset at data.dataroot when data.make_synthetic_if_missing and it is absent."""
-    root = Path(cfg.data.dataroot)
-    if not cfg.data.make_synthetic_if_missing or (root / cfg.data.version).is_dir():
-        return
+    """Generate the synthetic dataset at data.dataroot when data.make_synthetic_if_missing and it is absent (on rank
+    0 while the other ranks wait)."""
     if dist_info.is_main:
-        from lss.data.synthetic import generate
+        from lss.data.loader import ensure_dataset as generate_if_missing
 
-        s = cfg.data.synthetic
-        print(f"lss: generating the synthetic dataset at {root} ({s.scenes} scenes x {s.samples_per_scene} samples)")
-        generate(root, version=cfg.data.version, scenes=s.scenes, samples_per_scene=s.samples_per_scene,
-                 image_size=tuple(s.image_size), seed=s.seed)
+        generate_if_missing(cfg)
     barrier(dist_info)
 
 
@@ -150,6 +145,17 @@ def rng_state() -> dict:
     return state
 
 
+@contextlib.contextmanager
+def preserved_rng():
+    """Evaluation and pictures inside leave the training RNG stream as it was (the curve does not depend on
+    how often they run)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
@@ -172,7 +178,7 @@ class Trainer:
         self.model = model.to(device)
         if t.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.loss_fn = SegmentationLoss(cfg).to(device)
+        self.loss_fn = TotalLoss(cfg).to(device)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
         self.amp_dtype = autocast_dtype(cfg, device)
@@ -276,8 +282,9 @@ class Trainer:
         return final
 
     def evaluate(self) -> dict:
-        return evaluate(self.model, self.val_loader, self.cfg, self.device, self.autocast, show_progress=
-                        self.dist.is_main)
+        with preserved_rng():
+            return evaluate(self.model, self.val_loader, self.cfg, self.device, self.autocast,
+                            show_progress=self.dist.is_main)
 
     def save(self, name: str) -> None:
         if not self.dist.is_main:
@@ -417,11 +424,12 @@ class VizHook(Hook):
             return
         from lss.viz import bev_grid_image
 
-        if self.batch is None:
-            self.batch = to_device(next(iter(trainer.val_loader)), trainer.device)
-        trainer.model.eval()
-        with torch.no_grad(), trainer.autocast():
-            logits = trainer.model(self.batch)["segmentation"].float()
+        with preserved_rng():
+            if self.batch is None:
+                self.batch = to_device(next(iter(trainer.val_loader)), trainer.device)
+            trainer.model.eval()
+            with torch.no_grad(), trainer.autocast():
+                logits = trainer.model(self.batch)["segmentation"].float()
         image = bev_grid_image(logits.sigmoid().cpu(), self.batch["targets"].cpu(), trainer.cfg.data.classes)
         self.writer.tb.add_image("val/bev_prediction", image, trainer.step, dataformats="HWC")
 
@@ -444,7 +452,8 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, m
     try:
         device = select_device(cfg, dist_info)
         seed_everything(cfg.train.seed + dist_info.rank, cfg.train.deterministic)
-        ensure_dataset(cfg, dist_info)
+        if cfg.data.make_synthetic_if_missing:
+            ensure_dataset(cfg, dist_info)
         train_set = dataset_fn(cfg, cfg.data.train_split, True)
         val_set = dataset_fn(cfg, cfg.data.val_split, False)
         trainer = Trainer(cfg, model_fn(cfg), train_set, val_set, run_dir, device, dist_info,
