@@ -21,3 +21,13 @@ def pytest_collection_modifyitems(config, items):
 def devices():
     """Parametrize helper: ["cpu"] plus a cuda-marked "cuda" entry."""
     return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(scope="session")
+def synthetic_root(tmp_path_factory):
+    """A tiny synthetic nuScenes v1.0-mini (2 scenes x 3 key frames, 400 x 225 images; one scene in mini_train,
+    one in mini_val), generated once per test session. Returns the dataroot (pathlib.Path)."""
+    from lss.data.synthetic import generate
+
+    return generate(tmp_path_factory.mktemp("synthetic_nuscenes"), version="v1.0-mini", scenes=2,
+                    samples_per_scene=3, image_size=(400, 225), seed=0, workers=1)

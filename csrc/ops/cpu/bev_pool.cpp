@@ -1,0 +1,160 @@
+// bev_pool CPU kernels: a tile of consecutive cells per task for the forward (every output element written once),
+// a gather per feature pixel for the backward (no atomics: deterministic).
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "ops/bev_pool.h"
+
+namespace lss {
+namespace {
+
+using bev_pool::Shape;
+
+constexpr int64_t kTile = 64;  // consecutive cells (along ny) per task
+
+template <typename scalar_t, typename index_t>
+void forward_kernel(const scalar_t* depth, const scalar_t* feat, const index_t* sorted_points,
+                    const index_t* cell_start, scalar_t* out, const Shape& s) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = s.C, cells = s.cells(), nxy = s.nxy();
+  const index_t dhw = static_cast<index_t>(s.dhw()), hw = static_cast<index_t>(s.hw());
+  at::parallel_for(0, ceil_div(cells, kTile), 1, [&](int64_t tile_begin, int64_t tile_end) {
+    std::vector<acc_t> acc(kTile * C);
+    std::vector<int64_t> base(kTile);
+    for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+      const int64_t first = tile * kTile, count = std::min(kTile, cells - first);
+      std::fill(acc.begin(), acc.begin() + count * C, acc_t(0));
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t cell = first + t, plane = cell / nxy;
+        base[t] = plane * C * nxy + (cell - plane * nxy);
+        acc_t* a = acc.data() + t * C;
+        for (index_t k = cell_start[cell]; k < cell_start[cell + 1]; ++k) {
+          const index_t p = sorted_points[k];
+          const acc_t w = static_cast<acc_t>(depth[p]);
+          const scalar_t* row = feat + (static_cast<int64_t>(p / dhw) * hw + p % hw) * C;
+          for (int64_t c = 0; c < C; ++c) a[c] += w * static_cast<acc_t>(row[c]);
+        }
+      }
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t t = 0; t < count; ++t) out[base[t] + c * nxy] = static_cast<scalar_t>(acc[t * C + c]);
+    }
+  });
+}
+
+// Copies grad_out's rows of the non-empty cells into a cells x C buffer (rows of empty cells are never read).
+template <typename scalar_t, typename index_t>
+void stage_kernel(const scalar_t* grad_out, const index_t* cell_start, scalar_t* staged, const Shape& s) {
+  const int64_t C = s.C, cells = s.cells(), nxy = s.nxy();
+  at::parallel_for(0, ceil_div(cells, kTile), 1, [&](int64_t tile_begin, int64_t tile_end) {
+    for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+      const int64_t first = tile * kTile, count = std::min(kTile, cells - first);
+      if (cell_start[first] == cell_start[first + count]) continue;
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t cell = first + t;
+        if (cell_start[cell + 1] == cell_start[cell]) continue;
+        const int64_t plane = cell / nxy, src = plane * C * nxy + (cell - plane * nxy);
+        for (int64_t c = 0; c < C; ++c) staged[cell * C + c] = grad_out[src + c * nxy];
+      }
+    }
+  });
+}
+
+template <typename scalar_t, typename index_t>
+void backward_kernel(const scalar_t* grad_rows, bev_pool::GradRows rows, const scalar_t* depth, const scalar_t* feat,
+                     const index_t* point_cell, scalar_t* grad_depth, scalar_t* grad_feat, const Shape& s) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = s.C, D = s.D, hw = s.hw(), nxy = s.nxy(), planes = s.nz * nxy;
+  at::parallel_for(0, s.pixels(), 16, [&](int64_t pixel_begin, int64_t pixel_end) {
+    std::vector<acc_t> f(C), acc(C);
+    for (int64_t pixel = pixel_begin; pixel < pixel_end; ++pixel) {
+      const int64_t bn = pixel / hw, hwi = pixel - bn * hw;
+      for (int64_t c = 0; c < C; ++c) f[c] = static_cast<acc_t>(feat[pixel * C + c]);
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t p = (bn * D + d) * hw + hwi;
+        const int64_t cell = point_cell[p];
+        if (cell < 0) {
+          grad_depth[p] = scalar_t(0);
+          continue;
+        }
+        const int64_t b = cell / planes, z = (cell - b * planes) / nxy, ij = cell - b * planes - z * nxy;
+        const scalar_t* g = grad_rows + b * rows.batch + z * rows.level + ij * rows.cell;
+        const acc_t w = static_cast<acc_t>(depth[p]);
+        acc_t dot = 0;
+        for (int64_t c = 0; c < C; ++c) {
+          const acc_t gc = static_cast<acc_t>(g[c]);
+          dot += f[c] * gc;
+          acc[c] += w * gc;
+        }
+        grad_depth[p] = static_cast<scalar_t>(dot);
+      }
+      for (int64_t c = 0; c < C; ++c) grad_feat[pixel * C + c] = static_cast<scalar_t>(acc[c]);
+    }
+  });
+}
+
+void check_cpu(const at::Tensor& depth) { LSS_CHECK_CPU(depth, "bev_pool: depth"); }
+
+at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feat_in, const at::Tensor& sorted_points,
+                        const at::Tensor& cell_start, const at::Tensor& point_cell, int64_t nz, int64_t nx,
+                        int64_t ny) {
+  check_cpu(depth_in);
+  const Shape s = bev_pool::check_args(depth_in, feat_in, &sorted_points, cell_start, point_cell, nz, nx, ny);
+  auto out = at::empty({s.B, s.nz * s.C, s.nx, s.ny}, depth_in.options());
+  if (out.numel() == 0) return out;
+  const auto depth = depth_in.contiguous();
+  const auto feat = bev_pool::feat_channels_last(feat_in);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_cpu_index", [&] {
+      forward_kernel<scalar_t, index_t>(depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(),
+                                        sorted_points.contiguous().data_ptr<index_t>(),
+                                        cell_start.contiguous().data_ptr<index_t>(), out.data_ptr<scalar_t>(), s);
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_out_in, const at::Tensor& depth_in,
+                                                         const at::Tensor& feat_in, const at::Tensor& cell_start_in,
+                                                         const at::Tensor& point_cell_in, int64_t nz, int64_t nx,
+                                                         int64_t ny) {
+  check_cpu(depth_in);
+  const Shape s = bev_pool::check_args(depth_in, feat_in, nullptr, cell_start_in, point_cell_in, nz, nx, ny);
+  bev_pool::check_grad_out(grad_out_in, depth_in, s);
+  auto [grad_depth, grad_feat] = bev_pool::empty_grads(depth_in, feat_in, s);
+  auto grad_feat_view = grad_feat.permute({0, 1, 4, 2, 3});
+  if (s.C == 0) {
+    grad_depth.zero_();
+    return {grad_depth, grad_feat_view};
+  }
+  if (s.pixels() == 0) return {grad_depth, grad_feat_view};
+  const auto depth = depth_in.contiguous();
+  const auto feat = bev_pool::feat_channels_last(feat_in);
+  const auto cell_start = cell_start_in.contiguous();
+  const auto point_cell = point_cell_in.contiguous();
+  const bool in_place = bev_pool::grad_is_channels_last(grad_out_in);
+  const auto grad_out = in_place ? grad_out_in : grad_out_in.contiguous();
+  const auto rows = in_place ? bev_pool::channels_last_rows(s) : bev_pool::staged_rows(s);
+  at::Tensor staged = in_place ? grad_out : at::empty({s.cells(), s.C}, grad_out.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_backward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_backward_cpu_index", [&] {
+      if (!in_place)
+        stage_kernel<scalar_t, index_t>(grad_out.data_ptr<scalar_t>(), cell_start.data_ptr<index_t>(),
+                                        staged.data_ptr<scalar_t>(), s);
+      backward_kernel<scalar_t, index_t>(staged.data_ptr<scalar_t>(), rows, depth.data_ptr<scalar_t>(),
+                                         feat.data_ptr<scalar_t>(), point_cell.data_ptr<index_t>(),
+                                         grad_depth.data_ptr<scalar_t>(), grad_feat.data_ptr<scalar_t>(), s);
+    });
+  });
+  return {grad_depth, grad_feat_view};
+}
+
+}  // namespace
+}  // namespace lss
+
+TORCH_LIBRARY_IMPL(lss, CPU, m) {
+  m.impl("bev_pool", &lss::bev_pool_cpu);
+  m.impl("_bev_pool_backward", &lss::bev_pool_backward_cpu);
+}

@@ -1,0 +1,420 @@
+"""nuScenes multi-camera BEV dataset: tables, splits, boxes and maps through nuscenes-devkit.
+
+Everything a sample needs except its pixels (file paths, calibration, ego pose, object boxes in the ego frame,
+map geometry per location) is extracted once at construction into numpy arrays, so `__getitem__` only decodes
+images and rasterizes, and forked loader workers share the arrays without copying Python objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from pyquaternion import Quaternion
+
+from lss.config import NUSCENES_CAMERAS, Config
+from lss.data import targets as T
+from lss.data.transforms import load_augmented_image, sample_augmentation
+
+DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
+                     "traffic_cone", "barrier")
+# Segmentation object classes: nuScenes category-name prefixes (LSS: all vehicles; all pedestrians).
+OBJECT_CLASSES = {"vehicle": "vehicle.", "pedestrian": "human.pedestrian."}
+MAP_POLYGON_LAYERS = ("drivable_area", "road_segment", "road_block", "lane", "ped_crossing", "walkway", "stop_line",
+                      "carpark_area")
+MAP_LINE_LAYERS = ("road_divider", "lane_divider")
+# The original LSS release nests each version one level down: DATAROOT/mini/v1.0-mini, DATAROOT/trainval/...
+_LSS_LAYOUT_FOLDER = {"v1.0-mini": "mini", "v1.0-trainval": "trainval", "v1.0-test": "test"}
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The dataroot holds no nuScenes tables for the requested version."""
+
+
+class MapNotFoundError(FileNotFoundError):
+    """A map-expansion file needed for a map class is missing."""
+
+
+def _has_tables(folder: Path) -> bool:
+    return (folder / "sample.json").is_file() and (folder / "scene.json").is_file()
+
+
+def locate_dataroot(dataroot: str | Path, version: str) -> tuple[Path, str]:
+    """Find the devkit dataroot (the folder holding `<version>/`) for either supported layout.
+
+    Returns (devkit dataroot, layout description). Raises DatasetNotFoundError listing what was looked for and
+    which versions were found instead.
+    """
+    root = Path(dataroot).expanduser()
+    candidates = [(root, f"DATAROOT/{version}/")]
+    if version in _LSS_LAYOUT_FOLDER:
+        sub = _LSS_LAYOUT_FOLDER[version]
+        candidates.append((root / sub, f"DATAROOT/{sub}/{version}/ (original LSS layout)"))
+    for base, layout in candidates:
+        if _has_tables(base / version):
+            return base, layout
+    looked = ", ".join(str(base / version) for base, _ in candidates)
+    if not root.is_dir():
+        found = f"{root} does not exist"
+    else:
+        versions = sorted({str(p.parent) for p in root.glob("*/sample.json")} |
+                          {str(p.parent) for p in root.glob("*/*/sample.json")})
+        found = ("tables found in: " + ", ".join(versions)) if versions else f"no nuScenes tables under {root}"
+    raise DatasetNotFoundError(
+        f"nuScenes {version} not found: looked for the tables (sample.json, scene.json, ...) in {looked}; {found}. "
+        f"Set data.dataroot to the folder holding {version}/ (or mini/{version}/), set data.version to the version "
+        f"you have, or generate a synthetic set with `lss make-synthetic --out-dir {root}`.")
+
+
+def resolve_split(version: str, split: str) -> tuple[str, list[str]]:
+    """Map a split name to the devkit split ("train"/"val" become mini_train/mini_val on v1.0-mini).
+
+    Returns (devkit split name, scene names)."""
+    from nuscenes.utils.splits import create_splits_scenes
+
+    splits = create_splits_scenes()
+    name = f"mini_{split}" if version.endswith("mini") and split in ("train", "val") else split
+    if name not in splits:
+        raise ValueError(f"unknown split {split!r} for {version}; expected 'train', 'val' or one of the devkit "
+                         f"splits {sorted(splits)}")
+    return name, list(splits[name])
+
+
+_TABLES: dict = {}
+
+
+def load_tables(root: Path, version: str):
+    """The devkit's NuScenes object for (root, version), loaded once per process."""
+    from nuscenes.nuscenes import NuScenes
+
+    key = (str(Path(root).resolve()), version)
+    if key not in _TABLES:
+        _TABLES[key] = NuScenes(version=version, dataroot=str(root), verbose=False)
+    return _TABLES[key]
+
+
+@dataclass
+class MapGeometry:
+    """Map layers of one location in global metres: polygons (rings: exterior then holes) and polylines,
+    each with its axis-aligned bounds (P x 4: xmin, ymin, xmax, ymax) for culling."""
+
+    polygons: dict[str, list[list[np.ndarray]]]
+    polygon_bounds: dict[str, np.ndarray]
+    lines: dict[str, list[np.ndarray]]
+    line_bounds: dict[str, np.ndarray]
+
+    def rasterize(self, layer: str, ego_xy: Sequence[float], ego_yaw: float, xbound: T.Bound, ybound: T.Bound,
+                  line_width: int) -> np.ndarray:
+        """nx x ny uint8 raster of `layer` in the ego frame at (ego_xy, ego_yaw)."""
+        canvas = np.zeros(T.grid_shape(xbound, ybound), dtype=np.uint8)
+        reach = np.hypot(max(abs(xbound[0]), abs(xbound[1])), max(abs(ybound[0]), abs(ybound[1])))
+        reach += line_width * max(xbound[2], ybound[2])
+        lo, hi = np.asarray(ego_xy[:2]) - reach, np.asarray(ego_xy[:2]) + reach
+
+        def near(bounds: np.ndarray) -> np.ndarray:
+            if len(bounds) == 0:
+                return np.zeros(0, dtype=np.int64)
+            keep = (bounds[:, 0] <= hi[0]) & (bounds[:, 2] >= lo[0]) & (bounds[:, 1] <= hi[1]) & (bounds[:, 3] >= lo[1])
+            return np.flatnonzero(keep)
+
+        if layer in self.polygons:
+            polys = [[T.global_to_ego_xy(r, ego_xy, ego_yaw) for r in self.polygons[layer][i]]
+                     for i in near(self.polygon_bounds[layer])]
+            T.rasterize_polygons(canvas, polys, xbound, ybound)
+        else:
+            lines = [T.global_to_ego_xy(self.lines[layer][i], ego_xy, ego_yaw) for i in near(self.line_bounds[layer])]
+            T.rasterize_lines(canvas, lines, xbound, ybound, line_width)
+        return canvas
+
+
+_MAPS: dict = {}
+
+
+def map_file(root: Path, location: str) -> Path:
+    return Path(root) / "maps" / "expansion" / f"{location}.json"
+
+
+def load_map_geometry(root: Path, location: str, layers: Sequence[str]) -> MapGeometry:
+    """Extract `layers` of one location from the devkit's NuScenesMap (cached per process)."""
+    key = (str(Path(root).resolve()), location, tuple(sorted(layers)))
+    if key in _MAPS:
+        return _MAPS[key]
+    path = map_file(root, location)
+    if not path.is_file():
+        raise MapNotFoundError(
+            f"map expansion for location '{location}' not found: expected {path}. Download the nuScenes map "
+            f"expansion (v1.3) and unpack it into {Path(root) / 'maps'} so that maps/expansion/<location>.json "
+            f"exist, or configure only object classes ({', '.join(OBJECT_CLASSES)}) in data.classes.")
+    from nuscenes.map_expansion.map_api import NuScenesMap
+
+    nmap = NuScenesMap(dataroot=str(root), map_name=location)
+    node_xy = {n["token"]: (n["x"], n["y"]) for n in nmap.node}
+
+    def ring(tokens: Sequence[str]) -> np.ndarray:
+        return np.asarray([node_xy[t] for t in tokens], dtype=np.float64).reshape(-1, 2)
+
+    def bounds(arrays: Sequence[np.ndarray]) -> np.ndarray:
+        if not arrays:
+            return np.zeros((0, 4))
+        return np.asarray([[*a.min(0), *a.max(0)] for a in arrays])
+
+    polygons, polygon_bounds, lines, line_bounds = {}, {}, {}, {}
+    for layer in layers:
+        if layer in MAP_POLYGON_LAYERS:
+            polys = []
+            for record in getattr(nmap, layer):
+                tokens = record["polygon_tokens"] if layer == "drivable_area" else [record["polygon_token"]]
+                for token in tokens:
+                    poly = nmap.get("polygon", token)
+                    rings = [ring(poly["exterior_node_tokens"])] + [ring(h["node_tokens"]) for h in poly["holes"]]
+                    if len(rings[0]):
+                        polys.append(rings)
+            polygons[layer] = polys
+            polygon_bounds[layer] = bounds([p[0] for p in polys])
+        else:
+            found = [ring(nmap.get("line", r["line_token"])["node_tokens"]) for r in getattr(nmap, layer)]
+            lines[layer] = [line for line in found if len(line)]
+            line_bounds[layer] = bounds(lines[layer])
+    _MAPS[key] = MapGeometry(polygons, polygon_bounds, lines, line_bounds)
+    return _MAPS[key]
+
+
+def _class_kinds(classes: Sequence[str]) -> list[str]:
+    """'object' or 'map' per configured class; unknown names are an error listing the allowed ones."""
+    kinds = []
+    for name in classes:
+        if name in OBJECT_CLASSES or (name in DETECTION_CLASSES and name != "pedestrian"):
+            kinds.append("object")
+        elif name in MAP_POLYGON_LAYERS or name in MAP_LINE_LAYERS:
+            kinds.append("map")
+        else:
+            allowed = list(OBJECT_CLASSES) + [c for c in DETECTION_CLASSES if c != "pedestrian"]
+            raise ValueError(f"data.classes: unknown class {name!r}. Object classes: {', '.join(allowed)}; map "
+                             f"classes: {', '.join(MAP_POLYGON_LAYERS + MAP_LINE_LAYERS)}")
+    return kinds
+
+
+def _category_matches(class_name: str, category: str) -> bool:
+    from nuscenes.eval.detection.utils import category_to_detection_name
+
+    if class_name in OBJECT_CLASSES:
+        return category.startswith(OBJECT_CLASSES[class_name])
+    return category_to_detection_name(category) == class_name
+
+
+class NuScenesBEV(torch.utils.data.Dataset):
+    """Multi-camera images with calibration and augmentation, plus BEV targets, for one split.
+
+    Item (all tensors float32 unless noted; N cameras, K classes, grid nx x ny from config.grid):
+      "images" N x 3 x H x W normalized RGB (H, W = config.data.final_dim), "intrinsics" N x 3 x 3,
+      "sensor2ego_rot" N x 3 x 3, "sensor2ego_trans" N x 3, "post_rot" N x 3 x 3, "post_trans" N x 3,
+      "targets" K x nx x ny in {0, 1} (config.data.classes order), "sample_token" str;
+      "visibility_mask" nx x ny bool when config.data.visibility_mask;
+      "det_boxes" M x 9 [x, y, z, w, l, h, yaw, vx, vy] and "det_labels" M int64 (index into DETECTION_CLASSES)
+      when config.data.detection_targets.
+    Boxes, map and targets are in the ego frame of the sample's LIDAR_TOP ego pose.
+    """
+
+    def __init__(self, dataroot: str | Path, version: str = "v1.0-mini", split: str = "train",
+                 config: Optional[Config] = None, is_train: Optional[bool] = None, verbose: bool = True):
+        self.config = config if config is not None else Config()
+        data = self.config.data
+        self.version, self.split = version, split
+        self.is_train = ("train" in split) if is_train is None else is_train
+        self.cameras = tuple(data.cameras)
+        unknown = [c for c in self.cameras if c not in NUSCENES_CAMERAS]
+        if unknown or not self.cameras or len(set(self.cameras)) != len(self.cameras):
+            raise ValueError(f"data.cameras must be distinct names from {list(NUSCENES_CAMERAS)}, got "
+                             f"{list(self.cameras)}")
+        if data.num_train_cameras is not None and not 1 <= data.num_train_cameras <= len(self.cameras):
+            raise ValueError(f"data.num_train_cameras must be in [1, {len(self.cameras)}] (the number of "
+                             f"data.cameras) or null, got {data.num_train_cameras}")
+        self.classes = tuple(data.classes)
+        self.class_kinds = _class_kinds(self.classes)
+        self.xbound, self.ybound = tuple(self.config.grid.xbound), tuple(self.config.grid.ybound)
+        self.grid_shape = T.grid_shape(self.xbound, self.ybound)
+
+        self.root, self.layout = locate_dataroot(dataroot, version)
+        nusc = load_tables(self.root, version)
+        self.devkit_split, split_scenes = resolve_split(version, split)
+        scenes = sorted((s for s in nusc.scene if s["name"] in set(split_scenes)), key=lambda s: s["name"])
+        if not scenes:
+            have = sorted(s["name"] for s in nusc.scene)
+            raise ValueError(f"split {split!r} ({self.devkit_split}) has none of its {len(split_scenes)} scenes in "
+                             f"{self.root / version}: the tables hold {have[:12]}{' ...' if len(have) > 12 else ''}")
+        self._extract(nusc, scenes)
+        map_layers = sorted({c for c, k in zip(self.classes, self.class_kinds) if k == "map"})
+        self.maps = {loc: load_map_geometry(self.root, loc, map_layers) for loc in self.locations} if map_layers else {}
+        self._check_first_images()
+        if verbose:
+            print(f"nuScenes {version} at {self.root} (layout {self.layout}): split {split} -> "
+                  f"{len(self)} samples from {len(scenes)} scenes")
+
+    def _extract(self, nusc, scenes: list[dict]) -> None:
+        from nuscenes.eval.detection.utils import category_to_detection_name
+
+        data = self.config.data
+        samples = []
+        for scene in scenes:
+            recs = [nusc.get("sample", t) for t in nusc.field2token("sample", "scene_token", scene["token"])]
+            location = nusc.get("log", scene["log_token"])["location"]
+            samples += [(location, r) for r in sorted(recs, key=lambda r: r["timestamp"])]
+        self.locations = sorted({loc for loc, _ in samples})
+        n, c = len(samples), len(self.cameras)
+        self.sample_tokens = np.asarray([r["token"] for _, r in samples])
+        self.location_index = np.asarray([self.locations.index(loc) for loc, _ in samples], dtype=np.int16)
+        paths = [[""] * c for _ in range(n)]
+        self.intrinsics = np.zeros((n, c, 3, 3), dtype=np.float32)
+        self.sensor2ego_rot = np.zeros((n, c, 3, 3), dtype=np.float32)
+        self.sensor2ego_trans = np.zeros((n, c, 3), dtype=np.float32)
+        self.ego_pose = np.zeros((n, 3), dtype=np.float64)  # global x, y, yaw of LIDAR_TOP's ego pose
+        object_classes = [k for k, kind in enumerate(self.class_kinds) if kind == "object"]
+        footprints, class_bits, det_boxes, det_labels, offsets = [], [], [], [], [0]
+        for i, (_, sample) in enumerate(samples):
+            for k, cam in enumerate(self.cameras):
+                if cam not in sample["data"]:
+                    raise ValueError(f"sample {sample['token']} has no {cam} image; its channels: "
+                                     f"{sorted(sample['data'])}")
+                sd = nusc.get("sample_data", sample["data"][cam])
+                calib = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
+                paths[i][k] = str(self.root / sd["filename"])
+                self.intrinsics[i, k] = np.asarray(calib["camera_intrinsic"])
+                self.sensor2ego_rot[i, k] = Quaternion(calib["rotation"]).rotation_matrix
+                self.sensor2ego_trans[i, k] = calib["translation"]
+            pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+            ego_rot = Quaternion(pose["rotation"]).rotation_matrix
+            ego_t = np.asarray(pose["translation"])
+            self.ego_pose[i] = (ego_t[0], ego_t[1], np.arctan2(ego_rot[1, 0], ego_rot[0, 0]))
+            for ann_token in sample["anns"]:
+                ann = nusc.get("sample_annotation", ann_token)
+                if int(ann["visibility_token"] or 0) < data.min_visibility or ann["num_lidar_pts"] < data.min_lidar_pts:
+                    continue
+                category = ann["category_name"]
+                bits = sum(1 << b for b, k in enumerate(object_classes) if _category_matches(self.classes[k], category))
+                label = DETECTION_CLASSES.index(name) if (name := category_to_detection_name(category)) else -1
+                if not bits and not (data.detection_targets and label >= 0):
+                    continue
+                center = ego_rot.T @ (np.asarray(ann["translation"]) - ego_t)
+                box_rot = ego_rot.T @ Quaternion(ann["rotation"]).rotation_matrix
+                yaw = np.arctan2(box_rot[1, 0], box_rot[0, 0])
+                w, l, h = ann["size"]
+                velocity = np.zeros(2)
+                if data.detection_targets and label >= 0:
+                    v = ego_rot.T @ np.nan_to_num(nusc.box_velocity(ann_token), nan=0.0)
+                    velocity = v[:2]
+                footprints.append(T.box_footprints(center[None, :2], np.array([[w, l]]), np.array([yaw]))[0])
+                class_bits.append(bits)
+                det_boxes.append([*center, w, l, h, yaw, *velocity])
+                det_labels.append(label)
+            offsets.append(len(footprints))
+        self.image_paths = np.asarray(paths, dtype=str).reshape(n, c)
+        self.object_offsets = np.asarray(offsets, dtype=np.int64)
+        self.object_footprints = np.asarray(footprints, dtype=np.float32).reshape(-1, 4, 2)
+        self.object_class_bits = np.asarray(class_bits, dtype=np.int64)
+        self.det_boxes = np.asarray(det_boxes, dtype=np.float32).reshape(-1, 9)
+        self.det_labels = np.asarray(det_labels, dtype=np.int64)
+
+    def _check_first_images(self) -> None:
+        """Fail at construction, not in a worker, when the image folders are missing altogether."""
+        for k, path in enumerate(self.image_paths[0] if len(self) else []):
+            if not Path(path).is_file():
+                raise FileNotFoundError(self._missing_image_message(0, k))
+
+    def _missing_image_message(self, index: int, cam: int) -> str:
+        return (f"camera image {self.image_paths[index, cam]} not found (sample {self.sample_tokens[index]}, channel "
+                f"{self.cameras[cam]}). The tables are at {self.root / self.version}; unpack the camera blobs "
+                f"(samples/CAM_*) under {self.root}.")
+
+    def __len__(self) -> int:
+        return len(self.sample_tokens)
+
+    def _camera_subset(self, rng: Optional[np.random.Generator]) -> np.ndarray:
+        count = self.config.data.num_train_cameras
+        if not self.is_train or count is None or count >= len(self.cameras):
+            return np.arange(len(self.cameras))
+        return np.sort(rng.choice(len(self.cameras), size=count, replace=False))
+
+    def _load_images(self, index: int, cams: np.ndarray, rng: Optional[np.random.Generator]):
+        data = self.config.data
+        images, post_rots, post_trans = [], [], []
+        for k in cams:
+            path = self.image_paths[index, k]
+            try:
+                with Image.open(path) as im:
+                    aug = sample_augmentation(im.size, tuple(data.final_dim), tuple(data.resize_lim),
+                                              tuple(data.bot_pct_lim), tuple(data.rot_lim), data.rand_flip,
+                                              self.is_train, rng)
+                    image, rot, trans = load_augmented_image(im, aug, tuple(data.final_dim))
+            except FileNotFoundError:
+                raise FileNotFoundError(self._missing_image_message(index, k)) from None
+            except (UnidentifiedImageError, OSError) as e:
+                raise OSError(f"camera image {path} could not be decoded (sample {self.sample_tokens[index]}, "
+                              f"channel {self.cameras[k]}): {e}") from None
+            images.append(image)
+            post_rots.append(rot)
+            post_trans.append(trans)
+        mean = torch.tensor(data.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor(data.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+        pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float().div_(255.0)
+        return (pixels.sub_(mean).div_(std), torch.from_numpy(np.stack(post_rots)),
+                torch.from_numpy(np.stack(post_trans)))
+
+    def bev_targets(self, index: int) -> np.ndarray:
+        """K x nx x ny float32 targets of sample `index` (no augmentation touches the BEV)."""
+        targets = np.zeros((len(self.classes), *self.grid_shape), dtype=np.float32)
+        lo, hi = self.object_offsets[index], self.object_offsets[index + 1]
+        bits = self.object_class_bits[lo:hi]
+        x, y, yaw = self.ego_pose[index]
+        location = self.locations[self.location_index[index]]
+        bit = 0
+        for k, (name, kind) in enumerate(zip(self.classes, self.class_kinds)):
+            canvas = np.zeros(self.grid_shape, dtype=np.uint8)
+            if kind == "object":
+                chosen = self.object_footprints[lo:hi][(bits >> bit) & 1 == 1]
+                T.rasterize_footprints(canvas, chosen, self.xbound, self.ybound)
+                bit += 1
+            else:
+                canvas = self.maps[location].rasterize(name, (x, y), yaw, self.xbound, self.ybound,
+                                                       self.config.data.divider_width)
+            targets[k] = canvas
+        return targets
+
+    def detection_targets(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(M x 9 boxes, M labels) of detection-class objects whose centre lies inside the BEV grid."""
+        lo, hi = self.object_offsets[index], self.object_offsets[index + 1]
+        boxes, labels = self.det_boxes[lo:hi], self.det_labels[lo:hi]
+        inside = ((labels >= 0) & (boxes[:, 0] >= self.xbound[0]) & (boxes[:, 0] < self.xbound[1])
+                  & (boxes[:, 1] >= self.ybound[0]) & (boxes[:, 1] < self.ybound[1]))
+        return boxes[inside], labels[inside]
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        rng = np.random.default_rng(int(torch.randint(0, 2**62, ()))) if self.is_train else None
+        cams = self._camera_subset(rng)
+        images, post_rot, post_trans = self._load_images(index, cams, rng)
+        item = {
+            "images": images,
+            "intrinsics": torch.from_numpy(self.intrinsics[index, cams]),
+            "sensor2ego_rot": torch.from_numpy(self.sensor2ego_rot[index, cams]),
+            "sensor2ego_trans": torch.from_numpy(self.sensor2ego_trans[index, cams]),
+            "post_rot": post_rot,
+            "post_trans": post_trans,
+            "targets": torch.from_numpy(self.bev_targets(index)),
+            "sample_token": str(self.sample_tokens[index]),
+        }
+        if self.config.data.visibility_mask:
+            dbound = self.config.grid.dbound
+            item["visibility_mask"] = torch.from_numpy(T.camera_visibility_mask(
+                self.intrinsics[index, cams], self.sensor2ego_rot[index, cams], self.sensor2ego_trans[index, cams],
+                post_rot.numpy(), post_trans.numpy(), tuple(self.config.data.final_dim), self.xbound, self.ybound,
+                (dbound[0], dbound[1])))
+        if self.config.data.detection_targets:
+            boxes, labels = self.detection_targets(index)
+            item["det_boxes"] = torch.from_numpy(boxes.copy())
+            item["det_labels"] = torch.from_numpy(labels.copy())
+        return item
+

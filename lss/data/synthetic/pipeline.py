@@ -1,0 +1,188 @@
+"""`generate`: write a synthetic dataset in the nuScenes on-disk format (tables, images, lidar, maps)."""
+from __future__ import annotations
+
+import os
+import shutil
+from multiprocessing import get_context
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from . import lidar as lidar_mod
+from .maps import location_geometry, write_map_expansion, write_semantic_prior
+from .render import CameraRays, build_ground_texture, render_camera, scene_boxes
+from .rig import CAMERAS, LIDAR, load_rig, sensor_pose
+from .tables import MINI_LOCATIONS, TokenFactory, build_tables, sample_filename, write_tables
+from .world import LOCATIONS, build_location, build_scene, stable_seed
+
+VERSIONS = ("v1.0-mini", "v1.0-trainval")
+OUTPUTS = ("samples", "sweeps", "maps")  # what generate writes next to the tables directory
+JPEG_QUALITY = 92
+
+
+def scene_names(version: str, scenes: int) -> list[str]:
+    """Official scene names such that create_splits_scenes() puts about a fifth of them in the validation split
+    (mini_val / val) and the rest in the training split (mini_train / train); at least one of each from 2 on."""
+    from nuscenes.utils import splits
+
+    train, val = (splits.mini_train, splits.mini_val) if version == "v1.0-mini" else (splits.train, splits.val)
+    limit = len(train) + len(val)
+    if scenes > limit:
+        raise ValueError(f"{scenes} scenes requested for {version}, but its official split lists name only "
+                         f"{limit} ({len(train)} train + {len(val)} val): pass --scenes {limit} or fewer, or use "
+                         f"{'v1.0-trainval' if version == 'v1.0-mini' else 'fewer scenes'}")
+    n_val = 0 if scenes < 2 else max(1, round(scenes * len(val) / limit))
+    n_val = min(n_val, len(val))
+    n_train = scenes - n_val
+    if n_train > len(train):
+        n_train, n_val = len(train), scenes - len(train)
+    return list(train[:n_train]) + list(val[:n_val])
+
+
+def scene_location(version: str, name: str, index: int) -> str:
+    if version == "v1.0-mini" and name in MINI_LOCATIONS:
+        return MINI_LOCATIONS[name]
+    return LOCATIONS[index % len(LOCATIONS)]
+
+
+def _check_args(out_dir, version, scenes, samples_per_scene, image_size, force) -> tuple[Path, tuple[int, int]]:
+    if version not in VERSIONS:
+        raise ValueError(f"unknown version {version!r}: expected one of {', '.join(VERSIONS)}")
+    if not isinstance(scenes, int) or scenes < 1:
+        raise ValueError(f"scenes must be a positive integer, got {scenes!r}")
+    if not isinstance(samples_per_scene, int) or samples_per_scene < 1:
+        raise ValueError(f"samples_per_scene must be a positive integer, got {samples_per_scene!r}")
+    try:
+        w, h = (int(v) for v in image_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"image_size must be (width, height), e.g. (1600, 900), got {image_size!r}") from None
+    if w < 32 or h < 18:
+        raise ValueError(f"image_size {w}x{h} is too small: expected at least 32x18 (nuScenes is 1600x900)")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"output path {out} exists and is not a directory: choose a directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"output directory {out} is not empty: choose an empty or new directory, or pass "
+                              "force=True (--force) to overwrite the dataset in it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".lss-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"cannot write to output directory {out} ({e.strerror or e}): choose a writable "
+                              "directory") from None
+    return out, (w, h)
+
+
+# Per-process state of the render workers: scenes, rig and caches of what is expensive to rebuild.
+_STATE: dict = {}
+
+
+def _init_worker(state: dict) -> None:
+    _STATE.clear()
+    _STATE.update(state)
+    _STATE["cache"] = {}
+    cv2.setNumThreads(1)
+
+
+def _scene_assets(scene_index: int):
+    """Location, geometry and ground texture of a scene (the last scene's kept: tasks come scene by scene)."""
+    cache = _STATE["cache"]
+    scene = _STATE["scenes"][scene_index]
+    seed = _STATE["seed"]
+    if scene.location not in cache.setdefault("locations", {}):
+        loc = build_location(scene.location, seed)
+        cache["locations"][scene.location] = (loc, location_geometry(loc))
+    loc, geom = cache["locations"][scene.location]
+    if cache.get("texture_scene") != scene_index:
+        cache["texture"] = None  # free the previous texture first
+        cache["texture"] = build_ground_texture(scene, geom, stable_seed("texture", seed, scene.name))
+        cache["texture_scene"] = scene_index
+    if "rays" not in cache:
+        cache["rays"] = {ch: CameraRays(_STATE["rig"][ch]) for ch in CAMERAS}
+    return scene, loc, cache["texture"], cache["rays"]
+
+
+def render_sample(task: tuple[int, int]) -> tuple[tuple[int, int], dict]:
+    """Render the six cameras and the lidar of key frame k of a scene and write them; return per-agent stats."""
+    scene_index, k = task
+    scene, loc, texture, rays = _scene_assets(scene_index)
+    rig, root = _STATE["rig"], _STATE["root"]
+    rng = np.random.default_rng(stable_seed("sample", _STATE["seed"], scene.name, k))
+    boxes = scene_boxes(scene, loc, k)
+    ego = (scene.ego_x[k], scene.ego_y[k], scene.ego_yaw[k])
+    visible, projected, lidar_pts = {}, {}, {}
+    for ch in CAMERAS:
+        rot, pos = sensor_pose(rig[ch], *ego)
+        img, _, vis, proj = render_camera(rays[ch], rot, pos, boxes, texture, scene.sun, rng)
+        path = root / sample_filename(scene, k, ch)
+        cv2.imwrite(str(path), img[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
+        for b in np.nonzero(proj)[0]:
+            a = int(boxes.agent[b])
+            if a >= 0:
+                visible[a] = visible.get(a, 0) + int(vis[b])
+                projected[a] = projected.get(a, 0) + int(proj[b])
+    rot, pos = sensor_pose(rig[LIDAR], *ego)
+    points, ids = lidar_mod.sweep(rot, pos, boxes, texture, rng)
+    points.tofile(root / sample_filename(scene, k, LIDAR))
+    agents = boxes.agent[ids[ids >= 0]]
+    for a, c in zip(*np.unique(agents[agents >= 0], return_counts=True)):
+        lidar_pts[int(a)] = int(c)
+    return (scene_index, k), {"visible": visible, "projected": projected, "lidar": lidar_pts}
+
+
+def generate(out_dir, version: str = "v1.0-mini", scenes: int = 10, samples_per_scene: int = 40,
+             image_size=(1600, 900), seed: int = 0, workers: int | None = None, force: bool = False) -> Path:
+    """Write a synthetic nuScenes-format dataset into `out_dir` and return the dataroot (= out_dir).
+
+    Tables go to out_dir/<version>/, key-frame images and lidar sweeps to out_dir/samples/, maps to
+    out_dir/maps/. The same seed gives byte-identical tables whatever the number of workers.
+    """
+    from tqdm import tqdm
+
+    out, size = _check_args(out_dir, version, scenes, samples_per_scene, image_size, force)
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    names = scene_names(version, scenes)
+    for sub in (version,) + OUTPUTS:
+        if (out / sub).exists():
+            shutil.rmtree(out / sub)
+    rig = load_rig(size)
+    for ch in CAMERAS + (LIDAR,):
+        (out / "samples" / ch).mkdir(parents=True, exist_ok=True)
+        (out / "sweeps" / ch).mkdir(parents=True, exist_ok=True)
+
+    scene_locations = [scene_location(version, n, i) for i, n in enumerate(names)]
+    locations, tok = {}, TokenFactory(seed)
+    map_tokens = {}
+    for name in sorted(set(scene_locations)):
+        loc = build_location(name, seed)
+        geom = location_geometry(loc)
+        locations[name] = loc
+        write_map_expansion(out, loc, geom, seed)
+        map_tokens[name] = tok("map", name)
+        write_semantic_prior(out / "maps" / f"{map_tokens[name]}.png", loc, geom)
+    scene_list = [build_scene(i, n, locations[scene_locations[i]], samples_per_scene, seed)
+                  for i, n in enumerate(names)]
+
+    state = {"scenes": scene_list, "rig": rig, "root": out, "seed": seed}
+    tasks = [(i, k) for i in range(len(scene_list)) for k in range(samples_per_scene)]
+    stats = {}
+    bar = tqdm(total=len(tasks), desc="synthetic samples", unit="sample")
+    if workers == 1:
+        _init_worker(state)
+        for task in tasks:
+            key, st = render_sample(task)
+            stats[key] = st
+            bar.update()
+    else:
+        with get_context("fork").Pool(workers, initializer=_init_worker, initargs=(state,)) as pool:
+            for key, st in pool.imap_unordered(render_sample, tasks, chunksize=max(1, min(8, samples_per_scene))):
+                stats[key] = st
+                bar.update()
+    bar.close()
+    write_tables(out / version, build_tables(scene_list, rig, stats, seed, map_tokens))
+    return out

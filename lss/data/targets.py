@@ -1,0 +1,149 @@
+"""BEV target rasterization: object footprints, map polygons and lines, camera visibility.
+
+Raster convention (the model's output layout): `raster[i, j]` with row i along ego x (forward) and column j along
+ego y (left); cell (i, j) covers x in [xmin + i*dx, xmin + (i+1)*dx) and its centre is xmin + (i + 0.5)*dx (same
+for y). Each bound is (min, max, cell size) in metres and n = round((max - min) / size).
+
+OpenCV draws with integer pixel coordinates at pixel centres and (col, row) order, so an ego point (x, y) is drawn
+at (col, row) = ((y - ymin)/dy - 0.5, (x - xmin)/dx - 0.5), with SHIFT fractional bits of sub-cell precision.
+A filled shape marks every cell whose centre is inside it plus the cells its outline passes through, so shapes
+grow by up to half a cell at their boundary (and a box smaller than a cell still marks the cell it sits in).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import cv2
+import numpy as np
+
+SHIFT = 4
+_SCALE = float(1 << SHIFT)
+
+Bound = tuple[float, float, float]
+
+
+def grid_shape(xbound: Bound, ybound: Bound) -> tuple[int, int]:
+    """(nx, ny) of the BEV grid."""
+    for name, b in (("xbound", xbound), ("ybound", ybound)):
+        if len(b) != 3 or not b[2] > 0 or not b[1] > b[0]:
+            raise ValueError(f"{name} must be (min, max, cell size) with max > min and size > 0, got {tuple(b)}")
+    return int(round((xbound[1] - xbound[0]) / xbound[2])), int(round((ybound[1] - ybound[0]) / ybound[2]))
+
+
+def cell_centers(xbound: Bound, ybound: Bound) -> tuple[np.ndarray, np.ndarray]:
+    """Cell-centre coordinates: (nx,) along ego x and (ny,) along ego y, metres."""
+    nx, ny = grid_shape(xbound, ybound)
+    return (xbound[0] + (np.arange(nx) + 0.5) * xbound[2], ybound[0] + (np.arange(ny) + 0.5) * ybound[2])
+
+
+def ego_to_raster_points(points_xy: np.ndarray, xbound: Bound, ybound: Bound) -> np.ndarray:
+    """... x 2 ego (x, y) metres -> ... x 2 int32 OpenCV points (col, row) with SHIFT fractional bits."""
+    cells = np.stack([(points_xy[..., 0] - xbound[0]) / xbound[2], (points_xy[..., 1] - ybound[0]) / ybound[2]], -1)
+    return _cells_to_points(cells)
+
+
+def box_footprints(centers_xy: np.ndarray, sizes_wl: np.ndarray, yaws: np.ndarray) -> np.ndarray:
+    """Bottom rectangles of boxes: M x 2 centres, M x 2 (width, length), M yaws -> M x 4 x 2 corners (same frame).
+
+    Length runs along the box heading (yaw from +x towards +y), width across it, as in the nuScenes `size` field.
+    """
+    centers_xy = np.asarray(centers_xy, dtype=np.float64).reshape(-1, 2)
+    sizes_wl = np.asarray(sizes_wl, dtype=np.float64).reshape(-1, 2)
+    yaws = np.asarray(yaws, dtype=np.float64).reshape(-1)
+    half_w, half_l = sizes_wl[:, 0] / 2, sizes_wl[:, 1] / 2
+    local = np.stack([np.stack([half_l, half_w], -1), np.stack([-half_l, half_w], -1),
+                      np.stack([-half_l, -half_w], -1), np.stack([half_l, -half_w], -1)], axis=1)
+    c, s = np.cos(yaws)[:, None], np.sin(yaws)[:, None]
+    x = c * local[..., 0] - s * local[..., 1] + centers_xy[:, None, 0]
+    y = s * local[..., 0] + c * local[..., 1] + centers_xy[:, None, 1]
+    return np.stack([x, y], axis=-1)
+
+
+def rasterize_polygons(canvas: np.ndarray, polygons: Sequence[Sequence[np.ndarray]], xbound: Bound,
+                       ybound: Bound) -> np.ndarray:
+    """Fill polygons (each a list of rings K x 2 in ego metres: exterior first, then holes) into `canvas` (nx x ny
+    uint8) with 1. Polygons are drawn one by one, so overlaps stay filled and holes only cut their own polygon."""
+    for rings in polygons:
+        pts = [ego_to_raster_points(np.asarray(r), xbound, ybound) for r in rings if len(r) >= 3]
+        if pts:
+            cv2.fillPoly(canvas, pts, 1, lineType=cv2.LINE_8, shift=SHIFT)
+    return canvas
+
+
+def rasterize_footprints(canvas: np.ndarray, footprints: np.ndarray, xbound: Bound, ybound: Bound) -> np.ndarray:
+    """Fill M x 4 x 2 box footprints (ego metres) into `canvas` (nx x ny uint8) with 1."""
+    for corners in ego_to_raster_points(np.asarray(footprints).reshape(-1, 4, 2), xbound, ybound):
+        cv2.fillConvexPoly(canvas, corners, 1, lineType=cv2.LINE_8, shift=SHIFT)
+    return canvas
+
+
+def rasterize_lines(canvas: np.ndarray, lines: Sequence[np.ndarray], xbound: Bound, ybound: Bound,
+                    width: float) -> np.ndarray:
+    """Draw polylines (each K x 2 ego metres) as bands `width` cells wide into `canvas` (nx x ny uint8) with 1.
+
+    Each segment is filled as a rectangle `width` cells across and each vertex as a disc, so cells whose centre
+    lies within width/2 cells of the line are marked, whatever the line's direction. Like every fill here,
+    OpenCV also marks the cells the outline passes through (up to about half a cell outside).
+    """
+    if width <= 0:
+        raise ValueError(f"line width must be > 0 cells, got {width}")
+    half = width / 2.0
+    radius = int(round(half * _SCALE))
+    for line in lines:
+        line = np.asarray(line, dtype=np.float64)
+        if len(line) < 2:
+            continue
+        # Work in cell units so that the band width is the same along x and y.
+        cells = np.stack([(line[:, 0] - xbound[0]) / xbound[2], (line[:, 1] - ybound[0]) / ybound[2]], -1)
+        start, end = cells[:-1], cells[1:]
+        direction = end - start
+        length = np.linalg.norm(direction, axis=1, keepdims=True)
+        normal = np.stack([-direction[:, 1], direction[:, 0]], -1) / np.maximum(length, 1e-9) * half
+        quads = np.stack([start + normal, end + normal, end - normal, start - normal], axis=1)
+        for quad in _cells_to_points(quads[length[:, 0] > 0]):
+            cv2.fillConvexPoly(canvas, quad, 1, lineType=cv2.LINE_8, shift=SHIFT)
+        for joint in _cells_to_points(cells):
+            cv2.circle(canvas, tuple(int(v) for v in joint), radius, 1, thickness=-1, lineType=cv2.LINE_8,
+                       shift=SHIFT)
+    return canvas
+
+
+def _cells_to_points(cells: np.ndarray) -> np.ndarray:
+    """... x 2 (row, col) continuous cell coordinates (0 = grid edge) -> int32 OpenCV (col, row) fixed-point."""
+    limit = float(1 << 26)
+    pts = np.stack([cells[..., 1] - 0.5, cells[..., 0] - 0.5], axis=-1) * _SCALE
+    return np.clip(np.rint(pts), -limit, limit).astype(np.int32)
+
+
+def global_to_ego_xy(points_xy: np.ndarray, ego_xy: Sequence[float], ego_yaw: float) -> np.ndarray:
+    """Planar transform of ... x 2 global map points into the ego frame given the ego position and yaw."""
+    c, s = np.cos(ego_yaw), np.sin(ego_yaw)
+    d = np.asarray(points_xy, dtype=np.float64) - np.asarray(ego_xy, dtype=np.float64)[:2]
+    return np.stack([c * d[..., 0] + s * d[..., 1], -s * d[..., 0] + c * d[..., 1]], axis=-1)
+
+
+def camera_visibility_mask(intrinsics: np.ndarray, sensor2ego_rot: np.ndarray, sensor2ego_trans: np.ndarray,
+                           post_rot: np.ndarray, post_trans: np.ndarray, final_dim: tuple[int, int],
+                           xbound: Bound, ybound: Bound, depth_range: tuple[float, float],
+                           height: float = 0.0) -> np.ndarray:
+    """Cells whose centre, at ego height `height`, some camera sees inside its (augmented) image within depth_range.
+
+    Camera arrays are N x 3 x 3 / N x 3 (as in the dataset items). Depth is the camera-frame z, as for the lifted
+    frustum, so the mask is the union of the cameras' frustum footprints on that plane. Returns nx x ny bool.
+    """
+    xs, ys = cell_centers(xbound, ybound)
+    gx, gy = np.meshgrid(xs, ys, indexing="ij")
+    pts = np.stack([gx, gy, np.full_like(gx, height)], axis=-1).reshape(-1, 3)
+    visible = np.zeros(len(pts), dtype=bool)
+    out_h, out_w = final_dim
+    for k in range(len(intrinsics)):
+        cam = (pts - sensor2ego_trans[k]) @ sensor2ego_rot[k]
+        depth = cam[:, 2]
+        in_range = (depth >= depth_range[0]) & (depth < depth_range[1])
+        pix = cam @ np.asarray(intrinsics[k], dtype=np.float64).T
+        uvd = np.concatenate([pix[:, :2] / np.where(in_range, depth, 1.0)[:, None], depth[:, None]], axis=1)
+        aug = uvd @ np.asarray(post_rot[k], dtype=np.float64).T + post_trans[k]
+        u, v = aug[:, 0], aug[:, 1]
+        # A pixel centre at u covers [u - 0.5, u + 0.5).
+        visible |= in_range & (u >= -0.5) & (u < out_w - 0.5) & (v >= -0.5) & (v < out_h - 0.5)
+    return visible.reshape(len(xs), len(ys))

@@ -1,0 +1,141 @@
+"""Camera image augmentation (the LSS recipe) with exact bookkeeping of the image-plane affine.
+
+Pixel convention: integer (u, v) is the CENTRE of a pixel (as in OpenCV and in the nuScenes intrinsics), u to the
+right, v down. Every augmentation is one affine map `A` from source pixels to augmented pixels; `post_rot` /
+`post_trans` are that map lifted to 3-D so that `post_rot @ (u, v, d) + post_trans = (A(u, v), d)`.
+
+Decoding path (fast and anti-aliased): JPEG DCT-domain downscaling by 1/2, 1/4 or 1/8 (PIL `draft`), an area
+resize to the sampled resize size, then one `cv2.warpAffine` for crop + flip + rotation straight to final_dim.
+The reported matrix is the composition of exactly these maps, so projected points land on the same content.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import cv2
+import numpy as np
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class ImageAugmentation:
+    """One camera image's augmentation, in the order applied: resize, crop, flip, rotate.
+
+    resize_dims: (width, height) of the resized image; crop: (left, top) of the final_dim window in the resized
+    image; flip: mirror left-right; rotate: degrees, counter-clockwise as seen on screen, about the crop centre.
+    """
+
+    resize_dims: tuple[int, int]
+    crop: tuple[int, int]
+    flip: bool = False
+    rotate: float = 0.0
+
+
+def sample_augmentation(image_size: tuple[int, int], final_dim: tuple[int, int], resize_lim: tuple[float, float],
+                        bot_pct_lim: tuple[float, float], rot_lim: tuple[float, float], rand_flip: bool,
+                        is_train: bool, rng: Optional[np.random.Generator] = None) -> ImageAugmentation:
+    """Draw the LSS augmentation for a source image of `image_size` (W, H) and output `final_dim` (H, W).
+
+    Train: resize by U(resize_lim), crop a final_dim window whose bottom edge is U(bot_pct_lim) of the resized
+    height above the image bottom (horizontally uniform), flip with p=0.5 when rand_flip, rotate by U(rot_lim).
+    Validation: the smallest resize that covers final_dim, the mean bottom crop, centred horizontally; no flip
+    or rotation.
+    """
+    width, height = image_size
+    out_h, out_w = final_dim
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive (W, H), got {image_size}")
+    if is_train:
+        if rng is None:
+            raise ValueError("sample_augmentation(is_train=True) needs an rng (numpy Generator)")
+        resize = rng.uniform(*resize_lim)
+        bot_pct = rng.uniform(*bot_pct_lim)
+    else:
+        resize = max(out_h / height, out_w / width)
+        bot_pct = float(np.mean(bot_pct_lim))
+    new_w, new_h = int(width * resize), int(height * resize)
+    top = int((1.0 - bot_pct) * new_h) - out_h
+    if is_train:
+        left = int(rng.uniform(0, max(0, new_w - out_w)))
+        flip = bool(rand_flip and rng.uniform() < 0.5)
+        rotate = float(rng.uniform(*rot_lim))
+    else:
+        left = int(max(0, new_w - out_w) / 2)
+        flip, rotate = False, 0.0
+    return ImageAugmentation((max(new_w, 1), max(new_h, 1)), (left, top), flip, rotate)
+
+
+def resize_affine(scale_x: float, scale_y: float) -> np.ndarray:
+    """3 x 3 affine of a resize whose pixel EDGES scale by (scale_x, scale_y) (area resize, JPEG scaling)."""
+    return np.array([[scale_x, 0.0, 0.5 * (scale_x - 1.0)],
+                     [0.0, scale_y, 0.5 * (scale_y - 1.0)],
+                     [0.0, 0.0, 1.0]])
+
+
+def crop_flip_rotate_affine(aug: ImageAugmentation, final_dim: tuple[int, int]) -> np.ndarray:
+    """3 x 3 affine from resized-image pixels to final_dim pixels: crop, then flip, then rotate about the centre."""
+    out_h, out_w = final_dim
+    left, top = aug.crop
+    m = np.array([[1.0, 0.0, -left], [0.0, 1.0, -top], [0.0, 0.0, 1.0]])
+    if aug.flip:
+        m = np.array([[-1.0, 0.0, out_w - 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]) @ m
+    if aug.rotate:
+        theta = math.radians(aug.rotate)
+        c, s = math.cos(theta), math.sin(theta)
+        cu, cv = (out_w - 1) / 2.0, (out_h - 1) / 2.0
+        # v points down, so this matrix turns content counter-clockwise on screen.
+        rot = np.array([[c, s, 0.0], [-s, c, 0.0], [0.0, 0.0, 1.0]])
+        to_centre = np.array([[1.0, 0.0, -cu], [0.0, 1.0, -cv], [0.0, 0.0, 1.0]])
+        from_centre = np.array([[1.0, 0.0, cu], [0.0, 1.0, cv], [0.0, 0.0, 1.0]])
+        m = from_centre @ rot @ to_centre @ m
+    return m
+
+
+def affine_to_post(affine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lift a 3 x 3 image affine to (post_rot 3 x 3, post_trans 3) acting on (u, v, depth); float32."""
+    post_rot = np.eye(3, dtype=np.float32)
+    post_rot[:2, :2] = affine[:2, :2]
+    post_trans = np.zeros(3, dtype=np.float32)
+    post_trans[:2] = affine[:2, 2]
+    return post_rot, post_trans
+
+
+def decode_resized(im: Image.Image, resize_dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Decode an opened (not yet loaded) PIL image to RGB uint8 of size resize_dims (W, H) with anti-aliasing.
+
+    Returns (H x W x 3 uint8 array, 3 x 3 affine from source pixels to the returned pixels).
+    JPEGs are decoded at the largest DCT scale 1/k that still covers resize_dims; libjpeg's output pixel r covers
+    source pixels [k*r, k*(r+1)) (the last one padded), so the decoded image's edges scale by exactly 1/k.
+    """
+    k = 1.0
+    source_w = im.width
+    if im.format == "JPEG":
+        drafted = im.draft("RGB", resize_dims)
+        if drafted is not None:
+            k = source_w / drafted[1][2]
+    decoded = np.asarray(im.convert("RGB"))
+    dec_h, dec_w = decoded.shape[:2]
+    new_w, new_h = resize_dims
+    if (dec_w, dec_h) != (new_w, new_h):
+        shrinking = new_w < dec_w and new_h < dec_h
+        decoded = cv2.resize(decoded, (new_w, new_h),
+                             interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR)
+    return decoded, resize_affine(new_w / (dec_w * k), new_h / (dec_h * k))
+
+
+def load_augmented_image(im: Image.Image, aug: ImageAugmentation,
+                         final_dim: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decode, resize, crop, flip and rotate one opened (not yet loaded) camera image.
+
+    Returns (final_dim H x W x 3 uint8 RGB, post_rot 3 x 3, post_trans 3) with post_* mapping source pixels
+    to the returned image's pixels. Areas outside the source image are black.
+    """
+    resized, resize_m = decode_resized(im, aug.resize_dims)
+    warp = crop_flip_rotate_affine(aug, final_dim)
+    out_h, out_w = final_dim
+    image = cv2.warpAffine(resized, warp[:2].astype(np.float64), (out_w, out_h), flags=cv2.INTER_LINEAR,
+                           borderMode=cv2.BORDER_CONSTANT, borderValue=(0, 0, 0))
+    post_rot, post_trans = affine_to_post(warp @ resize_m)
+    return image, post_rot, post_trans
