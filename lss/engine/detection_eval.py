@@ -13,7 +13,9 @@ import torch
 from pyquaternion import Quaternion
 
 from lss.config import Config
-from lss.models.detection import DETECTION_CLASSES, decode_detections
+from lss.data import DETECTION_CLASSES
+from lss.data.nuscenes import resolve_split
+from lss.models.detection import decode_detections
 
 TP_ERRORS = ("trans_err", "scale_err", "orient_err", "vel_err", "attr_err")
 _TABLE_COLUMNS = {"trans_err": "ATE (m)", "scale_err": "ASE (1-IoU)", "orient_err": "AOE (rad)",
@@ -22,17 +24,6 @@ _TABLE_COLUMNS = {"trans_err": "ATE (m)", "scale_err": "ASE (1-IoU)", "orient_er
 _MOVING_SPEED = 0.2
 SUBMISSION_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False,
                    "use_external": False}
-
-
-def eval_set_name(version: str, split: str) -> str:
-    """The devkit's split name for a dataset version and our split ("train"/"val"), e.g. ("v1.0-mini", "val") ->
-    "mini_val"; official names ("mini_val", "val", ...) pass through."""
-    if split.startswith("mini_") or version.endswith("trainval") or split == "test":
-        return split
-    if version.endswith("mini"):
-        return f"mini_{split}"
-    raise ValueError(f"no nuScenes evaluation split for version {version!r} and split {split!r}; expected "
-                     "v1.0-mini or v1.0-trainval with split train or val")
 
 
 def default_attribute(name: str, speed: float) -> str:
@@ -84,9 +75,7 @@ def ego_boxes_to_submission(sample_token: str, boxes: np.ndarray, scores: np.nda
 
 def split_sample_tokens(nusc, eval_set: str) -> list[str]:
     """Every sample token of the devkit split `eval_set` (e.g. "mini_val") in this dataset."""
-    from nuscenes.utils.splits import create_splits_scenes
-
-    scenes = set(create_splits_scenes()[eval_set])
+    scenes = set(resolve_split(nusc.version, eval_set)[1])
     return [s["token"] for s in nusc.sample if nusc.get("scene", s["scene_token"])["name"] in scenes]
 
 

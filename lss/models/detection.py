@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lss.config import Config, DetectionConfig
+from lss.data import DETECTION_CLASSES
 from lss.ops import batched_nms, roi_align, sigmoid_focal_loss
 
-DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
-                     "traffic_cone", "barrier")
 REGRESSION_CHANNELS = ("offset_x", "offset_y", "z", "log_w", "log_l", "log_h", "sin_yaw", "cos_yaw", "vx", "vy")
 BOX_DIM = 9
 # Which regression channel's code weight applies to each box residual of the second stage (yaw takes sin's).
