@@ -292,3 +292,39 @@ def test_perfect_detections_score_map_one_in_the_official_evaluation(synthetic_r
         assert shifted["per_class"][name]["AP_per_distance"]["0.5"] == 0.0, name
         assert 0.5 < shifted["per_class"][name]["trans_err"] < 1.0, name
     assert 0.6 < shifted["mAP_classes_with_gt"] <= 0.75
+
+
+def test_camera_projection_inverts_frustum_to_ego():
+    from lss.detection_viz import project_to_image
+    from lss.geometry import frustum_to_ego, load_nuscenes_rig
+
+    intrinsics, rot, trans = load_nuscenes_rig()
+    n = intrinsics.shape[0]
+    scale = 0.22
+    post_rot = torch.diag(torch.tensor([scale, scale, 1.0])).expand(n, 3, 3).clone()
+    post_rot[:, :2, :2] = post_rot[:, :2, :2] @ torch.tensor([[0.99, -0.14], [0.14, 0.99]])
+    post_trans = torch.tensor([-3.0, -40.0, 0.0]).expand(n, 3).clone()
+    pixels = torch.tensor([[[[20.0, 30.0, 7.5], [300.0, 90.0, 31.0]]]])  # D x fH x fW x 3 (u, v, d), augmented
+    ego = frustum_to_ego(pixels, intrinsics[None], rot[None], trans[None], post_rot[None], post_trans[None])[0]
+    for cam in range(n):
+        uv, depth = project_to_image(ego[cam].numpy(), intrinsics[cam].numpy(), rot[cam].numpy(),
+                                     trans[cam].numpy(), post_rot[cam].numpy(), post_trans[cam].numpy())
+        np.testing.assert_allclose(uv.reshape(-1, 2), pixels[..., :2].reshape(-1, 2).numpy(), atol=1e-3)
+        np.testing.assert_allclose(depth.reshape(-1), pixels[..., 2].reshape(-1).numpy(), rtol=1e-5)
+
+
+def test_bev_boxes_drawn_forward_up_left_on_the_left():
+    from lss.detection_viz import box_corners, draw_bev_boxes
+
+    corners = box_corners(np.array([[1.0, 2.0, 3.0, 2.0, 4.0, 1.0, math.pi / 2, 0, 0]]))[0]
+    # Heading +90 degrees: the front corners (first and fourth) lie towards +y, the top face 0.5 m up.
+    assert np.allclose(corners[[0, 3], 1], 4.0) and np.allclose(corners[[1, 2], 1], 0.0)
+    assert np.allclose(corners[:4, 2], 2.5) and np.allclose(corners[4:, 2], 3.5)
+    panel = np.zeros((200, 200, 3), np.uint8)
+    # 100 x 100 grid of 1 m cells around the ego car, panel at 2 pixels per cell.
+    box = np.array([[20.0, 30.0, 0.0, 4.0, 4.0, 1.5, 0.0, 0.0, 0.0]])
+    draw_bev_boxes(panel, box, (-50.0, -50.0), (1.0, 1.0), (100, 100), (255, 0, 0))
+    rows, cols = np.nonzero(panel[..., 0])
+    # x = 20 m forward -> above the centre row (100); y = 30 m left -> left of the centre column.
+    assert abs(rows.mean() - (100 - 2 * 20)) < 2 and abs(cols.mean() - (100 - 2 * 30)) < 2
+    assert rows.max() - rows.min() == pytest.approx(8, abs=2)
