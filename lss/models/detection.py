@@ -485,9 +485,10 @@ def detection_loss(outputs: dict, batch: dict, config: Config) -> dict[str, torc
 
     # CornerNet's penalty-reduced focal loss: positives at the centre cells, negatives down-weighted near them.
     centres = (targets["heatmap"] == 1).float()
-    weight = torch.where(centres.bool(), 1.0, (1 - targets["heatmap"]) ** 4)
-    heatmap_loss = sigmoid_focal_loss(heatmap_logits.float(), centres, alpha=cfg.focal_alpha, gamma=cfg.focal_gamma,
-                                      weight=weight, reduction="sum") / num_objects
+    penalty = torch.where(centres.bool(), 1.0, (1 - targets["heatmap"]) ** 4)
+    focal = sigmoid_focal_loss(heatmap_logits.float(), centres, alpha=cfg.focal_alpha, gamma=cfg.focal_gamma,
+                               reduction="none")
+    heatmap_loss = (focal * penalty).sum() / num_objects
 
     predicted = regression.float()[targets["batch"], :, targets["row"], targets["col"]]
     code_weights = torch.tensor(cfg.code_weights, device=predicted.device)
