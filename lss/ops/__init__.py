@@ -1,2 +1,5 @@
 """lss custom ops: each has CPU and CUDA kernels (torch.ops.lss.*), autograd, fake kernels and a reference."""
 from lss.ops._ext import cuda_archs, has_cuda_ops, has_ext
+from lss.ops.nms import batched_nms, nms, nms_reference
+from lss.ops.roi_align import RoIAlign, roi_align, roi_align_reference
+from lss.ops.roi_pool import RoIPool, roi_pool, roi_pool_reference
