@@ -97,7 +97,7 @@ def extensions():
 
     sources = sorted(glob.glob(os.path.join("csrc", "ops", "*.cpp")))
     sources += sorted(glob.glob(os.path.join("csrc", "ops", "cpu", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3"]  # torch adds the C++ standard it needs (C++17 or C++20)
     define_macros = []
     if with_cuda:
         cu = sorted(glob.glob(os.path.join("csrc", "ops", "cuda", "*.cu")))
@@ -112,7 +112,7 @@ def extensions():
                 define_macros=define_macros,
                 extra_compile_args={
                     "cxx": cxx_flags,
-                    "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"],
+                    "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"],
                 },
             )
         ]

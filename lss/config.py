@@ -142,7 +142,7 @@ class DetectionConfig:
     head_channels: int = 64
     gaussian_overlap: float = 0.1  # heatmap radius: the centre shift that keeps this box IoU (CenterNet rule)
     min_radius: int = 2  # heatmap cells
-    focal_alpha: float = 0.5  # penalty-reduced focal loss on the heatmaps (our sigmoid_focal_loss op)
+    focal_alpha: float = -1.0  # heatmap focal loss (our sigmoid_focal_loss op); negative: no alpha (CornerNet)
     focal_gamma: float = 2.0
     heatmap_weight: float = 1.0
     regression_weight: float = 0.25

@@ -133,10 +133,10 @@ def frustum_to_ego(frustum: torch.Tensor, intrinsics: torch.Tensor, sensor2ego_r
         D, fH, fW, _ = pts.shape
         # undo the image augmentation: pixel = post_rot^-1 (pixel_aug - post_trans)
         pts = pts.view(1, 1, D * fH * fW, 3) - ptrans.view(B, N, 1, 3)
-        pts = pts @ torch.linalg.inv(prot).transpose(-1, -2)
+        pts = pts @ torch.linalg.inv_ex(prot).inverse.transpose(-1, -2)
         # (u, v, d) -> (u d, v d, d), then camera -> ego through rot @ K^-1
         pts = torch.cat([pts[..., :2] * pts[..., 2:3], pts[..., 2:3]], dim=-1)
-        cam_to_ego = rot @ torch.linalg.inv(K)
+        cam_to_ego = rot @ torch.linalg.inv_ex(K).inverse  # inv_ex: no error check, no host sync
         pts = pts @ cam_to_ego.transpose(-1, -2) + trans.view(B, N, 1, 3)
         return pts.view(B, N, D, fH, fW, 3)
 

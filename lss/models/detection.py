@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lss.config import Config, DetectionConfig
+from lss.data import DETECTION_CLASSES
 from lss.ops import batched_nms, roi_align, sigmoid_focal_loss
 
-DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
-                     "traffic_cone", "barrier")
 REGRESSION_CHANNELS = ("offset_x", "offset_y", "z", "log_w", "log_l", "log_h", "sin_yaw", "cos_yaw", "vx", "vy")
 BOX_DIM = 9
 # Which regression channel's code weight applies to each box residual of the second stage (yaw takes sin's).
@@ -486,9 +485,10 @@ def detection_loss(outputs: dict, batch: dict, config: Config) -> dict[str, torc
 
     # CornerNet's penalty-reduced focal loss: positives at the centre cells, negatives down-weighted near them.
     centres = (targets["heatmap"] == 1).float()
-    weight = torch.where(centres.bool(), 1.0, (1 - targets["heatmap"]) ** 4)
-    heatmap_loss = sigmoid_focal_loss(heatmap_logits.float(), centres, alpha=cfg.focal_alpha, gamma=cfg.focal_gamma,
-                                      weight=weight, reduction="sum") / num_objects
+    penalty = torch.where(centres.bool(), 1.0, (1 - targets["heatmap"]) ** 4)
+    focal = sigmoid_focal_loss(heatmap_logits.float(), centres, alpha=cfg.focal_alpha, gamma=cfg.focal_gamma,
+                               reduction="none")
+    heatmap_loss = (focal * penalty).sum() / num_objects
 
     predicted = regression.float()[targets["batch"], :, targets["row"], targets["col"]]
     code_weights = torch.tensor(cfg.code_weights, device=predicted.device)

@@ -1,0 +1,250 @@
+// bev_pool CUDA kernels.
+//
+// Forward: one block per tile of kTile consecutive cells (consecutive along ny). Each warp sums the depth-weighted
+// feature rows of its cells' points (lanes over channels, reads of a pixel's C values coalesced) into shared
+// memory; the block then writes the tile channel by channel, kTile consecutive output elements per channel.
+// Every output element is written once (empty cells write 0): no memset, no atomics.
+//
+// Backward, gather-style without atomics (deterministic):
+//  1. stage: grad_out rows of the non-empty cells are copied to a cells x C buffer (coalesced reads along ny,
+//     coalesced writes along C); skipped when grad_out is already channels-last.
+//  2. one block per feature pixel: its warps share the pixel's D points; for point p in cell c
+//     grad_depth[p] = dot(feat[pixel], G[c]) and grad_feat[pixel] = sum_p depth[p] * G[c].
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "ops/bev_pool.h"
+
+namespace lss {
+namespace {
+
+using bev_pool::Shape;
+
+constexpr int kTile = 32;            // consecutive cells per block
+constexpr int kChunk = 128;          // channels per pass over a tile
+constexpr int kPerLane = kChunk / 32;
+constexpr int kTileThreads = 256;
+constexpr int kTileWarps = kTileThreads / 32;
+constexpr int kMaxPixelWarps = 8;    // warps sharing one pixel's D points in the backward
+constexpr size_t kMaxSharedBytes = 48 * 1024;
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kTileThreads)
+    bev_pool_forward_kernel(const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
+                            const index_t* __restrict__ sorted_points, const index_t* __restrict__ cell_start,
+                            scalar_t* __restrict__ out, int64_t cells, int64_t nxy, int64_t C, index_t dhw,
+                            index_t hw) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t tile[kTile][kChunk + 1];  // +1: the channel-major write-out reads without bank conflicts
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
+    for (int t = warp; t < kTile; t += kTileWarps) {
+      const int64_t cell = first + t;
+      acc_t acc[kPerLane];
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) acc[r] = acc_t(0);
+      if (cell < cells) {
+        const index_t end = cell_start[cell + 1];
+        for (index_t k = cell_start[cell]; k < end; ++k) {
+          const index_t p = sorted_points[k];
+          const acc_t w = static_cast<acc_t>(depth[p]);
+          const scalar_t* row = feat + static_cast<int64_t>((p / dhw) * hw + p % hw) * C + c0;
+#pragma unroll
+          for (int r = 0; r < kPerLane; ++r) {
+            const int c = lane + 32 * r;
+            if (c0 + c < C) acc[r] += w * static_cast<acc_t>(row[c]);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) tile[t][lane + 32 * r] = acc[r];
+    }
+    __syncthreads();
+    const int channels = static_cast<int>(C - c0 < kChunk ? C - c0 : kChunk);
+    for (int e = threadIdx.x; e < channels * kTile; e += kTileThreads) {
+      const int t = e % kTile, ch = e / kTile;
+      const int64_t cell = first + t;
+      if (cell < cells) {
+        const int64_t plane = cell / nxy;
+        out[(plane * C + c0 + ch) * nxy + (cell - plane * nxy)] = static_cast<scalar_t>(tile[t][ch]);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kTileThreads)
+    bev_pool_stage_kernel(const scalar_t* __restrict__ grad_out, const index_t* __restrict__ cell_start,
+                          scalar_t* __restrict__ staged, int64_t cells, int64_t nxy, int64_t C) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t tile[kTile][kChunk + 1];
+  __shared__ bool nonempty[kTile];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t last = first + kTile < cells ? first + kTile : cells;
+  if (cell_start[first] == cell_start[last]) return;  // the whole tile is empty: its rows are never read
+  if (threadIdx.x < kTile) {
+    const int64_t cell = first + threadIdx.x;
+    nonempty[threadIdx.x] = cell < cells && cell_start[cell + 1] > cell_start[cell];
+  }
+  __syncthreads();
+  for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
+    const int channels = static_cast<int>(C - c0 < kChunk ? C - c0 : kChunk);
+    for (int e = threadIdx.x; e < channels * kTile; e += kTileThreads) {
+      const int t = e % kTile, ch = e / kTile;
+      if (nonempty[t]) {
+        const int64_t cell = first + t, plane = cell / nxy;
+        tile[t][ch] = static_cast<acc_t>(grad_out[(plane * C + c0 + ch) * nxy + (cell - plane * nxy)]);
+      }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < channels * kTile; e += kTileThreads) {
+      const int ch = e % channels, t = e / channels;
+      if (nonempty[t]) staged[(first + t) * C + c0 + ch] = static_cast<scalar_t>(tile[t][ch]);
+    }
+    __syncthreads();
+  }
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void bev_pool_backward_kernel(const scalar_t* __restrict__ grad_rows, bev_pool::GradRows rows,
+                                         const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
+                                         const index_t* __restrict__ point_cell, scalar_t* __restrict__ grad_depth,
+                                         scalar_t* __restrict__ grad_feat, int64_t C, int64_t D, int64_t hw,
+                                         int64_t nxy, int64_t planes) {
+  using acc_t = at::opmath_type<scalar_t>;
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  acc_t* feat_row = reinterpret_cast<acc_t*>(shared_raw);  // C values of this pixel
+  acc_t* acc = feat_row + C;                                // warps x C partial grad_feat
+  const int64_t pixel = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) feat_row[c] = static_cast<acc_t>(feat[pixel * C + c]);
+  for (int64_t c = lane; c < C; c += 32) acc[warp * C + c] = acc_t(0);
+  __syncthreads();
+  const int64_t bn = pixel / hw, hwi = pixel - bn * hw;
+  for (int64_t d = warp; d < D; d += warps) {
+    const int64_t p = (bn * D + d) * hw + hwi;
+    const int64_t cell = point_cell[p];  // the same for every lane: the branch below is warp-uniform
+    if (cell < 0) {
+      if (lane == 0) grad_depth[p] = scalar_t(0);
+      continue;
+    }
+    const int64_t b = cell / planes, z = (cell - b * planes) / nxy, ij = cell - b * planes - z * nxy;
+    const scalar_t* g = grad_rows + b * rows.batch + z * rows.level + ij * rows.cell;
+    const acc_t w = static_cast<acc_t>(depth[p]);
+    acc_t dot = acc_t(0);
+    for (int64_t c = lane; c < C; c += 32) {
+      const acc_t gc = static_cast<acc_t>(g[c]);
+      dot += feat_row[c] * gc;
+      acc[warp * C + c] += w * gc;
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) grad_depth[p] = static_cast<scalar_t>(dot);
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    acc_t sum = acc_t(0);
+    for (int w = 0; w < warps; ++w) sum += acc[w * C + c];
+    grad_feat[pixel * C + c] = static_cast<scalar_t>(sum);
+  }
+}
+
+void check_cuda(const at::Tensor& depth) { LSS_CHECK_CUDA(depth, "bev_pool: depth"); }
+
+at::Tensor bev_pool_cuda(const at::Tensor& depth_in, const at::Tensor& feat_in, const at::Tensor& sorted_points_in,
+                         const at::Tensor& cell_start_in, const at::Tensor& point_cell, int64_t nz, int64_t nx,
+                         int64_t ny) {
+  check_cuda(depth_in);
+  const Shape s = bev_pool::check_args(depth_in, feat_in, &sorted_points_in, cell_start_in, point_cell, nz, nx, ny);
+  c10::cuda::CUDAGuard guard(depth_in.device());
+  auto out = at::empty({s.B, s.nz * s.C, s.nx, s.ny}, depth_in.options());
+  if (out.numel() == 0) return out;
+  const auto depth = depth_in.contiguous();
+  const auto feat = bev_pool::feat_channels_last(feat_in);
+  const auto sorted_points = sorted_points_in.contiguous();
+  const auto cell_start = cell_start_in.contiguous();
+  const int64_t blocks = ceil_div(s.cells(), kTile);
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "bev_pool: ", s.cells(),
+              " cells exceed the CUDA grid limit; use a smaller batch or grid");
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_cuda", [&] {
+    AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_cuda_index", [&] {
+      bev_pool_forward_kernel<scalar_t, index_t><<<static_cast<unsigned>(blocks), kTileThreads, 0, stream>>>(
+          depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(), sorted_points.data_ptr<index_t>(),
+          cell_start.data_ptr<index_t>(), out.data_ptr<scalar_t>(), s.cells(), s.nxy(), s.C,
+          static_cast<index_t>(s.dhw()), static_cast<index_t>(s.hw()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad_out_in, const at::Tensor& depth_in,
+                                                          const at::Tensor& feat_in, const at::Tensor& cell_start_in,
+                                                          const at::Tensor& point_cell_in, int64_t nz, int64_t nx,
+                                                          int64_t ny) {
+  check_cuda(depth_in);
+  const Shape s = bev_pool::check_args(depth_in, feat_in, nullptr, cell_start_in, point_cell_in, nz, nx, ny);
+  bev_pool::check_grad_out(grad_out_in, depth_in, s);
+  c10::cuda::CUDAGuard guard(depth_in.device());
+  auto [grad_depth, grad_feat] = bev_pool::empty_grads(depth_in, feat_in, s);
+  auto grad_feat_view = grad_feat.permute({0, 1, 4, 2, 3});
+  if (s.C == 0) {
+    grad_depth.zero_();
+    return {grad_depth, grad_feat_view};
+  }
+  if (s.pixels() == 0) return {grad_depth, grad_feat_view};
+  TORCH_CHECK(s.pixels() <= std::numeric_limits<int32_t>::max(), "bev_pool: ", s.pixels(),
+              " feature pixels exceed the CUDA grid limit; use a smaller batch");
+  const auto depth = depth_in.contiguous();
+  const auto feat = bev_pool::feat_channels_last(feat_in);
+  const auto cell_start = cell_start_in.contiguous();
+  const auto point_cell = point_cell_in.contiguous();
+  const bool in_place = bev_pool::grad_is_channels_last(grad_out_in);
+  const auto grad_out = in_place ? grad_out_in : grad_out_in.contiguous();
+  const auto rows = in_place ? bev_pool::channels_last_rows(s) : bev_pool::staged_rows(s);
+  at::Tensor staged = in_place ? grad_out : at::empty({s.cells(), s.C}, grad_out.options());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_backward_cuda", [&] {
+    AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_backward_cuda_index", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      if (!in_place) {
+        const int64_t blocks = ceil_div(s.cells(), kTile);
+        bev_pool_stage_kernel<scalar_t, index_t><<<static_cast<unsigned>(blocks), kTileThreads, 0, stream>>>(
+            grad_out.data_ptr<scalar_t>(), cell_start.data_ptr<index_t>(), staged.data_ptr<scalar_t>(), s.cells(),
+            s.nxy(), s.C);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      const size_t row_bytes = static_cast<size_t>(s.C) * sizeof(acc_t);
+      TORCH_CHECK(2 * row_bytes <= kMaxSharedBytes, "bev_pool backward: C = ", s.C,
+                  " channels do not fit in shared memory (at most ", kMaxSharedBytes / (2 * sizeof(acc_t)),
+                  " for this dtype); split the channels into several bev_pool calls");
+      int warps = static_cast<int>(std::min<int64_t>(kMaxPixelWarps, std::max<int64_t>(1, s.D)));
+      while ((warps + 1) * row_bytes > kMaxSharedBytes) --warps;
+      bev_pool_backward_kernel<scalar_t, index_t>
+          <<<static_cast<unsigned>(s.pixels()), warps * 32, (warps + 1) * row_bytes, stream>>>(
+              staged.data_ptr<scalar_t>(), rows, depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(),
+              point_cell.data_ptr<index_t>(), grad_depth.data_ptr<scalar_t>(), grad_feat.data_ptr<scalar_t>(), s.C,
+              s.D, s.hw(), s.nxy(), s.nz * s.nxy());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {grad_depth, grad_feat_view};
+}
+
+}  // namespace
+}  // namespace lss
+
+TORCH_LIBRARY_IMPL(lss, CUDA, m) {
+  m.impl("bev_pool", &lss::bev_pool_cuda);
+  m.impl("_bev_pool_backward", &lss::bev_pool_backward_cuda);
+}

@@ -1,0 +1,213 @@
+"""nuScenes detection evaluation of the detection head: ego-frame detections -> the official submission JSON (global
+frame) -> nuscenes.eval.detection's DetectionEval (config "detection_cvpr_2019") -> mAP, NDS and the true-positive
+errors per class, as a markdown table and JSON."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import numpy as np
+import torch
+from pyquaternion import Quaternion
+
+from lss.config import Config
+from lss.data import DETECTION_CLASSES
+from lss.data.nuscenes import resolve_split
+from lss.models.detection import decode_detections
+
+TP_ERRORS = ("trans_err", "scale_err", "orient_err", "vel_err", "attr_err")
+_TABLE_COLUMNS = {"trans_err": "ATE (m)", "scale_err": "ASE (1-IoU)", "orient_err": "AOE (rad)",
+                  "vel_err": "AVE (m/s)", "attr_err": "AAE (1-acc)"}
+# A box slower than this (m/s) gets the "standing still" attribute (the devkit's baselines use the same cut).
+_MOVING_SPEED = 0.2
+SUBMISSION_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False,
+                   "use_external": False}
+
+
+def default_attribute(name: str, speed: float) -> str:
+    """The attribute the evaluation scores (AAE) for a class, from the predicted speed (m/s)."""
+    moving = bool(speed > _MOVING_SPEED)
+    if name in ("car", "truck", "bus", "trailer", "construction_vehicle"):
+        return "vehicle.moving" if moving else "vehicle.parked"
+    if name == "pedestrian":
+        return "pedestrian.moving" if moving else "pedestrian.standing"
+    if name in ("motorcycle", "bicycle"):
+        return "cycle.with_rider" if moving else "cycle.without_rider"
+    return ""
+
+
+def lidar_ego_pose(nusc, sample_token: str) -> tuple[np.ndarray, Quaternion]:
+    """Translation (3,) and rotation of the ego pose at the sample's LIDAR_TOP sweep (the frame of det_boxes)."""
+    sample = nusc.get("sample", sample_token)
+    pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+    return np.asarray(pose["translation"], dtype=np.float64), Quaternion(pose["rotation"])
+
+
+def ego_boxes_to_submission(sample_token: str, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
+                            ego_translation: np.ndarray, ego_rotation: Quaternion,
+                            classes: tuple[str, ...] = DETECTION_CLASSES) -> list[dict]:
+    """Submission entries (global frame) of one sample's boxes M x 9 [x, y, z, w, l, h, yaw, vx, vy] (ego frame),
+    scores M and labels M (indices into `classes`)."""
+    boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 9)
+    entries = []
+    rotation = ego_rotation.rotation_matrix
+    for box, score, label in zip(boxes, np.asarray(scores, dtype=np.float64), np.asarray(labels)):
+        if not np.isfinite(box).all() or not np.isfinite(score):
+            continue
+        centre = rotation @ box[:3] + ego_translation
+        velocity = (rotation @ np.array([box[7], box[8], 0.0]))[:2]
+        orientation = ego_rotation * Quaternion(axis=(0.0, 0.0, 1.0), radians=float(box[6]))
+        name = classes[int(label)]
+        entries.append({
+            "sample_token": sample_token,
+            "translation": centre.tolist(),
+            "size": box[3:6].tolist(),
+            "rotation": orientation.elements.tolist(),
+            "velocity": velocity.tolist(),
+            "detection_name": name,
+            "detection_score": float(score),
+            "attribute_name": default_attribute(name, float(np.hypot(*velocity))),
+        })
+    return entries
+
+
+def split_sample_tokens(nusc, eval_set: str) -> list[str]:
+    """Every sample token of the devkit split `eval_set` (e.g. "mini_val") in this dataset."""
+    scenes = set(resolve_split(nusc.version, eval_set)[1])
+    return [s["token"] for s in nusc.sample if nusc.get("scene", s["scene_token"])["name"] in scenes]
+
+
+def build_submission(detections: dict, nusc, eval_set: str,
+                     classes: tuple[str, ...] = DETECTION_CLASSES) -> dict:
+    """The submission JSON object: `detections` maps sample tokens to {"boxes" M x 9 (ego frame), "scores" M,
+    "labels" M} (tensors or arrays); samples of the split without detections get an empty list, as the evaluation
+    requires every sample of the split."""
+    results = {token: [] for token in split_sample_tokens(nusc, eval_set)}
+    for token, det in detections.items():
+        if token not in results:
+            raise ValueError(f"sample {token} is not in the evaluation split {eval_set!r}; evaluate the split the "
+                             "detections were made on (config data.val_split)")
+        translation, rotation = lidar_ego_pose(nusc, token)
+        results[token] = ego_boxes_to_submission(token, _numpy(det["boxes"]), _numpy(det["scores"]),
+                                                 _numpy(det["labels"]), translation, rotation, classes)
+    return {"meta": dict(SUBMISSION_META), "results": results}
+
+
+def _numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if torch.is_tensor(x) else np.asarray(x)
+
+
+def _finite_or_none(x: float) -> Optional[float]:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def summarize(metrics, classes_with_gt: Iterable[str]) -> dict:
+    """Plain-JSON summary of the devkit's DetectionMetrics: mAP, NDS, mean TP errors and per class AP (mean over the
+    distance thresholds), AP per threshold and the TP errors (None where the devkit leaves them undefined)."""
+    classes_with_gt = sorted(set(classes_with_gt), key=list(metrics.cfg.class_names).index)
+    mean_dist_aps = metrics.mean_dist_aps
+    per_class = {}
+    for name in metrics.cfg.class_names:
+        per_class[name] = {
+            "AP": float(mean_dist_aps[name]),
+            "AP_per_distance": {str(d): float(metrics.get_label_ap(name, d)) for d in metrics.cfg.dist_ths},
+            **{m: _finite_or_none(metrics.get_label_tp(name, m)) for m in TP_ERRORS},
+            "has_ground_truth": name in classes_with_gt,
+        }
+    present = [per_class[n]["AP"] for n in classes_with_gt]
+    return {
+        "mAP": float(metrics.mean_ap),
+        "NDS": float(metrics.nd_score),
+        "tp_errors": {m: _finite_or_none(v) for m, v in metrics.tp_errors.items()},
+        "mAP_classes_with_gt": float(np.mean(present)) if present else 0.0,
+        "classes_with_gt": classes_with_gt,
+        "per_class": per_class,
+    }
+
+
+def format_table(summary: dict) -> str:
+    """Markdown table of a summary(): one row per class (AP and TP errors), then the means, mAP and NDS."""
+
+    def cell(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    head = ["class", "AP"] + [_TABLE_COLUMNS[m] for m in TP_ERRORS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in summary["per_class"].items():
+        flag = "" if row["has_ground_truth"] else " (no GT)"
+        lines.append("| " + " | ".join([name + flag, cell(row["AP"])] + [cell(row[m]) for m in TP_ERRORS]) + " |")
+    lines.append("| **mean** | " + " | ".join([cell(summary["mAP"])]
+                                              + [cell(summary["tp_errors"][m]) for m in TP_ERRORS]) + " |")
+    lines.append("")
+    lines.append(f"mAP {summary['mAP']:.4f}, NDS {summary['NDS']:.4f} on {summary['eval_set']} "
+                 f"({summary['num_samples']} samples); mAP over the {len(summary['classes_with_gt'])} classes with "
+                 f"ground truth: {summary['mAP_classes_with_gt']:.4f}")
+    return "\n".join(lines) + "\n"
+
+
+def evaluate_submission(nusc, submission: Union[dict, str, Path], eval_set: str, out_dir: Union[str, Path],
+                        sample_tokens: Optional[Iterable[str]] = None, verbose: bool = False) -> dict:
+    """Run the official DetectionEval (detection_cvpr_2019) on a submission (object or JSON path).
+
+    Writes OUT_DIR/detection_submission.json (when given an object), detection_metrics.json and detection_metrics.md;
+    returns summarize()'s dict plus "eval_set" and "num_samples". With `sample_tokens`, the evaluation is
+    restricted to those samples of the split (e.g. when eval.max_batches stopped early).
+    """
+    from nuscenes.eval.common.config import config_factory
+    from nuscenes.eval.detection.evaluate import DetectionEval
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(submission, dict):
+        path = out_dir / "detection_submission.json"
+        path.write_text(json.dumps(submission))
+    else:
+        path = Path(submission)
+        if not path.is_file():
+            raise FileNotFoundError(f"detection submission {path} does not exist")
+    evaluator = DetectionEval(nusc, config_factory("detection_cvpr_2019"), str(path), eval_set,
+                              output_dir=str(out_dir / "detection_eval"), verbose=verbose)
+    if sample_tokens is not None:
+        keep = set(sample_tokens)
+        for boxes in (evaluator.gt_boxes, evaluator.pred_boxes):
+            for token in [t for t in boxes.boxes if t not in keep]:
+                del boxes.boxes[token]
+        evaluator.sample_tokens = evaluator.gt_boxes.sample_tokens
+    metrics, _ = evaluator.evaluate()
+    summary = summarize(metrics, {box.detection_name for box in evaluator.gt_boxes.all})
+    summary["eval_set"] = eval_set
+    summary["num_samples"] = len(evaluator.sample_tokens)
+    (out_dir / "detection_metrics.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "detection_metrics.md").write_text(format_table(summary))
+    return summary
+
+
+class DetectionCollector:
+    """Gathers the decoded detections of an evaluation loop by sample token, then runs the nuScenes evaluation.
+
+    Use: `collector.add(outputs, batch)` after each forward (model in eval mode; the batch carries "sample_token"),
+    then `collector.evaluate(nusc, eval_set, out_dir)`.
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.detections: dict[str, dict] = {}
+
+    def add(self, outputs: dict, batch: dict) -> None:
+        tokens = batch["sample_token"]
+        decoded = decode_detections(outputs, self.config)
+        if len(tokens) != len(decoded):
+            raise ValueError(f"DetectionCollector.add: {len(tokens)} sample tokens but {len(decoded)} samples of "
+                             "detections; pass the batch the outputs were computed on")
+        for token, det in zip(tokens, decoded):
+            self.detections[token] = {k: v.detach().cpu() for k, v in det.items()}
+
+    def evaluate(self, nusc, eval_set: str, out_dir: Union[str, Path], verbose: bool = False) -> dict:
+        """Metrics of the collected samples (see evaluate_submission); the table is printed."""
+        submission = build_submission(self.detections, nusc, eval_set)
+        restrict = None if set(self.detections) == set(submission["results"]) else list(self.detections)
+        summary = evaluate_submission(nusc, submission, eval_set, out_dir, sample_tokens=restrict, verbose=verbose)
+        print(format_table(summary), end="")
+        return summary

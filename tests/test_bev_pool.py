@@ -1,0 +1,259 @@
+import pytest
+import torch
+
+from conftest import devices
+from lss.geometry import (BevGrid, FrustumLUT, frustum, frustum_to_ego, image_augmentation, load_nuscenes_rig,
+                          val_augmentation)
+from lss.ops import bev_pool, bev_pool_reference, has_ext
+
+needs_ext = pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+LSS_GRID = ((-50.0, 50.0, 0.5), (-50.0, 50.0, 0.5), (-10.0, 10.0, 20.0))
+
+
+def random_lut(B=2, N=6, final_dim=(64, 176), downsample=16, dbound=(4.0, 45.0, 4.0), grid=LSS_GRID, device="cpu",
+               seed=0):
+    """A LUT from the real nuScenes rig (first N cameras) under a random LSS-style augmentation per camera."""
+    g = torch.Generator().manual_seed(seed)
+    K, rot, trans = load_nuscenes_rig()
+    K, rot, trans = (t[:N].expand(B, *t[:N].shape).clone() for t in (K, rot, trans))
+    post_rot = torch.empty(B, N, 3, 3)
+    post_trans = torch.empty(B, N, 3)
+    base, (x0, y0) = val_augmentation((1600, 900), final_dim)
+    for b in range(B):
+        for n in range(N):
+            r = torch.rand(4, generator=g).tolist()
+            post_rot[b, n], post_trans[b, n] = image_augmentation(
+                base * (0.9 + 0.2 * r[0]), (x0 + 8 * r[1], y0 + 8 * r[2]), flip=r[3] > 0.5,
+                rotate_deg=10 * r[1] - 5, final_dim=final_dim)
+    points = frustum_to_ego(frustum(final_dim, downsample, dbound), K, rot, trans, post_rot, post_trans)
+    return FrustumLUT.build(points.to(device), BevGrid(*grid))
+
+
+def inputs(lut, C, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    depth = torch.rand(lut.B, lut.N, lut.D, lut.fH, lut.fW, generator=g).softmax(2)
+    feat = torch.randn(lut.B, lut.N, C, lut.fH, lut.fW, generator=g)
+    return depth.to(device, dtype), feat.to(device, dtype)
+
+
+def float64_reference(depth, feat, lut):
+    return bev_pool_reference(depth.double(), feat.double(), lut)
+
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_matches_reference(device, dtype):
+    lut = random_lut(device=device)
+    assert 0 < lut.num_kept() < lut.num_points
+    depth, feat = inputs(lut, 16, dtype, device)
+    out = bev_pool(depth, feat, lut)
+    assert out.shape == (2, 16, 200, 200) and out.dtype == dtype and out.is_contiguous()
+    want = float64_reference(depth, feat, lut)
+    torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert bool((out != 0).any())
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_layout", ["contiguous", "channels_last"])
+def test_gradients_match_reference(device, dtype, grad_layout):
+    lut = random_lut(device=device, seed=1)
+    depth, feat = inputs(lut, 12, dtype, device, seed=1)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    out = bev_pool(depth, feat, lut)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    if grad_layout == "channels_last":
+        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+    grad_depth, grad_feat = torch.autograd.grad(out, (depth, feat), grad_out)
+    d64, f64 = depth.detach().double().requires_grad_(), feat.detach().double().requires_grad_()
+    want = torch.autograd.grad(bev_pool_reference(d64, f64, lut), (d64, f64), grad_out.double())
+    tol = 10 * TOL[dtype]
+    torch.testing.assert_close(grad_depth.double(), want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_feat.double(), want[1], atol=tol, rtol=tol)
+    assert grad_feat.shape == feat.shape and grad_depth.shape == depth.shape
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_gradcheck_float64(device):
+    # a small grid with two height levels: many points per cell, both z slices and dropped points
+    lut = random_lut(B=1, N=2, final_dim=(32, 64), dbound=(4.0, 40.0, 9.0), grid=((-20, 20, 8.0), (-20, 20, 8.0),
+                                                                                  (-2, 4, 3.0)), device=device)
+    assert lut.nz == 2 and 0 < lut.num_kept() < lut.num_points
+    depth, feat = inputs(lut, 3, torch.float64, device)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    assert torch.autograd.gradcheck(lambda d, f: bev_pool(d, f, lut), (depth, feat))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_opcheck(device):
+    lut = random_lut(B=1, N=2, dbound=(4.0, 45.0, 10.0), device=device)
+    depth, feat = inputs(lut, 4, torch.float32, device)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    args = (depth, feat, lut.sorted_points, lut.cell_start, lut.point_cell, lut.nz, lut.nx, lut.ny)
+    torch.library.opcheck(torch.ops.lss.bev_pool.default, args)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_channels_last_and_strided_inputs(device):
+    lut = random_lut(device=device, seed=3)
+    depth, feat = inputs(lut, 8, torch.float32, device, seed=3)
+    want = bev_pool(depth, feat, lut)
+    B, N, C, fH, fW = feat.shape
+    # a channels-last camera feature map viewed as B x N x C x fH x fW, as the model produces it
+    feat_cl = feat.reshape(B * N, C, fH, fW).contiguous(memory_format=torch.channels_last).view(B, N, C, fH, fW)
+    depth_strided = depth.transpose(3, 4).contiguous().transpose(3, 4)
+    torch.testing.assert_close(bev_pool(depth_strided, feat_cl, lut), want, rtol=0, atol=0)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_single_batch_single_camera(device):
+    lut = random_lut(B=1, N=1, device=device, seed=4)
+    depth, feat = inputs(lut, 5, torch.float64, device, seed=4)
+    torch.testing.assert_close(bev_pool(depth, feat, lut), float64_reference(depth, feat, lut))
+
+
+@pytest.mark.slow
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_bevdet_depth_bins_and_large_grid(device):
+    lut = random_lut(B=1, N=2, final_dim=(64, 176), dbound=(1.0, 60.0, 0.5),
+                     grid=((-51.2, 51.2, 0.2), (-51.2, 51.2, 0.2), (-10, 10, 20)), device=device)
+    assert lut.D == 118 and (lut.nx, lut.ny) == (512, 512)
+    depth, feat = inputs(lut, 6, torch.float32, device)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    out = bev_pool(depth, feat, lut)
+    torch.testing.assert_close(out.double(), float64_reference(depth, feat, lut), atol=1e-5, rtol=1e-5)
+    out.square().sum().backward()
+    d64, f64 = depth.detach().double().requires_grad_(), feat.detach().double().requires_grad_()
+    bev_pool_reference(d64, f64, lut).square().sum().backward()
+    torch.testing.assert_close(depth.grad.double(), d64.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(feat.grad.double(), f64.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_no_kept_points_gives_zeros(device):
+    grid = BevGrid(*LSS_GRID)
+    points = torch.full((2, 3, 4, 2, 5, 3), 1000.0, device=device)
+    lut = FrustumLUT.build(points, grid)
+    depth, feat = inputs(lut, 4, torch.float32, device)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    out = bev_pool(depth, feat, lut)
+    assert out.shape == (2, 4, 200, 200) and not bool(out.any())
+    out.sum().backward()
+    assert not bool(depth.grad.any()) and not bool(feat.grad.any())
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_mixed_dtypes_are_promoted(device):
+    lut = random_lut(B=1, N=2, device=device)
+    depth, feat = inputs(lut, 4, torch.float32, device)
+    out = bev_pool(depth.bfloat16(), feat, lut)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, bev_pool(depth.bfloat16().float(), feat, lut))
+
+
+@needs_ext
+def test_reference_agrees_with_explicit_sum():
+    """The oracle itself against a direct sum over the frustum, point by point."""
+    lut = random_lut(B=1, N=2, dbound=(4.0, 45.0, 10.0))
+    depth, feat = inputs(lut, 3, torch.float64)
+    want = torch.zeros(1, lut.nz * 3, lut.nx, lut.ny, dtype=torch.float64)
+    cells = lut.point_cell.tolist()
+    for p, cell in enumerate(cells):
+        if cell < 0:
+            continue
+        n, d, h, w = torch.unravel_index(torch.tensor(p), (lut.N, lut.D, lut.fH, lut.fW))
+        i, j = divmod(cell, lut.ny)
+        want[0, :, i, j] += depth[0, n, d, h, w] * feat[0, n, :, h, w]
+    torch.testing.assert_close(bev_pool_reference(depth, feat, lut), want)
+
+
+def test_bad_arguments_have_clear_errors():
+    lut = random_lut(B=1, N=2, dbound=(4.0, 45.0, 10.0))
+    depth, feat = inputs(lut, 4)
+    with pytest.raises(ValueError, match="LUT was built for"):
+        bev_pool(depth[:, :1], feat, lut)
+    with pytest.raises(ValueError, match="feat has shape"):
+        bev_pool(depth, feat[..., :-1], lut)
+    with pytest.raises(TypeError, match="floating point"):
+        bev_pool(depth, feat.long(), lut)
+    with pytest.raises(TypeError, match="FrustumLUT"):
+        bev_pool(depth, feat, None)
+
+
+@needs_ext
+def test_kernel_rejects_mismatched_lut():
+    lut = random_lut(B=1, N=2, dbound=(4.0, 45.0, 10.0))
+    depth, feat = inputs(lut, 4)
+    with pytest.raises(RuntimeError, match="cell_start must be 1-D with"):
+        torch.ops.lss.bev_pool(depth, feat, lut.sorted_points, lut.cell_start[:-1], lut.point_cell, 1, 200, 200)
+    with pytest.raises(RuntimeError, match="has dtype"):
+        torch.ops.lss.bev_pool(depth, feat, lut.sorted_points.long(), lut.cell_start, lut.point_cell, 1, 200, 200)
+
+
+@pytest.mark.cuda
+def test_wrong_device_is_reported():
+    lut = random_lut(B=1, N=2, dbound=(4.0, 45.0, 10.0))
+    depth, feat = inputs(lut, 4)
+    with pytest.raises(ValueError, match="same device"):
+        bev_pool(depth.cuda(), feat.cuda(), lut)
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu_and_is_deterministic():
+    lut = random_lut(B=2, N=6, dbound=(4.0, 45.0, 1.0), seed=5)
+    depth, feat = inputs(lut, 64, torch.float32, seed=5)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    out = bev_pool(depth, feat, lut)
+    grads = torch.autograd.grad(out, (depth, feat), out.detach() * 0.5)
+    lut_gpu = lut.to("cuda")
+    runs = []
+    for _ in range(2):
+        d, f = depth.detach().cuda().requires_grad_(), feat.detach().cuda().requires_grad_()
+        o = bev_pool(d, f, lut_gpu)
+        runs.append((o,) + torch.autograd.grad(o, (d, f), o.detach() * 0.5))
+    for a, b in zip(runs[0], runs[1]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(runs[0][0].cpu(), out, atol=1e-5, rtol=1e-5)
+    for got, want in zip(runs[0][1:], grads):
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_lut_matches_cpu_lut():
+    cpu = random_lut(seed=6)
+    gpu = random_lut(seed=6, device="cuda")
+    for name in ("point_cell", "sorted_points", "cell_start"):
+        assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu()), name
+
+
+@pytest.mark.cuda
+def test_cuda_large_channels_and_int64_indices():
+    lut = random_lut(B=1, N=2, seed=7, device="cuda")
+    depth, feat = inputs(lut, 200, torch.float32, "cuda", seed=7)  # more channels than one 128-channel pass
+    depth.requires_grad_()
+    feat.requires_grad_()
+    out = bev_pool(depth, feat, lut)
+    torch.testing.assert_close(out.double(), float64_reference(depth, feat, lut), atol=1e-5, rtol=1e-5)
+    lut64 = FrustumLUT(**{k: (v.long() if isinstance(v, torch.Tensor) else v) for k, v in vars(lut).items()})
+    torch.testing.assert_close(bev_pool(depth, feat, lut64), out, rtol=0, atol=0)
+    grads = torch.autograd.grad(out, (depth, feat), torch.ones_like(out))
+    grads64 = torch.autograd.grad(bev_pool(depth, feat, lut64), (depth, feat), torch.ones_like(out))
+    for a, b in zip(grads, grads64):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
