@@ -47,8 +47,9 @@ def camera_mosaic(images: np.ndarray, cameras: Sequence[str], tile_width: int = 
             if name in cameras:
                 tile = cv2.resize(images[list(cameras).index(name)], (tile_width, tile_h),
                                   interpolation=cv2.INTER_LINEAR)
-                cv2.putText(tile, name.replace("CAM_", ""), (6, 18), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (255, 255, 0), 1,
-                            cv2.LINE_AA)
+                if tile_h >= 40:  # a label on tiles large enough to hold it
+                    cv2.putText(tile, name.replace("CAM_", ""), (6, 18), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (255, 255, 0),
+                                1, cv2.LINE_AA)
             tiles.append(tile)
         rows.append(np.concatenate(tiles, axis=1))
     return np.concatenate(rows, axis=0)

