@@ -1,5 +1,6 @@
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -264,7 +265,8 @@ def test_perfect_detections_score_map_one_in_the_official_evaluation(synthetic_r
     outputs = perfect_outputs(encode_targets(boxes, labels, frame), frame)
     collector = DetectionCollector(config)
     collector.add(outputs, {"sample_token": tokens})
-    summary = collector.evaluate(nusc, "mini_val", tmp_path)
+    split = SimpleNamespace(root=synthetic_root, version="v1.0-mini", devkit_split="mini_val")
+    summary = collector.evaluate_dataset(split, tmp_path)
 
     present = summary["classes_with_gt"]
     assert present and summary["num_samples"] == len(tokens)
@@ -281,6 +283,12 @@ def test_perfect_detections_score_map_one_in_the_official_evaluation(synthetic_r
     assert "| car |" in (tmp_path / "detection_metrics.md").read_text()
     submission = json.loads((tmp_path / "detection_submission.json").read_text())
     assert set(submission["results"]) == set(tokens) and submission["meta"]["use_camera"] is True
+
+    # Only the samples that were evaluated count (eval.max_batches).
+    partial = DetectionCollector(config)
+    partial.detections = {tokens[0]: collector.detections[tokens[0]]}
+    first = partial.evaluate_dataset(split, tmp_path / "partial")
+    assert first["num_samples"] == 1 and first["mAP_classes_with_gt"] == pytest.approx(1.0)
 
     # The same boxes 0.75 m off: all missed at the 0.5 m matching distance, mostly matched at 1, 2 and 4 m (greedy
     # matching can pair a box with a neighbour in a crowd).

@@ -358,7 +358,9 @@ class BoxRefiner(nn.Module):
         score_logits = bev_features.new_zeros(B, P, dtype=torch.float32)
         residuals = bev_features.new_zeros(B, P, BOX_DIM, dtype=torch.float32)
         if not len(rois):
-            return score_logits, residuals
+            # Zero-valued use of every parameter: DDP expects gradients for all of them on every step.
+            unused = sum(p.sum() for p in self.parameters()).float() * 0
+            return score_logits + unused, residuals + unused
         # float32: in bf16 a roi corner near cell 200 would be off by a whole cell.
         pooled = roi_align(bev_features.float(), rois, (self.roi_size, self.roi_size), spatial_scale=1.0,
                            sampling_ratio=2, aligned=True)
