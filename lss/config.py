@@ -229,7 +229,12 @@ def _merge(obj: Any, values: dict, where: str) -> Any:
     for key, value in values.items():
         if key not in allowed:
             raise ConfigError(f"{where}: unknown key '{key}'. Allowed keys: {', '.join(allowed)}")
-        setattr(obj, key, _convert(value, hints[key], f"{where}.{key}" if where else key))
+        path = f"{where}.{key}" if where else key
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            _merge(current, value, path)  # a later source overrides single keys, keeping the section's other values
+        else:
+            setattr(obj, key, _convert(value, hints[key], path))
     return obj
 
 

@@ -11,9 +11,13 @@ from lss.config import Config
 from lss.data.nuscenes import DatasetNotFoundError, NuScenesBEV, locate_dataroot
 
 
+# Per-object fields stay lists even when every sample happens to hold the same number of objects.
+VARIABLE_LENGTH_FIELDS = frozenset({"det_boxes", "det_labels"})
+
+
 def collate(items: Sequence[dict]) -> dict:
-    """Stack tensor fields of equal shape into a batch; keep strings and variable-size fields (det_boxes,
-    det_labels, ...) as lists with one entry per sample."""
+    """Stack tensor fields of equal shape into a batch; keep strings, VARIABLE_LENGTH_FIELDS and tensors of
+    differing shapes as lists with one entry per sample."""
     if not items:
         raise ValueError("collate needs at least one item")
     keys = list(items[0])
@@ -23,7 +27,8 @@ def collate(items: Sequence[dict]) -> dict:
     batch = {}
     for key in keys:
         values = [item[key] for item in items]
-        if all(isinstance(v, torch.Tensor) for v in values) and len({tuple(v.shape) for v in values}) == 1:
+        if (key not in VARIABLE_LENGTH_FIELDS and all(isinstance(v, torch.Tensor) for v in values)
+                and len({tuple(v.shape) for v in values}) == 1):
             batch[key] = torch.stack(values)
         else:
             batch[key] = values

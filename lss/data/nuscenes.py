@@ -6,6 +6,7 @@ images and rasterizes, and forked loader workers share the arrays without copyin
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -92,7 +93,12 @@ def load_tables(root: Path, version: str):
 
     key = (str(Path(root).resolve()), version)
     if key not in _TABLES:
-        _TABLES[key] = NuScenes(version=version, dataroot=str(root), verbose=False)
+        try:
+            _TABLES[key] = NuScenes(version=version, dataroot=str(root), verbose=False)
+        except (AssertionError, KeyError, json.JSONDecodeError) as e:
+            raise DatasetNotFoundError(f"nuscenes-devkit could not load the {version} tables under {root}: "
+                                       f"{type(e).__name__}: {e}. Check that the tables and the files they "
+                                       f"name (maps/*.png, samples/) are complete.") from None
     return _TABLES[key]
 
 
@@ -205,6 +211,14 @@ def _category_matches(class_name: str, category: str) -> bool:
     return category_to_detection_name(category) == class_name
 
 
+def normalize_images(images: np.ndarray, lut: np.ndarray) -> torch.Tensor:
+    """N x H x W x 3 uint8 RGB -> N x 3 x H x W float32 through a 256 x 3 per-channel lookup table."""
+    out = np.empty((images.shape[0], 3, *images.shape[1:3]), dtype=np.float32)
+    for c in range(3):
+        np.take(lut[:, c], images[..., c], out=out[:, c])
+    return torch.from_numpy(out)
+
+
 class NuScenesBEV(torch.utils.data.Dataset):
     """Multi-camera images with calibration and augmentation, plus BEV targets, for one split.
 
@@ -237,6 +251,9 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.xbound, self.ybound = tuple(self.config.grid.xbound), tuple(self.config.grid.ybound)
         self.grid_shape = T.grid_shape(self.xbound, self.ybound)
 
+        # Normalized value of every uint8 level per channel: (level / 255 - mean) / std, 256 x 3.
+        self._pixel_lut = ((np.arange(256, dtype=np.float64)[:, None] / 255.0 - np.asarray(data.image_mean))
+                           / np.asarray(data.image_std)).astype(np.float32)
         self.root, self.layout = locate_dataroot(dataroot, version)
         nusc = load_tables(self.root, version)
         self.devkit_split, split_scenes = resolve_split(version, split)
@@ -356,10 +373,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
             images.append(image)
             post_rots.append(rot)
             post_trans.append(trans)
-        mean = torch.tensor(data.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
-        std = torch.tensor(data.image_std, dtype=torch.float32).view(1, 3, 1, 1)
-        pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float().div_(255.0)
-        return (pixels.sub_(mean).div_(std), torch.from_numpy(np.stack(post_rots)),
+        return (normalize_images(np.stack(images), self._pixel_lut), torch.from_numpy(np.stack(post_rots)),
                 torch.from_numpy(np.stack(post_trans)))
 
     def bev_targets(self, index: int) -> np.ndarray:

@@ -132,18 +132,22 @@ def camera_visibility_mask(intrinsics: np.ndarray, sensor2ego_rot: np.ndarray, s
     frustum, so the mask is the union of the cameras' frustum footprints on that plane. Returns nx x ny bool.
     """
     xs, ys = cell_centers(xbound, ybound)
-    gx, gy = np.meshgrid(xs, ys, indexing="ij")
-    pts = np.stack([gx, gy, np.full_like(gx, height)], axis=-1).reshape(-1, 3)
-    visible = np.zeros(len(pts), dtype=bool)
+    gx, gy = np.meshgrid(xs.astype(np.float32), ys.astype(np.float32), indexing="ij")
+    visible = np.zeros(gx.shape, dtype=bool)
     out_h, out_w = final_dim
     for k in range(len(intrinsics)):
-        cam = (pts - sensor2ego_trans[k]) @ sensor2ego_rot[k]
-        depth = cam[:, 2]
+        # ego -> image in one 3 x 3 map plus offset: (U, V, D) = K R^T (p - t), depth D = camera z.
+        m = np.asarray(intrinsics[k], np.float64) @ np.asarray(sensor2ego_rot[k], np.float64).T
+        b = m @ (np.array([0.0, 0.0, height]) - np.asarray(sensor2ego_trans[k], np.float64))
+        m, b = m.astype(np.float32), b.astype(np.float32)
+        depth = m[2, 0] * gx + m[2, 1] * gy + b[2]
         in_range = (depth >= depth_range[0]) & (depth < depth_range[1])
-        pix = cam @ np.asarray(intrinsics[k], dtype=np.float64).T
-        uvd = np.concatenate([pix[:, :2] / np.where(in_range, depth, 1.0)[:, None], depth[:, None]], axis=1)
-        aug = uvd @ np.asarray(post_rot[k], dtype=np.float64).T + post_trans[k]
-        u, v = aug[:, 0], aug[:, 1]
+        inv = 1.0 / np.where(in_range, depth, 1.0)
+        u = (m[0, 0] * gx + m[0, 1] * gy + b[0]) * inv
+        v = (m[1, 0] * gx + m[1, 1] * gy + b[1]) * inv
+        r, t = np.asarray(post_rot[k], np.float32), np.asarray(post_trans[k], np.float32)
+        u_aug = r[0, 0] * u + r[0, 1] * v + r[0, 2] * depth + t[0]
+        v_aug = r[1, 0] * u + r[1, 1] * v + r[1, 2] * depth + t[1]
         # A pixel centre at u covers [u - 0.5, u + 0.5).
-        visible |= in_range & (u >= -0.5) & (u < out_w - 0.5) & (v >= -0.5) & (v < out_h - 0.5)
-    return visible.reshape(len(xs), len(ys))
+        visible |= in_range & (u_aug >= -0.5) & (u_aug < out_w - 0.5) & (v_aug >= -0.5) & (v_aug < out_h - 0.5)
+    return visible

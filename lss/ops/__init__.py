@@ -2,3 +2,8 @@
 from lss.ops._ext import cuda_archs, has_cuda_ops, has_ext
 from lss.ops.upsample import UpsampleBilinear, upsample_bilinear, upsample_bilinear_reference
 from lss.ops.bev_pool import bev_pool, bev_pool_reference
+from lss.ops.focal_loss import (SigmoidFocalLoss, SoftmaxFocalLoss, sigmoid_focal_loss, sigmoid_focal_loss_reference,
+                                softmax_focal_loss, softmax_focal_loss_reference)
+from lss.ops.nms import batched_nms, nms, nms_reference
+from lss.ops.roi_align import RoIAlign, roi_align, roi_align_reference
+from lss.ops.roi_pool import RoIPool, roi_pool, roi_pool_reference

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import lidar as lidar_mod
 from .maps import location_geometry, write_map_expansion, write_semantic_prior
-from .render import CameraRays, build_ground_texture, render_camera, scene_boxes
+from .render import CameraModel, build_ground_texture, render_camera, scene_boxes
 from .rig import CAMERAS, LIDAR, load_rig, sensor_pose
 from .tables import MINI_LOCATIONS, TokenFactory, build_tables, sample_filename, write_tables
 from .world import LOCATIONS, build_location, build_scene, stable_seed
@@ -100,23 +100,22 @@ def _scene_assets(scene_index: int):
         cache["texture"] = None  # free the previous texture first
         cache["texture"] = build_ground_texture(scene, geom, stable_seed("texture", seed, scene.name))
         cache["texture_scene"] = scene_index
-    if "rays" not in cache:
-        cache["rays"] = {ch: CameraRays(_STATE["rig"][ch]) for ch in CAMERAS}
-    return scene, loc, cache["texture"], cache["rays"]
+    if "cameras" not in cache:
+        cache["cameras"] = {ch: CameraModel(_STATE["rig"][ch]) for ch in CAMERAS}
+    return scene, loc, cache["texture"], cache["cameras"]
 
 
 def render_sample(task: tuple[int, int]) -> tuple[tuple[int, int], dict]:
     """Render the six cameras and the lidar of key frame k of a scene and write them; return per-agent stats."""
     scene_index, k = task
-    scene, loc, texture, rays = _scene_assets(scene_index)
+    scene, loc, texture, cameras = _scene_assets(scene_index)
     rig, root = _STATE["rig"], _STATE["root"]
     rng = np.random.default_rng(stable_seed("sample", _STATE["seed"], scene.name, k))
     boxes = scene_boxes(scene, loc, k)
     ego = (scene.ego_x[k], scene.ego_y[k], scene.ego_yaw[k])
     visible, projected, lidar_pts = {}, {}, {}
     for ch in CAMERAS:
-        rot, pos = sensor_pose(rig[ch], *ego)
-        img, _, vis, proj = render_camera(rays[ch], rot, pos, boxes, texture, scene.sun, rng)
+        img, _, vis, proj = render_camera(cameras[ch], ego, boxes, texture, scene.sun)
         path = root / sample_filename(scene, k, ch)
         cv2.imwrite(str(path), img[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
         for b in np.nonzero(proj)[0]:

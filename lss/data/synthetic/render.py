@@ -37,14 +37,18 @@ TEXTURE_MARGIN = 120.0  # metres of ground around the route that are textured; f
 FOG_DISTANCE = 220.0
 NEAR_PLANE = 0.1
 
-# Box faces: corner indices (see box_corners) and the outward normal in the box frame.
-_FACES = (
-    ((0, 1, 2, 3), (1.0, 0.0, 0.0)),  # front (+x, along the heading)
-    ((5, 4, 7, 6), (-1.0, 0.0, 0.0)),  # back
-    ((4, 0, 3, 7), (0.0, 1.0, 0.0)),  # left
-    ((1, 5, 6, 2), (0.0, -1.0, 0.0)),  # right
-    ((4, 5, 1, 0), (0.0, 0.0, 1.0)),  # top
-)
+# Box faces in the box frame (x along the heading, unit half-sizes): outward normal, origin corner, and the
+# corners that the face coordinates s (across) and t (up) reach at 1. On the sides s runs from back to front; on
+# the ends and sides t is the height fraction. Bottoms are never seen from above the ground.
+FRONT, BACK, LEFT, RIGHT, TOP = range(5)
+_FACES = np.array([
+    # normal          origin          s = 1           t = 1
+    [(1, 0, 0), (1, -1, -1), (1, 1, -1), (1, -1, 1)],
+    [(-1, 0, 0), (-1, 1, -1), (-1, -1, -1), (-1, 1, 1)],
+    [(0, 1, 0), (-1, 1, -1), (1, 1, -1), (-1, 1, 1)],
+    [(0, -1, 0), (-1, -1, -1), (1, -1, -1), (-1, -1, 1)],
+    [(0, 0, 1), (-1, -1, 1), (1, -1, 1), (-1, 1, 1)],
+], np.float64)
 
 
 @dataclass
@@ -81,15 +85,18 @@ def scene_boxes(scene: Scene, location: Location, k: int, radius: float = 160.0)
                   np.array(kind, int), np.array(agent, int))
 
 
-def box_corners(center, size, yaw) -> np.ndarray:
-    """8 x 3 corners (global): indices 0-3 front (x = +l/2): top-left, top-right, bottom-right, bottom-left
-    seen from the front; 4-7 the same at the back."""
-    w, l, h = size
-    x = np.array([1, 1, 1, 1, -1, -1, -1, -1]) * l / 2
-    y = np.array([1, -1, -1, 1, 1, -1, -1, 1]) * w / 2
-    z = np.array([1, 1, -1, -1, 1, 1, -1, -1]) * h / 2
+def yaw_matrix(yaw: float) -> np.ndarray:
     c, s = math.cos(yaw), math.sin(yaw)
-    return np.stack([c * x - s * y, s * x + c * y, z], axis=1) + np.asarray(center)
+    return np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
+
+
+def box_corners(center, size, yaw) -> np.ndarray:
+    """8 x 3 corners (global) of a box with size (w, l, h): the bottom four, then the top four."""
+    w, l, h = size
+    x = np.array([1, 1, -1, -1, 1, 1, -1, -1]) * l / 2
+    y = np.array([1, -1, -1, 1, 1, -1, -1, 1]) * w / 2
+    z = np.array([-1, -1, -1, -1, 1, 1, 1, 1]) * h / 2
+    return np.stack([x, y, z], axis=1) @ yaw_matrix(yaw).T + np.asarray(center)
 
 
 @dataclass
@@ -163,31 +170,24 @@ def build_ground_texture(scene: Scene, geometry: LocationGeometry, seed: int,
                 cv2.polylines(classes, [px(np.stack([a + s * u, a + e * u]))], False, value, thickness,
                               cv2.LINE_8, shift)
                 s = e + off
-    rgb = GROUND_RGB[classes]
-    # Grain everywhere, large blotches on the asphalt and the verges, seams between sidewalk slabs.
-    rgb += rng.normal(0.0, 5.0, size=(h, w, 1)).astype(np.float32)
-    blotch = cv2.resize(rng.normal(0.0, 1.0, size=(max(2, h // 60), max(2, w // 60))).astype(np.float32), (w, h),
-                        interpolation=cv2.INTER_CUBIC)
-    rgb += (blotch * np.where(classes == SIDEWALK, 3.0, 7.0).astype(np.float32))[..., None]
+    # Grain from a tiled noise patch, large blotches, and seams between sidewalk slabs (integer maths: the
+    # texture has tens of millions of texels).
+    tile = rng.normal(0.0, 5.0, size=(256, 256)).astype(np.int16)
+    grain = np.tile(tile, (h // 256 + 1, w // 256 + 1))[:h, :w]
+    blotch = cv2.resize(rng.normal(0.0, 6.0, size=(max(2, h // 60), max(2, w // 60))).astype(np.float32), (w, h),
+                        interpolation=cv2.INTER_CUBIC).astype(np.int16)
     slab = max(1, int(round(1.5 / resolution)))
     seam = np.zeros((h, w), bool)
     seam[:, ::slab] = True
     seam[::slab, :] = True
-    rgb[(classes == SIDEWALK) & seam] *= 0.8
-    rgb = np.clip(rgb, 0, 255).astype(np.uint8)
+    offset = grain + blotch
+    offset[(classes == SIDEWALK) & seam] -= 30
+    lut = GROUND_RGB.astype(np.int16)
+    rgb = np.empty((h, w, 3), np.uint8)
+    for c in range(3):
+        rgb[..., c] = np.clip(lut[classes, c] + offset, 0, 255)
     rgb_far = cv2.GaussianBlur(rgb, (0, 0), 2.5)
     return GroundTexture(xmin, ymax, resolution, rgb, rgb_far, classes)
-
-
-class CameraRays:
-    """Per-pixel rays K^-1 [u, v, 1] (camera frame, z = 1) of a camera, pixel centres at integer u, v."""
-
-    def __init__(self, sensor: Sensor):
-        w, h = sensor.size
-        u, v = np.meshgrid(np.arange(w, dtype=np.float64), np.arange(h, dtype=np.float64))
-        pix = np.stack([u, v, np.ones_like(u)], -1)
-        self.rays = (pix @ np.linalg.inv(sensor.intrinsic).T).astype(np.float32)  # H x W x 3
-        self.sensor = sensor
 
 
 def _clip_near(poly: np.ndarray, near: float = NEAR_PLANE) -> np.ndarray:
@@ -200,164 +200,151 @@ def _clip_near(poly: np.ndarray, near: float = NEAR_PLANE) -> np.ndarray:
         if ina:
             out.append(a)
         if ina != inb:
-            t = (near - a[2]) / (b[2] - a[2])
-            out.append(a + t * (b - a))
+            out.append(a + (near - a[2]) / (b[2] - a[2]) * (b - a))
     return np.array(out).reshape(-1, 3)
 
 
 def _project(points_cam: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Pixel coordinates (M x 2) of camera-frame points (M x 3, z > 0)."""
     uvw = points_cam @ k.T
     return uvw[:, :2] / uvw[:, 2:3]
 
 
-def _paint(kind: int, face: int, s: np.ndarray, t: np.ndarray, base: np.ndarray, size) -> np.ndarray:
-    """Face colour (N x 3) from the face-local coordinates s (across the face, 0..1) and t (height, 0..1)."""
-    rgb = np.broadcast_to(base, (len(s), 3)).copy()
-    side = face in (2, 3)
-    if kind in (CAR, TRUCK, BUS):
-        if face == 4:
-            return rgb
-        low, high = (0.62, 0.9) if kind == CAR else ((0.45, 0.85) if kind == BUS else (0.65, 0.9))
-        glass = (t > low) & (t < high) & (s > 0.06) & (s < 0.94)
-        if kind == TRUCK and side:  # only the cab (front 25 %) has side windows
-            front_end = s > 0.75 if face == 3 else s < 0.25
-            glass &= front_end
-        rgb[glass] = (45, 55, 68) + 0.15 * rgb[glass]
-        if side:
-            wheel = (t < 0.3) & ((np.abs(s - 0.18) < 0.08) | (np.abs(s - 0.82) < 0.08))
-            rgb[wheel] = (22, 22, 24)
-        elif kind == CAR or kind == TRUCK:
-            lamp = (t > 0.3) & (t < 0.42) & ((s < 0.18) | (s > 0.82))
-            rgb[lamp] = (250, 245, 215) if face == 0 else (200, 25, 20)
-        return rgb
-    if kind in (MOTORCYCLE, BICYCLE):
-        dark = t < (0.5 if kind == BICYCLE else 0.35)
-        rgb[dark] = (28, 28, 30)
-        return rgb
-    if kind == PEDESTRIAN:
-        rgb[t > 0.86] = (215, 175, 145)
-        rgb[t < 0.46] = (45, 50, 75)
-        return rgb
-    if kind == CONE:
-        rgb[(t > 0.45) & (t < 0.65)] = (240, 240, 240)
-        return rgb
-    if kind == BARRIER:
-        if face != 4:
-            stripe = (np.floor(s * 6) % 2 == 0) & (t > 0.4)
-            rgb[stripe] = (210, 35, 30)
-        return rgb
-    # Buildings: a grid of windows (floors every 3.2 m, bays every 3 m), a darker roof.
-    if face == 4:
-        return rgb * 0.7
-    across = size[1] if side else size[0]
-    hm = (t * size[2]) % 3.2
-    am = (s * across) % 3.0
-    window = (hm > 1.0) & (hm < 2.4) & (am > 0.6) & (am < 2.2) & (t * size[2] > 0.5)
-    rgb[window] = (62, 74, 92)
-    return rgb
+class CameraModel:
+    """What does not change while the ego moves on the ground plane, per camera: the pixel rays, where each
+    pixel meets the ground in the ego frame, its inverse depth, and the sky / fog / distance-blend weights."""
+
+    def __init__(self, sensor: Sensor):
+        w, h = sensor.size
+        self.sensor = sensor
+        self.k = sensor.intrinsic
+        self.u = np.arange(w, dtype=np.float64)  # pixel centres at integer coordinates
+        self.v = np.arange(h, dtype=np.float64)
+        uu, vv = np.meshgrid(self.u, self.v)
+        rays = np.stack([uu, vv, np.ones_like(uu)], -1) @ np.linalg.inv(self.k).T  # camera frame, z = 1
+        d_ego = rays @ sensor.rotation_matrix.T
+        height = sensor.translation[2]
+        self.ground = d_ego[..., 2] < -1e-6
+        t = np.where(self.ground, height / np.where(self.ground, -d_ego[..., 2], 1.0), 0.0)
+        self.ground_x = (sensor.translation[0] + t * d_ego[..., 0]).astype(np.float32)
+        self.ground_y = (sensor.translation[1] + t * d_ego[..., 1]).astype(np.float32)
+        self.inv_ground_depth = np.where(self.ground, 1.0 / np.where(self.ground, t, 1.0), 0.0)
+        norm = np.linalg.norm(d_ego, axis=-1)
+        dist = t * norm
+        fog = np.where(self.ground, 1.0 - np.exp(-dist / FOG_DISTANCE), 1.0)[..., None]
+        blend = np.clip((dist - 15.0) / 25.0, 0.0, 1.0)[..., None]
+        self.w_near = np.repeat((1 - blend) * (1 - fog), 3, axis=2).astype(np.float32)
+        self.w_far = np.repeat(blend * (1 - fog), 3, axis=2).astype(np.float32)
+        elevation = np.clip(d_ego[..., 2] / norm, 0.0, 1.0)[..., None]
+        sky = SKY_HORIZON + (SKY_ZENITH - SKY_HORIZON) * np.sqrt(elevation)
+        self.background = np.where(self.ground[..., None], fog * SKY_HORIZON, sky).astype(np.float32)
 
 
-def render_camera(rays: CameraRays, rot: np.ndarray, pos: np.ndarray, boxes: BoxSet, texture: GroundTexture,
-                  sun, rng: np.random.Generator | None = None):
-    """Render one camera whose frame maps to the global frame by (rot, pos).
+# Window bands (fraction of the height) of the vehicle kinds.
+_GLASS_LOW = np.zeros(9)
+_GLASS_HIGH = np.zeros(9)
+_GLASS_LOW[[CAR, TRUCK, BUS]] = (0.62, 0.65, 0.45)
+_GLASS_HIGH[[CAR, TRUCK, BUS]] = (0.9, 0.9, 0.85)
+
+
+def render_camera(cam: CameraModel, ego: tuple[float, float, float], boxes: BoxSet, texture: GroundTexture, sun):
+    """Render one camera for the ego pose (x, y, yaw) on the ground plane.
 
     Returns (image H x W x 3 uint8 RGB, ids H x W int32 (box index or -1), visible pixels per box N,
     projected (unoccluded) pixels per box N).
     """
-    sensor = rays.sensor
-    w, h = sensor.size
-    k = sensor.intrinsic
-    r_cam = rays.rays
-    sun = np.asarray(sun, np.float64)
-
-    # Ground and sky.
-    d_global = r_cam @ rot.T.astype(np.float32)  # H x W x 3, not normalized (camera z = 1)
-    dz = d_global[..., 2]
-    ground = dz < -1e-6
-    t_ground = np.where(ground, -pos[2] / np.where(ground, dz, -1.0), np.inf).astype(np.float32)
-    gx = pos[0] + t_ground * d_global[..., 0]
-    gy = pos[1] + t_ground * d_global[..., 1]
-    col, row = texture.texel(gx, gy)
-    col = np.where(ground, col, -10.0).astype(np.float32)
-    row = np.where(ground, row, -10.0).astype(np.float32)
+    ex, ey, eyaw = ego
+    w, h = cam.sensor.size
+    c, s = math.cos(eyaw), math.sin(eyaw)
+    # Ground: the ego-frame ground points move rigidly with the ego; sample the texture there.
+    to_col = np.float32(1.0 / texture.resolution)
+    col = ((ex + c * cam.ground_x - s * cam.ground_y) - texture.xmin) * to_col
+    row = (texture.ymax - (ey + s * cam.ground_x + c * cam.ground_y)) * to_col
+    col[~cam.ground] = -10.0
     border = tuple(float(v) for v in GROUND_RGB[VERGE])
-    near_rgb = cv2.remap(texture.rgb, col, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT,
-                         borderValue=border).astype(np.float32)
-    far_rgb = cv2.remap(texture.rgb_far, col, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT,
-                        borderValue=border).astype(np.float32)
-    norm = np.linalg.norm(d_global, axis=-1)
-    dist = t_ground * norm
-    blend = np.clip((dist - 15.0) / 25.0, 0.0, 1.0)[..., None]
-    img = near_rgb * (1 - blend) + far_rgb * blend
-    elevation = np.clip(dz / norm, -1.0, 1.0)[..., None]
-    sky = SKY_HORIZON + (SKY_ZENITH - SKY_HORIZON) * np.sqrt(np.clip(elevation, 0.0, 1.0))
-    fog = np.where(ground, 1.0 - np.exp(-np.where(ground, dist, 0.0) / FOG_DISTANCE), 1.0)[..., None]
-    img = img * (1 - fog) + SKY_HORIZON * fog
-    img = np.where(ground[..., None], img, sky)
-    depth = t_ground.copy()  # camera-frame z of what each pixel shows
-    ids = np.full((h, w), -1, np.int32)
+    near = cv2.remap(texture.rgb, col, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=border)
+    far = cv2.remap(texture.rgb_far, col, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=border)
+    img = cv2.add(cv2.add(cv2.multiply(near, cam.w_near, dtype=cv2.CV_32F),
+                          cv2.multiply(far, cam.w_far, dtype=cv2.CV_32F)), cam.background)
 
+    rot = yaw_matrix(eyaw) @ cam.sensor.rotation_matrix  # camera -> global
+    pos = yaw_matrix(eyaw) @ np.asarray(cam.sensor.translation) + np.array([ex, ey, 0.0])
     n = len(boxes)
+    ids = np.full((h, w), -1, np.int32)
     visible = np.zeros(n, np.int64)
     projected = np.zeros(n, np.int64)
-    if n:
-        _draw_shadows(img, ground, depth, boxes, rot, pos, k, sun)
-        _draw_boxes(img, depth, ids, projected, boxes, rot, pos, k, r_cam, sun, w, h)
-        hit = ids[ids >= 0]
-        visible = np.bincount(hit, minlength=n).astype(np.int64)
-    if rng is not None:
-        img = img + rng.normal(0.0, 2.0, size=img.shape).astype(np.float32)
-    return np.clip(img, 0, 255).astype(np.uint8), ids, visible, projected
+    if n == 0:
+        return cv2.convertScaleAbs(img), ids, visible, projected
+    sun = np.asarray(sun, np.float64)
+    shadow = _shadow_mask(boxes, rot, pos, cam.k, w, h, sun)
+    inv_depth = cam.inv_ground_depth.copy()
+    face_id = np.full((h, w), -1, np.int32)
+    face_st = np.zeros((2, h, w), np.float32)
+    faces = _rasterize_faces(boxes, rot, pos, cam, sun, inv_depth, face_id, face_st, projected)
+    pix = np.flatnonzero(face_id >= 0)
+    ground_shadow = shadow & (face_id < 0) & cam.ground
+    img[ground_shadow] *= 0.6
+    if len(pix):
+        fid = face_id.reshape(-1)[pix]
+        st = face_st.reshape(2, -1)[:, pix]
+        img.reshape(-1, 3)[pix] = _paint_pixels(faces, fid, st[0], st[1])
+        ids.reshape(-1)[pix] = faces["box"][fid]
+        visible = np.bincount(ids.reshape(-1)[pix], minlength=n).astype(np.int64)
+    return cv2.convertScaleAbs(img), ids, visible, projected
 
 
-def _to_camera(points: np.ndarray, rot: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    return (points - pos) @ rot
-
-
-def _draw_shadows(img, ground, depth, boxes: BoxSet, rot, pos, k, sun):
-    """Darken the ground inside each box's shadow (its corners projected along the sun onto z = 0)."""
-    h, w = ground.shape
+def _shadow_mask(boxes: BoxSet, rot, pos, k, w, h, sun) -> np.ndarray:
+    """Pixels where the ground lies in the shadow of a box (its corners projected along the sun onto z = 0)."""
     mask = np.zeros((h, w), np.uint8)
     shift = 4
     for i in range(len(boxes)):
+        if boxes.kind[i] == BUILDING:
+            continue  # building shadows would fall on the verges and blocks, which we keep plain
         corners = box_corners(boxes.center[i], boxes.size[i], boxes.yaw[i])
-        flat = corners - sun[None, :] * (corners[:, 2:3] / sun[2])
-        hull = cv2.convexHull(np.round(flat[:, :2] * 100).astype(np.int64).astype(np.float32)).reshape(-1, 2) / 100
-        poly = np.concatenate([hull, np.zeros((len(hull), 1))], 1)
-        cam = _clip_near(_to_camera(poly, rot, pos))
+        flat = corners[:, :2] - sun[None, :2] * (corners[:, 2:3] / sun[2])
+        hull = cv2.convexHull(flat.astype(np.float32)).reshape(-1, 2).astype(np.float64)
+        cam = _clip_near((np.concatenate([hull, np.zeros((len(hull), 1))], 1) - pos) @ rot)
         if len(cam) < 3:
             continue
         uv = _project(cam, k)
         if uv[:, 0].max() < 0 or uv[:, 1].max() < 0 or uv[:, 0].min() >= w or uv[:, 1].min() >= h:
             continue
-        uv = np.clip(uv, -1e5, 1e5)
-        cv2.fillConvexPoly(mask, np.round(uv * (1 << shift)).astype(np.int32), 1, cv2.LINE_8, shift)
-    shade = (mask > 0) & ground
-    img[shade] *= 0.6
+        cv2.fillConvexPoly(mask, np.round(np.clip(uv, -1e5, 1e5) * (1 << shift)).astype(np.int32), 1, cv2.LINE_8,
+                           shift)
+    return mask.astype(bool)
 
 
-def _draw_boxes(img, depth, ids, projected, boxes: BoxSet, rot, pos, k, r_cam, sun, w, h):
+def _rasterize_faces(boxes: BoxSet, rot, pos, cam: CameraModel, sun, inv_depth, face_id, face_st,
+                     projected) -> dict:
+    """Depth-test every camera-facing box face into (inv_depth, face_id) and record the face coordinates (s, t)
+    of the pixels it wins in face_st. A planar face's inverse depth is affine in the pixel coordinates and its
+    face coordinates are a homography of them, so each face costs a few operations on its bounding rectangle.
+
+    Returns per-face arrays: box index, kind, face type, colour, shade, metric size (across, up)."""
+    k = cam.k
+    h, w = face_id.shape
+    k_inv = np.linalg.inv(k)
     shift = 4
+    recs = {"box": [], "kind": [], "type": [], "color": [], "shade": [], "extent": []}
     for i in range(len(boxes)):
-        center, size, yaw = boxes.center[i], boxes.size[i], boxes.yaw[i]
-        corners = box_corners(center, size, yaw)
-        cam = _to_camera(corners, rot, pos)
-        if cam[:, 2].max() < NEAR_PLANE:
+        size = boxes.size[i]
+        half = np.array([size[1], size[0], size[2]]) / 2  # box-frame x: l, y: w, z: h
+        box_rot = yaw_matrix(boxes.yaw[i])
+        center = boxes.center[i]
+        if np.linalg.norm((center - pos) @ rot) > 400.0:
             continue
-        c, s = math.cos(yaw), math.sin(yaw)
-        box_rot = np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])  # box -> global
-        # Camera point -> box frame: p_box = box_rot^T (rot p_cam + pos - center).
-        cam_to_box = box_rot.T @ rot
-        offset = box_rot.T @ (pos - center)
-        for f, (idx, normal) in enumerate(_FACES):
-            n_global = box_rot @ np.asarray(normal)
-            face_center = corners[list(idx)].mean(0)
-            if np.dot(n_global, pos - face_center) <= 0:
-                continue  # facing away
-            poly = _clip_near(cam[list(idx)])
-            if len(poly) < 3:
+        for f in range(5):
+            normal_g = box_rot @ _FACES[f, 0]
+            origin_g = box_rot @ (_FACES[f, 1] * half) + center
+            if np.dot(normal_g, pos - origin_g) <= 1e-9:
+                continue  # facing away from the camera
+            e_s = box_rot @ ((_FACES[f, 2] - _FACES[f, 1]) * half)
+            e_t = box_rot @ ((_FACES[f, 3] - _FACES[f, 1]) * half)
+            quad_g = np.stack([origin_g, origin_g + e_s, origin_g + e_s + e_t, origin_g + e_t])
+            quad = _clip_near((quad_g - pos) @ rot)
+            if len(quad) < 3:
                 continue
-            uv = _project(poly, k)
+            uv = _project(quad, k)
             x0, y0 = np.floor(uv.min(0)).astype(np.int64)
             x1, y1 = np.ceil(uv.max(0)).astype(np.int64)
             x0, y0, x1, y1 = max(x0, 0), max(y0, 0), min(x1, w - 1), min(y1, h - 1)
@@ -366,32 +353,89 @@ def _draw_boxes(img, depth, ids, projected, boxes: BoxSet, rot, pos, k, r_cam, s
             mask = np.zeros((y1 - y0 + 1, x1 - x0 + 1), np.uint8)
             local = np.clip(uv - (x0, y0), -1e5, 1e5)
             cv2.fillConvexPoly(mask, np.round(local * (1 << shift)).astype(np.int32), 1, cv2.LINE_8, shift)
-            rr, cc = np.nonzero(mask)
-            if len(rr) == 0:
+            inside = mask.view(bool)
+            count = int(np.count_nonzero(inside))
+            if count == 0:
                 continue
-            projected[i] += len(rr)
-            rr += y0
-            cc += x0
-            ray = r_cam[rr, cc].astype(np.float64)  # M x 3
-            n_cam = rot.T @ n_global
-            z = np.dot(n_cam, poly[0]) / (ray @ n_cam)
-            closer = (z > 0) & (z < depth[rr, cc])
-            if not closer.any():
+            projected[i] += count
+            # Plane n . X = d in the camera frame; 1/z = (n^T K^-1 [u, v, 1]) / d.
+            n_c = rot.T @ normal_g
+            d = float(n_c @ ((origin_g - pos) @ rot))
+            a, b, c0 = (n_c @ k_inv) / d
+            inv_z = (a * cam.u[x0:x1 + 1])[None, :] + (b * cam.v[y0:y1 + 1] + c0)[:, None]
+            sub = inv_depth[y0:y1 + 1, x0:x1 + 1]
+            win = inside & (inv_z > sub)
+            if not win.any():
                 continue
-            rr, cc, z, ray = rr[closer], cc[closer], z[closer], ray[closer]
-            p_box = (ray * z[:, None]) @ cam_to_box.T + offset
-            half = np.asarray([size[1], size[0], size[2]]) / 2  # x: l, y: w, z: h
-            t = (p_box[:, 2] + half[2]) / size[2]
-            if f in (0, 1):
-                u = (p_box[:, 1] + half[1]) / size[0]
-                u = 1 - u if f == 0 else u
-            elif f in (2, 3):
-                u = (p_box[:, 0] + half[0]) / size[1]
-                u = 1 - u if f == 2 else u
-            else:
-                u = (p_box[:, 0] + half[0]) / size[1]
-            rgb = _paint(int(boxes.kind[i]), f, np.clip(u, 0, 1), np.clip(t, 0, 1), boxes.color[i], size)
-            shade = 0.5 + 0.55 * max(0.0, float(np.dot(n_global, sun)))
-            img[rr, cc] = rgb * shade
-            depth[rr, cc] = z
-            ids[rr, cc] = i
+            fidx = len(recs["box"])
+            np.copyto(sub, inv_z, where=win)
+            np.copyto(face_id[y0:y1 + 1, x0:x1 + 1], fidx, where=win)
+            # [u, v, 1] ~ K [e_s, e_t, origin] [s, t, 1] (camera frame), so [s, t, 1] ~ M^-1 [u, v, 1].
+            hinv = _inverse3(k @ np.stack([e_s @ rot, e_t @ rot, (origin_g - pos) @ rot], 1))
+            uu, vv = cam.u[x0:x1 + 1][None, :], cam.v[y0:y1 + 1][:, None]
+            q = [hinv[r, 0] * uu + (hinv[r, 1] * vv + hinv[r, 2]) for r in range(3)]
+            np.copyto(face_st[0, y0:y1 + 1, x0:x1 + 1], q[0] / q[2], where=win, casting="unsafe")
+            np.copyto(face_st[1, y0:y1 + 1, x0:x1 + 1], q[1] / q[2], where=win, casting="unsafe")
+            recs["box"].append(i)
+            recs["kind"].append(boxes.kind[i])
+            recs["type"].append(f)
+            recs["color"].append(boxes.color[i])
+            recs["shade"].append(0.5 + 0.55 * max(0.0, float(normal_g @ sun)))
+            recs["extent"].append((np.linalg.norm(e_s), np.linalg.norm(e_t)))
+    if not recs["box"]:
+        return {"box": np.zeros(0, np.int32)}
+    return {key: np.asarray(v) for key, v in recs.items()}
+
+
+def _inverse3(m: np.ndarray) -> np.ndarray:
+    """Inverse of a 3 x 3 matrix by cross products (LAPACK's per-call overhead dominates at this size)."""
+    a, b, c = m[:, 0], m[:, 1], m[:, 2]
+    rows = np.stack([np.cross(b, c), np.cross(c, a), np.cross(a, b)])
+    return rows / np.dot(a, rows[0])
+
+
+def _paint_pixels(faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Colour of object pixels showing faces `fid` at face coordinates (s, t): the face's base colour with its
+    details (windows, wheels, lamps, clothes, stripes), times the face's sun shading. Returns M x 3 float32."""
+    s = np.clip(s, 0.0, 1.0)
+    t = np.clip(t, 0.0, 1.0)
+    kind, ftype = faces["kind"][fid], faces["type"][fid]
+    rgb = faces["color"][fid].astype(np.float32)
+    for group in np.flatnonzero(np.bincount(kind, minlength=BUILDING + 1)):
+        sel = np.flatnonzero(kind == group)
+        rgb[sel] = _paint_kind(int(group), ftype[sel], s[sel], t[sel], rgb[sel], faces["extent"][fid[sel]])
+    return rgb * faces["shade"][fid].astype(np.float32)[:, None]
+
+
+def _paint_kind(kind: int, ftype: np.ndarray, s: np.ndarray, t: np.ndarray, rgb: np.ndarray,
+                extent: np.ndarray) -> np.ndarray:
+    side = (ftype == LEFT) | (ftype == RIGHT)
+    ends = (ftype == FRONT) | (ftype == BACK)
+    if kind in (CAR, TRUCK, BUS):
+        glass = (ftype != TOP) & (t > _GLASS_LOW[kind]) & (t < _GLASS_HIGH[kind]) & (s > 0.06) & (s < 0.94)
+        if kind == TRUCK:
+            glass &= ~(side & (s < 0.75))  # a truck's box has no side windows, its cab does
+        rgb[glass] = np.float32((45, 55, 68)) + 0.15 * rgb[glass]
+        rgb[side & (t < 0.3) & ((np.abs(s - 0.18) < 0.08) | (np.abs(s - 0.82) < 0.08))] = (22, 22, 24)
+        if kind != BUS:
+            lamp = ends & (t > 0.3) & (t < 0.42) & ((s < 0.18) | (s > 0.82))
+            rgb[lamp & (ftype == FRONT)] = (250, 245, 215)
+            rgb[lamp & (ftype == BACK)] = (200, 25, 20)
+    elif kind in (MOTORCYCLE, BICYCLE):
+        rgb[t < (0.35 if kind == MOTORCYCLE else 0.5)] = (28, 28, 30)
+    elif kind == PEDESTRIAN:
+        rgb[t > 0.86] = (215, 175, 145)
+        rgb[t < 0.46] = (45, 50, 75)
+    elif kind == CONE:
+        rgb[(t > 0.45) & (t < 0.65)] = (240, 240, 240)
+    elif kind == BARRIER:
+        rgb[(ftype != TOP) & (np.floor(s * 6) % 2 == 0) & (t > 0.4)] = (210, 35, 30)
+    elif kind == BUILDING:
+        # A grid of windows: floors every 3.2 m, bays every 3 m; darker roofs.
+        up_m = t * extent[:, 1]
+        floor_m = up_m % 3.2
+        bay_m = (s * extent[:, 0]) % 3.0
+        window = (ftype != TOP) & (floor_m > 1.0) & (floor_m < 2.4) & (bay_m > 0.6) & (bay_m < 2.2) & (up_m > 0.5)
+        rgb[window] = (62, 74, 92)
+        rgb[ftype == TOP] *= 0.7
+    return rgb

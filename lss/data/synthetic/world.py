@@ -415,24 +415,18 @@ def _place_roadside(rng, rd: Road, window, t, side, agents, num_samples):
                         _add_static(agents, rd, s + size[1] / 2, lat + rng.uniform(-0.15, 0.15), yaw_of_road(rd, d),
                                     "vehicle.car", size, color, "vehicle.parked", t)
                         s += size[1] + rng.uniform(1.0, 4.0)
-                    elif kind < 0.72:  # a row of cones
-                        n = int(rng.integers(3, 7))
-                        if s + 2.0 * n > hi:
+                    elif kind < 0.8:  # a row of traffic cones, or of barriers along the shoulder
+                        cones = kind < 0.72
+                        cat = "movable_object.trafficcone" if cones else "movable_object.barrier"
+                        spacing = 2.0 if cones else 2.6
+                        n = int(rng.integers(3, 7) if cones else rng.integers(1, 4))
+                        if s + spacing * n > hi:
                             break
                         for c in range(n):
-                            size = _size(rng, "movable_object.trafficcone")
-                            _add_static(agents, rd, s + 2.0 * c + 0.3, lat + lat_sign * 0.3, 0.0,
-                                        "movable_object.trafficcone", size, (250, 110, 20), None, t)
-                        s += 2.0 * n + 1.0
-                    elif kind < 0.8:  # barriers along the shoulder
-                        n = int(rng.integers(1, 4))
-                        if s + 2.6 * n > hi:
-                            break
-                        for c in range(n):
-                            size = _size(rng, "movable_object.barrier")
-                            _add_static(agents, rd, s + 2.6 * c + 1.3, lat, yaw_of_road(rd, 1),
-                                        "movable_object.barrier", size, (235, 235, 225), None, t)
-                        s += 2.6 * n + 1.0
+                            _add_static(agents, rd, s + spacing * (c + 0.5), lat + (lat_sign * 0.3 if cones else 0.0),
+                                        0.0 if cones else yaw_of_road(rd, 1), cat, _size(rng, cat),
+                                        (250, 110, 20) if cones else (235, 235, 225), None, t)
+                        s += spacing * n + 1.0
                     else:
                         s += rng.uniform(4.0, 15.0)
         # Parked bicycles near the outer edge of the sidewalk.

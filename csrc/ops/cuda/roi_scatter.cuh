@@ -1,0 +1,101 @@
+// Gradient scatter of roi_align / roi_pool into a channels-last (N x H x W x C) float accumulator.
+// Fast path: atomics, coalesced over channels. Deterministic path (torch.use_deterministic_algorithms): every
+// (roi, bin) lists the pixels it touches as channel-independent entries (pixel key, bin, sample id, weight); a
+// stable sort by pixel makes each pixel's entries one segment, summed by a single thread per (pixel, channel) in
+// a fixed order, so results are bit-identical run to run.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include "ops/common.h"
+
+namespace lss {
+namespace roi_scatter {
+
+// Entries of the deterministic path; key == sentinel marks a sample that touches no pixel.
+struct Entries {
+  at::Tensor key;     // int64: image * H * W + pixel
+  at::Tensor bin;     // int64: roi * PH * PW + bin
+  at::Tensor sample;  // int32: the sample id (roi_align) or pixel (roi_pool) the argmax must equal in max mode
+  at::Tensor weight;  // acc_t
+};
+
+// Per-bin entry counts -> exclusive offsets and the total (one host sync, deterministic path only).
+inline std::pair<at::Tensor, int64_t> exclusive_offsets(const at::Tensor& counts) {
+  const auto inclusive = at::cumsum(counts, 0);
+  const int64_t total = counts.numel() > 0 ? inclusive[-1].item<int64_t>() : 0;
+  return {inclusive - counts, total};
+}
+
+inline Entries alloc_entries(int64_t total, const at::Tensor& like, at::ScalarType acc) {
+  const auto o = like.options();
+  return {at::empty({total}, o.dtype(at::kLong)), at::empty({total}, o.dtype(at::kLong)),
+          at::empty({total}, o.dtype(at::kInt)), at::empty({total}, o.dtype(acc))};
+}
+
+// Grid size of a grid-stride kernel over `items` threads.
+inline int grid_for(int64_t items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(items, kThreads), int64_t(1) << 20)));
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void segment_sum_kernel(int64_t num_items, int64_t C, int64_t bins, int64_t sentinel,
+                                   const int64_t* __restrict__ seg_key, const int64_t* __restrict__ seg_end,
+                                   const int64_t* __restrict__ seg_count, const int64_t* __restrict__ perm,
+                                   const int64_t* __restrict__ entry_bin, const int32_t* __restrict__ entry_sample,
+                                   const acc_t* __restrict__ entry_weight, const scalar_t* __restrict__ grad,
+                                   const int32_t* __restrict__ argmax, acc_t* __restrict__ grad_nhwc) {
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < num_items;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t seg = idx / C, c = idx % C;
+    const int64_t key = seg_key[seg];
+    if (key == sentinel) continue;
+    const int64_t end = seg_end[seg];
+    acc_t acc = acc_t(0);
+    for (int64_t j = end - seg_count[seg]; j < end; ++j) {
+      const int64_t e = perm[j];
+      const int64_t kb = entry_bin[e];
+      const int64_t g = ((kb / bins) * C + c) * bins + kb % bins;
+      if (argmax != nullptr && argmax[g] != entry_sample[e]) continue;
+      acc += static_cast<acc_t>(grad[g]) * entry_weight[e];
+    }
+    grad_nhwc[key * C + c] = acc;
+  }
+}
+
+// Sums the entries into grad_nhwc (zero-initialised, N*H*W x C). grad: K x C x PH x PW contiguous; argmax
+// (same shape, int32) or undefined for avg mode.
+template <typename scalar_t, typename acc_t>
+void deterministic_scatter(const Entries& entries, int64_t sentinel, const at::Tensor& grad, const at::Tensor& argmax,
+                           at::Tensor& grad_nhwc) {
+  if (entries.key.numel() == 0) return;
+  const int64_t C = grad.size(1), bins = grad.size(2) * grad.size(3);
+  const auto sorted = entries.key.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const auto& sorted_key = std::get<0>(sorted);
+  const auto perm = std::get<1>(sorted).contiguous();
+  const auto uniq = at::unique_consecutive(sorted_key, /*return_inverse=*/false, /*return_counts=*/true);
+  const auto seg_key = std::get<0>(uniq).contiguous();
+  const auto seg_count = std::get<2>(uniq).contiguous();
+  const auto seg_end = at::cumsum(seg_count, 0).contiguous();
+  const int64_t items = seg_key.numel() * C;
+  if (items == 0) return;
+  segment_sum_kernel<scalar_t, acc_t><<<grid_for(items), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      items, C, bins, sentinel, seg_key.data_ptr<int64_t>(), seg_end.data_ptr<int64_t>(),
+      seg_count.data_ptr<int64_t>(), perm.data_ptr<int64_t>(), entries.bin.data_ptr<int64_t>(),
+      entries.sample.data_ptr<int32_t>(), entries.weight.data_ptr<acc_t>(), grad.data_ptr<scalar_t>(),
+      argmax.defined() ? argmax.data_ptr<int32_t>() : nullptr, grad_nhwc.data_ptr<acc_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// N x H x W x C accumulator -> N x C x H x W gradient in the features' dtype (one transposing copy).
+inline at::Tensor nhwc_to_nchw(const at::Tensor& grad_nhwc, at::ScalarType dtype) {
+  auto out = at::empty({grad_nhwc.size(0), grad_nhwc.size(3), grad_nhwc.size(1), grad_nhwc.size(2)},
+                       grad_nhwc.options().dtype(dtype));
+  out.copy_(grad_nhwc.permute({0, 3, 1, 2}));
+  return out;
+}
+
+}  // namespace roi_scatter
+}  // namespace lss

@@ -1,0 +1,139 @@
+"""Train step and inference of the whole LSS model at the paper's configuration (B4, 6 cameras at 128x352, D41,
+200x200 grid): ours (bev_pool op, bf16 autocast, channels_last) vs the pure-PyTorch splat in fp32.
+
+Random images with the real nuScenes rig (lss/data/nuscenes_rig.json); a slightly different augmentation every
+step, so the frustum LUT is rebuilt as in training. Peak memory (torch.cuda.max_memory_allocated) goes in notes."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from lss.config import Config, load_config
+from lss.geometry import image_augmentation, load_nuscenes_rig, val_augmentation
+
+LSS_CONFIG = ["data.classes=[vehicle]", "loss.type=bce"]  # the defaults are the paper's sizes
+QUICK_CONFIG = LSS_CONFIG + ["data.final_dim=[32, 96]", "grid.xbound=[-8.0, 8.0, 1.0]",
+                             "grid.ybound=[-8.0, 8.0, 1.0]", "grid.dbound=[4.0, 12.0, 2.0]"]
+IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last)
+    "lss": ("bev_pool", torch.bfloat16, True),
+    "reference_splat_fp32": ("reference", None, False),
+}
+AUG_VARIANTS = 4
+
+
+def random_batches(cfg: Config, batch_size: int, device: torch.device, variants: int = AUG_VARIANTS) -> list[dict]:
+    """`variants` batches of random images on the real rig, each with its own small crop jitter (a new LUT)."""
+    g = torch.Generator().manual_seed(0)
+    h, w = cfg.data.final_dim
+    K, rot, trans = load_nuscenes_rig(cfg.data.cameras)
+    n = K.shape[0]
+    resize, (x0, y0) = val_augmentation((1600, 900), (h, w), cfg.data.bot_pct_lim)
+    images = torch.randn(batch_size, n, 3, h, w, generator=g).to(device)
+    targets = (torch.rand(batch_size, len(cfg.data.classes), *_grid_shape(cfg), generator=g) > 0.9).float()
+    batches = []
+    for v in range(variants):
+        post_rot, post_trans = image_augmentation(resize, (x0 + v, y0 + v))
+        rig = {"intrinsics": K, "sensor2ego_rot": rot, "sensor2ego_trans": trans,
+               "post_rot": post_rot.expand(n, 3, 3), "post_trans": post_trans.expand(n, 3)}
+        batch = {k: t.unsqueeze(0).expand(batch_size, *t.shape).contiguous().to(device) for k, t in rig.items()}
+        batch.update(images=images, targets=targets.to(device))
+        batches.append(batch)
+    return batches
+
+
+def _grid_shape(cfg: Config) -> tuple[int, int]:
+    from lss.geometry import BevGrid
+
+    return BevGrid.from_config(cfg.grid).shape
+
+
+def _build(cfg: Config, impl: str, device: torch.device):
+    from lss.engine.losses import TotalLoss
+    from lss.models import LiftSplatShoot
+
+    splat, dtype, channels_last = IMPLS[impl]
+    cfg.model.splat = splat
+    torch.manual_seed(0)
+    model = LiftSplatShoot(cfg).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    use_amp = dtype is not None and device.type == "cuda"
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype) if use_amp else contextlib.nullcontext()
+
+    return model, TotalLoss(cfg).to(device), autocast
+
+
+def _peak_gb(device: torch.device, fn) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 1e9
+
+
+def run(ctx) -> list[dict]:
+    device = ctx.device
+    overrides = QUICK_CONFIG if ctx.quick else LSS_CONFIG
+    shape = "B{b}, 6 cams {h}x{w}, D{d}, {nx}x{ny} grid"
+    rows = []
+    for impl in IMPLS:
+        cfg = load_config(None, overrides)
+        model, loss_fn, autocast = _build(cfg, impl, device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        batches = random_batches(cfg, 1 if ctx.quick else 4, device)
+        counter = [0]
+
+        def train_step():
+            batch = batches[counter[0] % len(batches)]
+            counter[0] += 1
+            with autocast():
+                out = model(batch)
+            loss = loss_fn(out, batch)["loss"]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        model.train()
+        ms = ctx.time(train_step, warmup=5, reps=20)
+        peak = _peak_gb(device, train_step)
+        b, n, _, h, w = batches[0]["images"].shape
+        nx, ny = _grid_shape(cfg)
+        desc = shape.format(b=b, h=h, w=w, d=model.splat.depth_bins, nx=nx, ny=ny)
+        rows.append({"case": "train_step_B4" if not ctx.quick else "train_step_quick", "impl": impl, "ms": ms,
+                     "floor_ms": None, "notes": f"{desc}; peak {peak:.2f} GB; fwd+bwd+Adam, LUT rebuilt per step"})
+
+        model.eval()
+        one = {k: v[:1] for k, v in batches[0].items()}
+
+        def infer():
+            with torch.no_grad(), autocast():
+                model(one)
+
+        ms = ctx.time(infer, warmup=5, reps=30)
+        peak = _peak_gb(device, infer)
+        rows.append({"case": "inference_B1", "impl": impl, "ms": ms, "floor_ms": None,
+                     "notes": f"{shape.format(b=1, h=h, w=w, d=model.splat.depth_bins, nx=nx, ny=ny)}; peak "
+                              f"{peak:.2f} GB; fixed rig (cached LUT)"})
+        del model, optimizer, batches
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def smoke(device) -> None:
+    """One tiny training step (forward + backward) of the whole model."""
+    device = torch.device(device)
+    cfg = load_config(None, QUICK_CONFIG)
+    model, loss_fn, autocast = _build(cfg, "lss", device)
+    batch = random_batches(cfg, 1, device, variants=1)[0]
+    with autocast():
+        out = model(batch)
+    loss_fn(out, batch)["loss"].backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,112 @@
+"""Checkpoints: model (unwrapped), optimizer, scheduler, scaler, step, config and version, written atomically."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+import lss
+from lss.config import Config, config_from_dict, config_to_dict
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = ("format", "model", "step", "config", "version")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, corrupt or does not fit the model; the message says which and what to do."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model under DistributedDataParallel and torch.compile wrappers."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def atomic_save(obj: Any, path: Union[str, Path]) -> None:
+    """torch.save to a temp file in the same directory, then os.replace: readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(path: Union[str, Path], model: nn.Module, step: int, config: Config,
+                    optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Optional[Any] = None,
+                    scaler: Optional[torch.amp.GradScaler] = None, extra: Optional[dict] = None) -> None:
+    state = {
+        "format": FORMAT_VERSION,
+        "version": lss.__version__,
+        "step": int(step),
+        "config": config_to_dict(config),
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "extra": extra or {},
+    }
+    atomic_save(state, path)
+
+
+def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> dict:
+    """Read and validate a checkpoint; raises CheckpointError naming the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); the file is corrupt or "
+                              "truncated: use another checkpoint (e.g. best.pt instead of last.pt)") from None
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
+        have = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"checkpoint {path} is not an lss checkpoint: expected keys {list(REQUIRED_KEYS)}, "
+                              f"found {have}")
+    if state["format"] != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {state['format']} (written by lss {state['version']}); "
+                              f"this lss {lss.__version__} reads format {FORMAT_VERSION}")
+    return state
+
+
+def checkpoint_config(state: dict) -> Config:
+    """The config a checkpoint was trained with."""
+    return config_from_dict(state["config"])
+
+
+def load_model_state(model: nn.Module, state: dict, path: Union[str, Path] = "checkpoint") -> None:
+    """Load the checkpoint's weights into `model`, with an error that lists what does not fit."""
+    target = unwrap(model)
+    own = target.state_dict()
+    weights = state["model"]
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    mismatched = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v.shape)}"
+                  for k, v in own.items() if k in weights and weights[k].shape != v.shape]
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} (e.g. {missing[:3]})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} (e.g. {unexpected[:3]})")
+        if mismatched:
+            parts.append(f"shape mismatch {len(mismatched)} (e.g. {mismatched[:3]})")
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {'; '.join(parts)}. Use the config it was "
+                              "trained with (its model, grid and data.classes/final_dim sections; the checkpoint "
+                              "holds it under 'config')")
+    target.load_state_dict(weights)

@@ -1,0 +1,85 @@
+"""Process-group setup for `torchrun --nproc_per_node=K -m lss train ...`; a single process needs none of it."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Join the process group that torchrun describes in RANK/WORLD_SIZE/LOCAL_RANK (NCCL on GPU, gloo on CPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistInfo()
+    info = DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+    if device_type == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return info
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class EpochSampler(Sampler[int]):
+    """Per-epoch shuffled indices, sharded over ranks, that can start mid-epoch (for exact resume).
+
+    The order is a function of (seed, epoch) only. With `pad` each rank gets ceil(len / world_size) indices (the
+    list wraps around, as DistributedSampler does); without it (evaluation) every sample is seen exactly once.
+    The first `start` indices of the rank's share are skipped.
+    """
+
+    def __init__(self, length: int, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 pad: bool = True):
+        self.length, self.shuffle, self.seed, self.pad = length, shuffle, seed, pad
+        self.rank, self.world_size = rank, world_size
+        if pad:
+            self.per_rank = math.ceil(length / world_size) if length else 0
+        else:
+            self.per_rank = len(range(rank, length, world_size))
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return max(self.per_rank - self.start, 0)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            order = torch.randperm(self.length, generator=g).tolist()
+        else:
+            order = list(range(self.length))
+        if self.pad:
+            total = self.per_rank * self.world_size
+            order = (order * math.ceil(total / max(len(order), 1)))[:total]
+        yield from order[self.rank::self.world_size][self.start:]

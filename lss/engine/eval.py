@@ -1,0 +1,74 @@
+"""`lss eval`: dataset-level IoU per class of a checkpoint on the validation split, written to eval.json."""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from lss.config import Config
+from lss.engine.metrics import IoUMeter, format_iou_table
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device: torch.device,
+             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+             show_progress: bool = True) -> dict:
+    """IoU per class over every batch of `loader` (summed over distributed ranks); see IoUMeter.compute."""
+    meter = IoUMeter(cfg.data.classes, cfg.eval.threshold, cfg.eval.sweep)
+    was_training = model.training
+    model.eval()
+    limit = cfg.eval.max_batches
+    total = len(loader) if loader is not None else 0
+    total = min(total, limit) if limit is not None else total
+    try:
+        for i, batch in enumerate(tqdm(loader or [], total=total, desc="eval", unit="batch", leave=False,
+                                       dynamic_ncols=True, disable=not show_progress)):
+            if limit is not None and i >= limit:
+                break
+            batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with autocast():
+                logits = model(batch)["segmentation"]
+            meter.update(logits, batch["targets"])
+    finally:
+        model.train(was_training)
+    meter.all_reduce()
+    return meter.compute()
+
+
+def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -> dict:
+    """Evaluate checkpoint `ckpt` on data.val_split; writes eval.json to `out_dir` (default: the run directory
+    that holds the checkpoint) and prints the IoU table."""
+    from lss.engine.checkpoint import load_checkpoint, load_model_state
+    from lss.engine.train import (autocast_dtype, default_collate, default_dataset_fn, default_model_fn,
+                                  select_device, EpochSampler, make_loader)
+
+    path = Path(ckpt)
+    state = load_checkpoint(path)
+    device = select_device(cfg)
+    model = default_model_fn(cfg)
+    load_model_state(model, state, path)
+    model.to(device)
+    dataset = default_dataset_fn(cfg, cfg.data.val_split, False)
+    loader = make_loader(cfg, dataset, EpochSampler(len(dataset), shuffle=False, pad=False), cfg.eval.batch_size,
+                         False, default_collate(), device, cfg.train.seed)
+    dtype = autocast_dtype(cfg, device)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    result = evaluate(model, loader, cfg, device, autocast)
+    result.update({"checkpoint": str(path), "step": state["step"], "split": cfg.data.val_split,
+                   "samples": len(dataset)})
+    out = Path(out_dir) if out_dir else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=1))
+    print(format_iou_table(result, title=f"IoU (%) of {path} at step {state['step']} on {cfg.data.val_split} "
+                                         f"({len(dataset)} samples)"))
+    print(f"wrote {out / 'eval.json'}")
+    return result

@@ -1,0 +1,36 @@
+"""Building blocks shared by the camera and BEV encoders."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lss.ops import UpsampleBilinear
+
+
+def conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int = 3) -> list[nn.Module]:
+    return [
+        nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    ]
+
+
+class Up(nn.Module):
+    """Upsample the coarse map (bilinear, our op), concatenate the skip map, then two 3x3 conv-BN-ReLU.
+
+    forward(coarse B x Cc x h x w, skip B x Cs x (h*s) x (w*s)) -> B x out_channels x (h*s) x (w*s).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, scale_factor: int = 2):
+        super().__init__()
+        self.upsample = UpsampleBilinear(scale_factor=scale_factor)
+        self.conv = nn.Sequential(*conv_bn_relu(in_channels, out_channels), *conv_bn_relu(out_channels, out_channels))
+
+    def forward(self, coarse: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        coarse = self.upsample(coarse)
+        if coarse.shape[-2:] != skip.shape[-2:]:
+            raise ValueError(
+                f"Up: upsampled map is {tuple(coarse.shape[-2:])} but the skip map is {tuple(skip.shape[-2:])}; "
+                "input sizes must be divisible by the encoder's total stride"
+            )
+        return self.conv(torch.cat([skip, coarse], dim=1))

@@ -1,0 +1,92 @@
+"""Camera encoder: EfficientNet-B0 trunk -> fused stride-16 features -> per-pixel depth distribution and context."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from efficientnet_pytorch import EfficientNet
+from torch import nn
+
+from lss.models.blocks import Up
+
+# Modules of the classification network that the encoder never runs (dropping them keeps DDP free of unused params).
+_UNUSED_TRUNK_MODULES = ("_conv_head", "_bn1", "_avg_pooling", "_dropout", "_fc")
+
+
+class EfficientNetTrunk(nn.Module):
+    """EfficientNet-B0 up to its last block; returns the stride-16 and stride-32 feature maps.
+
+    forward(images B x 3 x H x W) -> (B x 112 x H/16 x W/16, B x 320 x H/32 x W/32).
+    """
+
+    stride16_channels = 112
+    stride32_channels = 320
+
+    def __init__(self, name: str = "efficientnet-b0", pretrained: Optional[str] = None):
+        super().__init__()
+        if name != "efficientnet-b0":
+            raise ValueError(f"model.backbone={name!r}: only 'efficientnet-b0' is supported")
+        net = EfficientNet.from_name(name)
+        net.set_swish(memory_efficient=False)  # plain x*sigmoid(x): traceable by torch.compile and ONNX export
+        for attr in _UNUSED_TRUNK_MODULES:
+            delattr(net, attr)
+        self.net = net
+        if pretrained:
+            self.load_imagenet(pretrained)
+
+    def load_imagenet(self, path: str) -> None:
+        """Load ImageNet weights saved by efficientnet-pytorch (a state dict file); never downloads."""
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"model.pretrained={path!r} does not exist; download efficientnet-b0 ImageNet weights "
+                "(efficientnet-b0-355c32eb.pth) to a local file and point model.pretrained at it, or set it to null"
+            )
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = {k: v for k, v in state.items() if k.split(".")[0] not in _UNUSED_TRUNK_MODULES}
+        missing, unexpected = self.net.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"model.pretrained={path!r} is not an efficientnet-b0 state dict: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        net = self.net
+        x = net._swish(net._bn0(net._conv_stem(images)))
+        stride16 = None
+        num_blocks = len(net._blocks)
+        for idx, block in enumerate(net._blocks):
+            drop_rate = net._global_params.drop_connect_rate * idx / num_blocks
+            y = block(x, drop_connect_rate=drop_rate)
+            if y.shape[-2:] != x.shape[-2:]:
+                stride16 = x  # overwritten at every reduction: ends as the map before the last one (16 -> 32)
+            x = y
+        if stride16 is None:
+            raise ValueError(f"EfficientNetTrunk: input {tuple(images.shape)} is too small (needs H, W >= 32)")
+        return stride16, x
+
+
+class CameraEncoder(nn.Module):
+    """Lift: per camera pixel of the stride-16 feature map, a softmax depth distribution over D bins and C context
+    features.
+
+    forward(images B*N x 3 x H x W) -> (depth B*N x D x H/16 x W/16 (probabilities), context B*N x C x H/16 x W/16).
+    """
+
+    def __init__(self, depth_bins: int, context_channels: int, backbone: str = "efficientnet-b0",
+                 pretrained: Optional[str] = None):
+        super().__init__()
+        self.depth_bins = depth_bins
+        self.context_channels = context_channels
+        self.trunk = EfficientNetTrunk(backbone, pretrained)
+        self.fuse = Up(EfficientNetTrunk.stride16_channels + EfficientNetTrunk.stride32_channels, 512)
+        self.head = nn.Conv2d(512, depth_bins + context_channels, kernel_size=1)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stride16, stride32 = self.trunk(images)
+        out = self.head(self.fuse(stride32, stride16))
+        depth = out[:, : self.depth_bins].softmax(dim=1)
+        context = out[:, self.depth_bins:]
+        return depth, context

@@ -1,0 +1,68 @@
+"""LiftSplatShoot: camera images -> depth-weighted frustum features -> BEV grid -> per-class BEV logits."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lss.config import Config, ConfigError
+from lss.geometry import BevGrid
+from lss.models.bev import BevEncoder
+from lss.models.camera import CameraEncoder
+from lss.models.splat import Splat
+
+SUPPORTED_HEADS = ("segmentation", "detection")
+CAMERA_STRIDE = 32  # the camera trunk's deepest reduction: input sizes must divide by it
+BEV_STRIDE = 8  # the BEV trunk's deepest reduction
+
+
+class LiftSplatShoot(nn.Module):
+    """forward(batch) -> {"segmentation": B x K x nx x ny logits}, K = len(config.data.classes); with "detection"
+    in model.heads also the DetectionHead outputs ("det_heatmap", "det_regression", ...; lss.models.detection).
+
+    batch holds "images" B x N x 3 x H x W and the rig: "intrinsics", "sensor2ego_rot", "post_rot" (B x N x 3 x 3),
+    "sensor2ego_trans", "post_trans" (B x N x 3), as produced by lss.data.collate.
+    """
+
+    def __init__(self, config: Config):
+        super().__init__()
+        model, data = config.model, config.data
+        unknown = [h for h in model.heads if h not in SUPPORTED_HEADS]
+        if unknown:
+            raise ConfigError(f"model.heads: unknown head(s) {unknown}; supported: {list(SUPPORTED_HEADS)}")
+        if "segmentation" not in model.heads:
+            raise ConfigError(f"model.heads={list(model.heads)}: the segmentation head is required (evaluation and "
+                              "checkpoint selection use its IoU)")
+        if model.downsample != 16:
+            raise ConfigError(f"model.downsample={model.downsample}: the EfficientNet camera encoder outputs stride 16")
+        height, width = data.final_dim
+        if height % CAMERA_STRIDE or width % CAMERA_STRIDE:
+            raise ConfigError(f"data.final_dim={list(data.final_dim)}: height and width must be multiples of "
+                              f"{CAMERA_STRIDE}, e.g. [128, 352] or [64, 192]")
+        grid = BevGrid.from_config(config.grid)
+        if grid.nx % BEV_STRIDE or grid.ny % BEV_STRIDE:
+            raise ConfigError(f"grid: the BEV grid is {grid.nx} x {grid.ny} cells; both must be multiples of "
+                              f"{BEV_STRIDE} (adjust grid.xbound/ybound)")
+        self.classes = tuple(data.classes)
+        self.splat = Splat(grid, data.final_dim, model.downsample, config.grid.dbound, model.splat)
+        self.camera = CameraEncoder(self.splat.depth_bins, model.context_channels, model.backbone, model.pretrained)
+        self.bev = BevEncoder(grid.nz * model.context_channels, len(self.classes))
+        self.detection = None
+        if "detection" in model.heads:
+            from lss.models.detection import DetectionHead
+
+            self.detection = DetectionHead(BevEncoder.feature_channels, config)
+
+    def forward(self, batch: dict) -> dict:
+        images = batch["images"]
+        if images.dim() != 5 or images.shape[2] != 3:
+            raise ValueError(f"batch['images'] must be B x N x 3 x H x W, got {tuple(images.shape)}")
+        b, n = images.shape[:2]
+        lut = self.splat.lut(batch)
+        depth, context = self.camera(images.flatten(0, 1))
+        depth = depth.unflatten(0, (b, n))
+        context = context.unflatten(0, (b, n))
+        features, logits = self.bev(self.splat(depth, context, lut))
+        outputs = {"segmentation": logits}
+        if self.detection is not None:
+            outputs.update(self.detection(features, batch))
+        return outputs

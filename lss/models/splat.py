@@ -1,0 +1,44 @@
+"""Splat: camera-frustum points -> BEV cells (a LUT built in float32) -> pooled BEV features (our bev_pool op)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lss.geometry import BevGrid, FrustumLUT, FrustumLUTCache, frustum
+from lss.ops import bev_pool, bev_pool_reference
+
+SPLAT_IMPLS = ("bev_pool", "reference")
+
+
+class Splat(nn.Module):
+    """Pools per-pixel depth x context outer products into the BEV grid.
+
+    lut(batch) -> FrustumLUT for the batch's camera rig and augmentation (float32 geometry, autocast off);
+    forward(depth B x N x D x fH x fW, context B x N x C x fH x fW, lut) -> B x (nz*C) x nx x ny.
+    """
+
+    def __init__(self, grid: BevGrid, final_dim: tuple[int, int], downsample: int,
+                 dbound: tuple[float, float, float], impl: str = "bev_pool"):
+        super().__init__()
+        if impl not in SPLAT_IMPLS:
+            raise ValueError(f"model.splat={impl!r}: expected one of {SPLAT_IMPLS}")
+        self.grid = grid
+        self.impl = impl
+        # D x fH x fW x 3 (u, v, depth) in augmented-image pixels; a constant that follows the module's device
+        self.register_buffer("frustum", frustum(final_dim, downsample, dbound).float(), persistent=False)
+        self.lut_cache = FrustumLUTCache()
+
+    @property
+    def depth_bins(self) -> int:
+        return self.frustum.shape[0]
+
+    def lut(self, batch: dict) -> FrustumLUT:
+        names = ("intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")
+        rig = [batch[k].to(device=self.frustum.device, dtype=torch.float32) for k in names]
+        with torch.autocast(device_type=self.frustum.device.type, enabled=False):
+            return self.lut_cache.get(self.frustum.contiguous(), *rig, self.grid)
+
+    def forward(self, depth: torch.Tensor, context: torch.Tensor, lut: FrustumLUT) -> torch.Tensor:
+        if self.impl == "reference":
+            return bev_pool_reference(depth, context, lut)
+        return bev_pool(depth, context, lut)

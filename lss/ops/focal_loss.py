@@ -1,0 +1,340 @@
+"""Sigmoid and softmax focal loss (Lin et al., "Focal Loss for Dense Object Detection") as fused one-pass kernels.
+
+`sigmoid_focal_loss` takes dense float targets of the logits' shape (BEV masks B x K x X x Y, gaussian heatmaps,
+soft labels: the value of torchvision.ops.sigmoid_focal_loss) or int64 class indices N for N x C logits (C is
+background, the mmdetection convention). `softmax_focal_loss` takes N x C logits and int64 class indices N.
+
+The kernels read logits and targets once, reduce "mean"/"sum" inside the kernel with deterministic per-block
+partial sums, and, when the logits need a gradient, write it in the same pass; the backward pass only scales it by
+grad_output. Everything is computed in float32 (float64 for float64 logits) from log-sigmoid / log-softmax forms,
+so logits of +-100 and gamma < 1 give neither NaN nor inf in any dtype. No gradient flows to targets, weight or mask.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lss.ops import _ext
+
+__all__ = [
+    "sigmoid_focal_loss",
+    "softmax_focal_loss",
+    "sigmoid_focal_loss_reference",
+    "softmax_focal_loss_reference",
+    "SigmoidFocalLoss",
+    "SoftmaxFocalLoss",
+]
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _check_common(op: str, logits: Tensor, alpha: float, gamma: float, reduction: str) -> None:
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
+        raise TypeError(f"{op}: logits must be a floating-point tensor, got {got}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not math.isfinite(alpha):
+        raise ValueError(f"{op}: alpha must be finite (a negative alpha disables the class balancing), got {alpha}")
+    if not (math.isfinite(gamma) and gamma >= 0):
+        raise ValueError(f"{op}: gamma must be a finite number >= 0, got {gamma}")
+
+
+def _check_no_grad(op: str, **tensors: Optional[Tensor]) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{op}: no gradient flows to {name}, but it requires grad; pass {name}.detach()")
+
+
+def _prepare_weight(op: str, weight: Optional[Tensor], logits: Tensor) -> Optional[Tensor]:
+    if weight is None:
+        return None
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        raise TypeError(f"{op}: weight must be a floating-point tensor of one entry per class")
+    classes = logits.shape[1] if logits.dim() >= 2 else None
+    if weight.dim() != 1 or classes is None or weight.shape[0] != classes:
+        raise ValueError(
+            f"{op}: weight must be 1-D with one entry per class (logits dim 1 = {classes}), got weight of shape "
+            f"{tuple(weight.shape)} for logits of shape {tuple(logits.shape)}"
+        )
+    if weight.device != logits.device:
+        raise ValueError(f"{op}: weight is on {weight.device} but logits are on {logits.device}")
+    return weight
+
+
+def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, reduction, mask):
+    """Validates the arguments; returns (targets, weight, mask) as the op takes them."""
+    op = "sigmoid_focal_loss"
+    _check_common(op, logits, alpha, gamma, reduction)
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"{op}: targets must be a tensor, got {type(targets).__name__}")
+    if targets.device != logits.device:
+        raise ValueError(f"{op}: targets are on {targets.device} but logits are on {logits.device}")
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        if targets.shape != logits.shape:
+            raise ValueError(
+                f"{op}: dense targets must have the logits' shape {tuple(logits.shape)}, got {tuple(targets.shape)} "
+                "(for class indices pass an int64 tensor of shape N with N x C logits)"
+            )
+        if targets.dtype != logits.dtype:
+            targets = targets.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    else:
+        if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
+            raise ValueError(
+                f"{op}: class-index targets need logits N x C and int64 targets N, got logits "
+                f"{tuple(logits.shape)} and targets {tuple(targets.shape)} (for dense targets pass floats of the "
+                "logits' shape)"
+            )
+        targets = targets.long()
+    weight = _prepare_weight(op, weight, logits)
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"{op}: mask must be a tensor, got {type(mask).__name__}")
+        if mask.device != logits.device:
+            raise ValueError(f"{op}: mask is on {mask.device} but logits are on {logits.device}")
+        try:
+            shape = torch.broadcast_shapes(mask.shape, logits.shape)
+        except RuntimeError:
+            shape = None
+        if shape != logits.shape:
+            raise ValueError(
+                f"{op}: mask of shape {tuple(mask.shape)} does not broadcast to the logits' shape "
+                f"{tuple(logits.shape)} (for a B x X x Y visibility mask and B x K x X x Y logits use mask[:, None])"
+            )
+        mask = (mask if mask.dtype == torch.bool else mask > 0).expand(logits.shape)
+    _check_no_grad(op, targets=targets, weight=weight)
+    return targets, weight, mask
+
+
+def sigmoid_focal_loss(
+    logits: Tensor,
+    targets: Tensor,
+    alpha: float = 0.25,
+    gamma: float = 2.0,
+    weight: Optional[Tensor] = None,
+    reduction: str = "mean",
+    mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Sigmoid focal loss: ce(x, t) * (1 - p_t)^gamma * alpha_t, p = sigmoid(x).
+
+    logits: any shape, float32/float16/bfloat16/float64; the class axis is dim 1 (B x K x X x Y, or N x C).
+    targets: either dense floats of the logits' shape (binary or soft, in [0, 1]), or int64 class indices N in
+    [0, C] for N x C logits, C meaning background (every column negative).
+    alpha: weight of positives, alpha_t = alpha t + (1 - alpha)(1 - t); a negative alpha disables it.
+    weight: optional C per-class weights multiplying column c.
+    reduction: "none" (loss of the logits' shape), "sum", or "mean": over the elements (over the elements where
+    mask > 0 when a mask is given; 0 when there are none) for dense targets, sum / N for class indices.
+    mask: optional bool or float tensor broadcastable to the logits; cells where mask <= 0 get zero loss and zero
+    gradient (for example BEV cells that no camera sees).
+    Returns a 0-dim tensor (or the logits' shape for "none") in the logits' dtype. Class indices outside [0, C]
+    raise an error (on CUDA this check waits for the kernel).
+    """
+    targets, weight, mask = _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, reduction, mask)
+    if _ext.use_reference("sigmoid_focal_loss"):
+        return sigmoid_focal_loss_reference(logits, targets, alpha, gamma, weight, reduction, mask)
+    _ext.check_device("sigmoid_focal_loss", logits, targets, weight, mask)
+    save_grad = torch.is_grad_enabled() and logits.requires_grad
+    loss, _, _ = torch.ops.lss.sigmoid_focal_loss(
+        logits, targets, weight, mask, float(alpha), float(gamma), reduction, save_grad
+    )
+    return loss
+
+
+def softmax_focal_loss(
+    logits: Tensor,
+    targets: Tensor,
+    alpha: float = 0.25,
+    gamma: float = 2.0,
+    weight: Optional[Tensor] = None,
+    reduction: str = "mean",
+) -> Tensor:
+    """Softmax focal loss per sample: -alpha * (1 - p_t)^gamma * log(p_t), p = softmax(logits) along dim 1.
+
+    logits: N x C float; targets: int64 N class indices in [0, C); negative targets are ignored (zero loss and
+    gradient). weight: optional C per-class weights, sample n weighted by weight[targets[n]].
+    reduction: "none" (N losses), "sum", or "mean" = sum / N (ignored samples count in N).
+    Returns a 0-dim tensor (or N for "none") in the logits' dtype. Targets >= C raise an error (on CUDA this check
+    waits for the kernel).
+    """
+    op = "softmax_focal_loss"
+    _check_common(op, logits, alpha, gamma, reduction)
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dtype == torch.bool:
+        raise TypeError(f"{op}: targets must be an integer tensor of class indices (int64 N)")
+    if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"{op}: need logits N x C and targets N, got logits {tuple(logits.shape)} and targets "
+            f"{tuple(targets.shape)}"
+        )
+    if targets.device != logits.device:
+        raise ValueError(f"{op}: targets are on {targets.device} but logits are on {logits.device}")
+    targets = targets.long()
+    weight = _prepare_weight(op, weight, logits)
+    _check_no_grad(op, weight=weight)
+    if _ext.use_reference(op):
+        return softmax_focal_loss_reference(logits, targets, alpha, gamma, weight, reduction)
+    _ext.check_device(op, logits, targets, weight)
+    save_grad = torch.is_grad_enabled() and logits.requires_grad
+    loss, _, _ = torch.ops.lss.softmax_focal_loss(logits, targets, weight, float(alpha), float(gamma), reduction,
+                                                  save_grad)
+    return loss
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def sigmoid_focal_loss_reference(
+    logits: Tensor,
+    targets: Tensor,
+    alpha: float = 0.25,
+    gamma: float = 2.0,
+    weight: Optional[Tensor] = None,
+    reduction: str = "mean",
+    mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Pure-PyTorch `sigmoid_focal_loss` (same arguments and semantics), computed in float32 or float64."""
+    dtype = _compute_dtype(logits)
+    x = logits.to(dtype)
+    index_targets = not (targets.is_floating_point() or targets.dtype == torch.bool)
+    if index_targets:
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) > x.shape[1]):
+            raise ValueError(f"sigmoid_focal_loss: class-index targets must lie in [0, C] = [0, {x.shape[1]}]")
+        t = F.one_hot(targets, x.shape[1] + 1)[:, : x.shape[1]].to(dtype)
+    else:
+        t = targets.to(dtype)
+    ce = F.binary_cross_entropy_with_logits(x, t, reduction="none")
+    q = torch.sigmoid(x) * (1 - t) + torch.sigmoid(-x) * t  # 1 - p_t without cancellation
+    # The clamp keeps d q^gamma / dq finite at q = 0 (where the true limit of the product is 0).
+    loss = ce * q.clamp_min(torch.finfo(dtype).tiny).pow(gamma)
+    if alpha >= 0:
+        loss = loss * (alpha * t + (1 - alpha) * (1 - t))
+    if weight is not None:
+        loss = loss * weight.to(dtype).view(-1, *([1] * (x.dim() - 2)))
+    if mask is not None:
+        keep = (mask if mask.dtype == torch.bool else mask > 0).expand(x.shape)
+        loss = torch.where(keep, loss, torch.zeros((), dtype=dtype, device=x.device))
+    if reduction == "none":
+        return loss.to(logits.dtype)
+    total = loss.sum()
+    if reduction == "sum":
+        return total.to(logits.dtype)
+    if index_targets:
+        count = x.shape[0]
+    else:
+        count = int(keep.sum()) if mask is not None else x.numel()
+    return (total / max(count, 1)).to(logits.dtype)
+
+
+def softmax_focal_loss_reference(
+    logits: Tensor,
+    targets: Tensor,
+    alpha: float = 0.25,
+    gamma: float = 2.0,
+    weight: Optional[Tensor] = None,
+    reduction: str = "mean",
+) -> Tensor:
+    """Pure-PyTorch `softmax_focal_loss` (same arguments and semantics), computed in float32 or float64."""
+    dtype = _compute_dtype(logits)
+    x = logits.to(dtype)
+    if targets.numel() and int(targets.max()) >= x.shape[1]:
+        raise ValueError(f"softmax_focal_loss: targets must be < C = {x.shape[1]} (negative values are ignored)")
+    valid = targets >= 0
+    t = targets.clamp_min(0)
+    if x.shape[1] == 0:
+        loss = x.new_zeros(x.shape[0])
+    else:
+        lpt = torch.log_softmax(x, dim=1).gather(1, t[:, None]).squeeze(1)
+        u = -torch.expm1(lpt)  # 1 - p_t, exact near p_t = 1
+        loss = -alpha * u.clamp_min(torch.finfo(dtype).tiny).pow(gamma) * lpt
+        if weight is not None:
+            loss = loss * weight.to(dtype)[t]
+        loss = torch.where(valid, loss, torch.zeros((), dtype=dtype, device=x.device))
+    if reduction == "none":
+        return loss.to(logits.dtype)
+    total = loss.sum()
+    if reduction == "mean":
+        total = total / max(x.shape[0], 1)
+    return total.to(logits.dtype)
+
+
+class SigmoidFocalLoss(nn.Module):
+    """Module form of `sigmoid_focal_loss`; forward(logits, targets, mask=None)."""
+
+    def __init__(self, alpha: float = 0.25, gamma: float = 2.0, weight: Optional[Tensor] = None,
+                 reduction: str = "mean"):
+        super().__init__()
+        self.alpha, self.gamma, self.reduction = alpha, gamma, reduction
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, logits: Tensor, targets: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        return sigmoid_focal_loss(logits, targets, self.alpha, self.gamma, self.weight, self.reduction, mask)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, gamma={self.gamma}, reduction={self.reduction!r}"
+
+
+class SoftmaxFocalLoss(nn.Module):
+    """Module form of `softmax_focal_loss`; forward(logits N x C, targets N)."""
+
+    def __init__(self, alpha: float = 0.25, gamma: float = 2.0, weight: Optional[Tensor] = None,
+                 reduction: str = "mean"):
+        super().__init__()
+        self.alpha, self.gamma, self.reduction = alpha, gamma, reduction
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return softmax_focal_loss(logits, targets, self.alpha, self.gamma, self.weight, self.reduction)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, gamma={self.gamma}, reduction={self.reduction!r}"
+
+
+def _fake_outputs(logits: Tensor, loss_shape, save_grad: bool):
+    loss = logits.new_empty(loss_shape)
+    grad = logits.new_empty(logits.shape if save_grad else (0,))
+    return loss, grad, logits.new_empty((), dtype=_compute_dtype(logits))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, grad, grad_scale = output
+    ctx.save_grad = inputs[-1]
+    ctx.reduction = inputs[-2]
+    ctx.num_inputs = len(inputs)
+    ctx.loss_dim = output[0].dim()
+    ctx.mark_non_differentiable(grad, grad_scale)
+    ctx.save_for_backward(grad, grad_scale)
+
+
+def _backward(ctx, grad_loss, *_):
+    if not ctx.save_grad:
+        raise RuntimeError(
+            "lss focal loss: the forward ran with save_grad=False, so it kept no gradient; call the op with "
+            "save_grad=True (lss.ops.sigmoid_focal_loss / softmax_focal_loss do this when the logits need a gradient)"
+        )
+    grad, grad_scale = ctx.saved_tensors
+    if ctx.reduction == "none" and ctx.loss_dim < grad.dim():
+        grad_loss = grad_loss.unsqueeze(-1)  # softmax "none": one loss per row of N x C
+    grad_logits = torch.ops.lss._focal_loss_backward(grad_loss, grad, grad_scale)
+    return (grad_logits,) + (None,) * (ctx.num_inputs - 1)
+
+
+if _ext.has_ext():
+
+    @torch.library.register_fake("lss::sigmoid_focal_loss")
+    def _sigmoid_focal_loss_fake(logits, targets, weight, mask, alpha, gamma, reduction, save_grad):
+        return _fake_outputs(logits, logits.shape if reduction == "none" else (), save_grad)
+
+    @torch.library.register_fake("lss::softmax_focal_loss")
+    def _softmax_focal_loss_fake(logits, targets, weight, alpha, gamma, reduction, save_grad):
+        return _fake_outputs(logits, logits.shape[:1] if reduction == "none" else (), save_grad)
+
+    @torch.library.register_fake("lss::_focal_loss_backward")
+    def _focal_loss_backward_fake(grad_output, grad, grad_scale):
+        return torch.empty_like(grad)
+
+    torch.library.register_autograd("lss::sigmoid_focal_loss", _backward, setup_context=_setup_context)
+    torch.library.register_autograd("lss::softmax_focal_loss", _backward, setup_context=_setup_context)

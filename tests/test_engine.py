@@ -1,0 +1,324 @@
+"""Engine: metrics, losses, checkpoints, schedules, sampler, and the trainer loop on a tiny fake model and dataset
+(resume continues the same loss curve, NaN stops with the step, DDP code path with gloo)."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import _lss_standins
+
+_lss_standins.install()
+
+from lss.config import load_config  # noqa: E402
+from lss.data import collate  # noqa: E402
+from lss.engine import checkpoint as ck  # noqa: E402
+from lss.engine.distributed import EpochSampler  # noqa: E402
+from lss.engine.losses import SegmentationLoss  # noqa: E402
+from lss.engine.metrics import IoUMeter, format_iou_table  # noqa: E402
+from lss.engine.train import lr_factor, train  # noqa: E402
+
+CLASSES = ("vehicle", "drivable_area")
+GRID = 8
+
+
+# --------------------------------------------------------------------------------------------- fakes
+class FakeBEVDataset(torch.utils.data.Dataset):
+    """Items shaped like NuScenesBEV's (2 cameras of 8 x 8 pixels); the targets follow from the images so that a
+    model can learn them. Uses the global torch RNG per item (like the real augmentation) for a noise term."""
+
+    def __init__(self, length: int, offset: int = 0):
+        self.length, self.offset = length, offset
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(1000 + self.offset + i)
+        images = torch.randn(2, 3, GRID, GRID, generator=g)
+        images = images + 0.01 * torch.randn(images.shape)  # augmentation-like global-RNG draw
+        signal = images[0, :2]
+        return {"images": images, "targets": (signal > 0.3).float(), "sample_token": f"tok{self.offset + i}"}
+
+
+class FakeModel(nn.Module):
+    def __init__(self, cfg=None):
+        super().__init__()
+        self.conv = nn.Conv2d(3, len(CLASSES), 3, padding=1)
+        self.drop = nn.Dropout(0.1)  # consumes the RNG in training, as drop-connect does in the real model
+
+    def forward(self, batch):
+        return {"segmentation": self.conv(self.drop(batch["images"][:, 0]))}
+
+
+def fake_cfg(tmp_path, *extra):
+    return load_config(None, [
+        f"data.classes={list(CLASSES)}", "data.workers=0", "train.batch_size=2", "train.max_steps=6",
+        "train.log_every=1", "train.eval_every=3", "train.ckpt_every=3", "train.viz_every=3", "train.device=cpu",
+        "train.deterministic=true", "optim.lr=0.05", "eval.batch_size=3", f"train.out_dir={tmp_path / 'run'}",
+        "loss.type=bce", *extra])
+
+
+def fake_train(cfg, out_dir, resume=False, length=10):
+    return train(cfg, str(out_dir), resume, model_fn=FakeModel,
+                 dataset_fn=lambda c, split, is_train: FakeBEVDataset(length if is_train else 5,
+                                                                      0 if is_train else 100),
+                 collate_fn=collate)
+
+
+def losses_of(run_dir):
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+
+# ------------------------------------------------------------------------------------------- metrics
+def test_iou_is_dataset_level_not_mean_of_batches():
+    meter = IoUMeter(["a"], threshold=0.5, sweep=[0.25, 0.75])
+    probs = [np.array([0.9, 0.9, 0.1, 0.6]), np.array([0.9, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])]
+    truth = [np.array([1, 0, 0, 1]), np.array([0, 0, 0, 0, 0, 0, 0, 1])]
+    for p, t in zip(probs, truth):
+        logits = torch.logit(torch.tensor(p, dtype=torch.float64)).view(1, 1, 1, -1)
+        meter.update(logits, torch.tensor(t, dtype=torch.float32).view(1, 1, 1, -1))
+    result = meter.compute()
+    for thr in (0.25, 0.5, 0.75):
+        inter = sum(((p > thr) & (t > 0)).sum() for p, t in zip(probs, truth))
+        union = sum(((p > thr) | (t > 0)).sum() for p, t in zip(probs, truth))
+        assert result["sweep"][f"{thr:g}"]["a"] == pytest.approx(inter / union)
+    assert result["iou"]["a"] == pytest.approx(2 / 5)  # batch means would give (2/3 + 0/2) / 2
+    assert result["mean_iou"] == result["iou"]["a"]
+    assert "a" in format_iou_table(result) and "@  0.5" in format_iou_table(result)
+
+
+def test_iou_empty_union_is_zero_and_shapes_are_checked():
+    meter = IoUMeter(CLASSES)
+    meter.update(torch.full((2, 2, 4, 4), -10.0), torch.zeros(2, 2, 4, 4))
+    assert meter.compute()["iou"] == {"vehicle": 0.0, "drivable_area": 0.0}
+    with pytest.raises(ValueError, match="B x 2 x nx x ny"):
+        meter.update(torch.zeros(2, 3, 4, 4), torch.zeros(2, 3, 4, 4))
+    with pytest.raises(ValueError, match=r"\(0, 1\)"):
+        IoUMeter(CLASSES, sweep=[1.0])
+
+
+# -------------------------------------------------------------------------------------------- losses
+def test_bce_loss_matches_pytorch_with_pos_weight_and_mask(tmp_path):
+    cfg = fake_cfg(tmp_path, "loss.pos_weight=2.13")
+    loss_fn = SegmentationLoss(cfg)
+    logits = torch.randn(2, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    targets = (torch.rand(2, 2, 5, 5) > 0.7).float()
+    got = loss_fn({"segmentation": logits}, {"targets": targets})
+    ref = F.binary_cross_entropy_with_logits(logits.float(), targets, pos_weight=torch.tensor(2.13))
+    assert torch.allclose(got["loss"], ref, atol=1e-6)
+    mask = torch.rand(2, 5, 5) > 0.5
+    got = loss_fn({"segmentation": logits}, {"targets": targets, "visibility_mask": mask})
+    elem = F.binary_cross_entropy_with_logits(logits.float(), targets, pos_weight=torch.tensor(2.13),
+                                              reduction="none")
+    m = mask.unsqueeze(1).float()
+    per_class = (elem * m).sum((0, 2, 3)) / m.expand_as(elem).sum((0, 2, 3))
+    assert torch.allclose(got["loss"], per_class.mean(), atol=1e-6)
+    assert torch.allclose(got["loss/vehicle"], per_class[0], atol=1e-6)
+    got["loss"].backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+def test_focal_loss_uses_the_op_and_class_weights(tmp_path):
+    from lss.ops import sigmoid_focal_loss
+
+    cfg = fake_cfg(tmp_path, "loss.type=focal", "loss.class_weights=[3.0, 1.0]", "loss.focal_alpha=0.5")
+    logits, targets = torch.randn(2, 2, 4, 4), (torch.rand(2, 2, 4, 4) > 0.5).float()
+    got = SegmentationLoss(cfg)({"segmentation": logits}, {"targets": targets})["loss"]
+    per_class = sigmoid_focal_loss(logits, targets, alpha=0.5, gamma=2.0, reduction="none").mean((0, 2, 3))
+    assert torch.allclose(got, (3 * per_class[0] + per_class[1]) / 4, atol=1e-6)
+    with pytest.raises(ValueError, match="class_weights has 1 values"):
+        SegmentationLoss(fake_cfg(tmp_path, "loss.class_weights=[1.0]"))
+    with pytest.raises(ValueError, match="loss.type='l2'"):
+        SegmentationLoss(fake_cfg(tmp_path, "loss.type=l2"))
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+def test_checkpoint_round_trip_and_atomic_write(tmp_path):
+    cfg = fake_cfg(tmp_path)
+    model = FakeModel()
+    opt = torch.optim.Adam(model.parameters())
+    model(dict(images=torch.randn(2, 2, 3, 8, 8)))["segmentation"].sum().backward()
+    opt.step()
+    path = tmp_path / "c.pt"
+    ck.save_checkpoint(path, model, 17, cfg, opt)
+    state = ck.load_checkpoint(path)
+    assert state["step"] == 17 and state["version"] and state["config"]["train"]["max_steps"] == 6
+    other = FakeModel()
+    ck.load_model_state(other, state, path)
+    assert torch.equal(other.conv.weight, model.conv.weight)
+    assert ck.checkpoint_config(state).data.classes == CLASSES
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        ck.save_checkpoint(path, model, 18, cfg, extra={"unpicklable": lambda: 0})
+    assert path.read_bytes() == before  # the failed write left the old file intact
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # and no temp file behind
+
+
+def test_checkpoint_errors_are_clear(tmp_path):
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        ck.load_checkpoint(tmp_path / "none.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ck.CheckpointError, match="corrupt"):
+        ck.load_checkpoint(bad)
+    torch.save({"weights": 1}, bad)
+    with pytest.raises(ck.CheckpointError, match="not an lss checkpoint"):
+        ck.load_checkpoint(bad)
+    path = tmp_path / "c.pt"
+    ck.save_checkpoint(path, FakeModel(), 1, fake_cfg(tmp_path))
+    wide = FakeModel()
+    wide.conv = nn.Conv2d(3, 5, 3, padding=1)
+    with pytest.raises(ck.CheckpointError, match=r"shape mismatch.*conv.weight"):
+        ck.load_model_state(wide, ck.load_checkpoint(path), path)
+    state = ck.load_checkpoint(path)
+    state["format"] = 99
+    torch.save(state, path)
+    with pytest.raises(ck.CheckpointError, match="format 99"):
+        ck.load_checkpoint(path)
+
+
+def test_unwrap_strips_ddp_like_and_compile_wrappers():
+    inner = FakeModel()
+    holder = nn.Module()
+    holder.module = inner
+    assert ck.unwrap(holder) is inner
+
+
+# ------------------------------------------------------------------------------------- schedule, sampler
+def test_lr_schedules(tmp_path):
+    cfg = fake_cfg(tmp_path, "train.max_steps=100", "optim.warmup_steps=10", "optim.schedule=cosine")
+    f = [lr_factor(cfg, s) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
+    assert f[99] < 0.01 and all(a >= b for a, b in zip(f[10:], f[11:]))
+    cfg = fake_cfg(tmp_path, "train.max_steps=100", "optim.schedule=onecycle")
+    f = [lr_factor(cfg, s) for s in range(101)]
+    assert f[0] < 0.1 and max(f) == pytest.approx(1.0) and f[100] < 1e-3
+    assert lr_factor(fake_cfg(tmp_path), 5) == 1.0
+    with pytest.raises(ValueError, match="optim.schedule='step'"):
+        lr_factor(fake_cfg(tmp_path, "optim.schedule=step"), 0)
+
+
+def test_epoch_sampler_shards_and_resumes():
+    full = EpochSampler(10, seed=3)
+    full.set_epoch(2)
+    order = list(full)
+    assert sorted(order) == list(range(10)) and order != list(range(10))
+    full.set_epoch(2, start=4)
+    assert list(full) == order[4:] and len(full) == 6
+    ranks = [EpochSampler(10, seed=3, rank=r, world_size=3) for r in range(3)]
+    for s in ranks:
+        s.set_epoch(2)
+    shards = [list(s) for s in ranks]
+    assert all(len(s) == 4 for s in shards) and set(sum(shards, [])) == set(range(10))
+    evals = [list(EpochSampler(10, shuffle=False, rank=r, world_size=3, pad=False)) for r in range(3)]
+    assert sorted(sum(evals, [])) == list(range(10))
+
+
+# ------------------------------------------------------------------------------------------- trainer
+def test_train_writes_run_directory_and_learns(tmp_path):
+    cfg = fake_cfg(tmp_path, "train.max_steps=12", "train.eval_every=6", "train.ckpt_every=6")
+    run = tmp_path / "run"
+    final = fake_train(cfg, run)
+    assert (run / "config.yaml").is_file() and (run / "final.json").is_file()
+    assert (run / "checkpoints" / "last.pt").is_file() and (run / "checkpoints" / "best.pt").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert load_config(run / "config.yaml").train.max_steps == 12
+    losses = losses_of(run)
+    assert [s for s, _ in losses] == list(range(1, 13))
+    assert losses[-1][1] < losses[0][1]
+    records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r["kind"] == "val"]
+    assert [r["step"] for r in val] == [6, 12] and set(val[-1]["iou"]) == set(CLASSES)
+    train_rec = [r for r in records if r["kind"] == "train"][0]
+    assert {"lr", "step_time", "samples_per_s", "grad_norm", "loss/vehicle"} <= set(train_rec)
+    assert final["step"] == 12 and final["val"]["iou"]["vehicle"] > 0
+    assert ck.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 12
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    fake_train(fake_cfg(tmp_path, "train.max_steps=8", "train.ckpt_every=4"), straight, length=6)
+    fake_train(fake_cfg(tmp_path, "train.max_steps=4"), split, length=6)
+    fake_train(fake_cfg(tmp_path, "train.max_steps=8", "train.ckpt_every=4"), split, resume=True, length=6)
+    a, b = losses_of(straight), losses_of(split)
+    assert [s for s, _ in b] == list(range(1, 9))
+    assert a == b  # bit-identical on CPU, across an epoch boundary (6 samples, batch 2: 3 steps per epoch)
+    wa = ck.load_checkpoint(straight / "checkpoints" / "last.pt")["model"]
+    wb = ck.load_checkpoint(split / "checkpoints" / "last.pt")["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="last.pt does not exist"):
+        fake_train(fake_cfg(tmp_path), tmp_path / "fresh", resume=True)
+
+
+def test_nan_loss_stops_with_step_number(tmp_path):
+    class Exploding(FakeModel):
+        def forward(self, batch):
+            out = super().forward(batch)["segmentation"]
+            return {"segmentation": out * float("nan") if self.training and self.calls_nan() else out}
+
+        def calls_nan(self):
+            self.n = getattr(self, "n", 0) + 1
+            return self.n == 3
+
+    cfg = fake_cfg(tmp_path)
+    with pytest.raises(FloatingPointError, match="at step 3"):
+        train(cfg, str(tmp_path / "nan"), model_fn=Exploding,
+              dataset_fn=lambda c, s, t: FakeBEVDataset(10), collate_fn=collate)
+
+
+def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
+    one = fake_cfg(tmp_path, "train.max_steps=1", "train.batch_size=4", "optim.grad_clip=0")
+    two = fake_cfg(tmp_path, "train.max_steps=1", "train.batch_size=2", "train.grad_accum=2", "optim.grad_clip=0")
+    results = []
+    for cfg, name in ((one, "one"), (two, "two")):
+        torch.manual_seed(0)
+        train(cfg, str(tmp_path / name), model_fn=lambda c: FakeModel().eval().requires_grad_(True),
+              dataset_fn=lambda c, s, t: FakeBEVDataset(4), collate_fn=collate)
+        results.append(ck.load_checkpoint(tmp_path / name / "checkpoints" / "last.pt"))
+    # both see the same 4 samples in one optimizer step (dropout differs, so compare the first-step loss loosely)
+    la, lb = losses_of(tmp_path / "one")[0][1], losses_of(tmp_path / "two")[0][1]
+    assert math.isclose(la, lb, rel_tol=0.1)
+    assert results[0]["step"] == results[1]["step"] == 1
+
+
+def _ddp_worker(rank, world_size, port, cfg_path, run_dir, out):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    cfg = load_config(cfg_path)
+    final = train(cfg, run_dir, model_fn=FakeModel, dataset_fn=lambda c, s, t: FakeBEVDataset(8), collate_fn=collate)
+    weights = FakeModel().state_dict()
+    state = ck.load_checkpoint(f"{run_dir}/checkpoints/last.pt")["model"] if rank == 0 else weights
+    torch.save({"final": final, "state": state}, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_ddp_code_path_with_gloo_two_processes(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+    from lss.config import save_config
+
+    cfg = fake_cfg(tmp_path, "train.max_steps=3", "train.eval_every=3")
+    cfg_path = tmp_path / "cfg.yaml"
+    save_config(cfg, cfg_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(cfg_path), str(tmp_path / "ddp"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = torch.load(tmp_path / "rank0.pt", weights_only=False), torch.load(tmp_path / "rank1.pt",
+                                                                                weights_only=False)
+    assert r0["final"]["step"] == r1["final"]["step"] == 3
+    # the val IoU is summed over both ranks' shards, so every rank reports the same numbers
+    assert r0["final"]["val"]["iou"] == r1["final"]["val"]["iou"]
+    assert len(losses_of(tmp_path / "ddp")) == 3  # only rank 0 wrote

@@ -1,0 +1,392 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from conftest import devices
+
+from lss.ops import (SigmoidFocalLoss, SoftmaxFocalLoss, has_ext, sigmoid_focal_loss, sigmoid_focal_loss_reference,
+                     softmax_focal_loss, softmax_focal_loss_reference)
+
+needs_ext = pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+REDUCTIONS = ["none", "mean", "sum"]
+LOW_PRECISION = [torch.float16, torch.bfloat16]
+
+
+def value_and_grad(fn, logits, *args, **kwargs):
+    x = logits.detach().clone().requires_grad_(True)
+    loss = fn(x, *args, **kwargs)
+    seed = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=loss.device).view(loss.shape)
+    (grad,) = torch.autograd.grad((loss * seed).sum(), x)
+    return loss.detach(), grad
+
+
+def assert_close_scaled(actual, expected, tol):
+    """Relative tolerance tol, plus an absolute floor of tol * 0.01 * max|expected| for values near zero."""
+    floor = tol * 1e-2 * expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=floor)
+
+
+def dense_inputs(shape, dtype, device, soft=False, scale=3.0):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+    targets = torch.rand(shape, generator=g, dtype=torch.float64)
+    targets = targets if soft else (targets > 0.7).double()
+    return logits, targets.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0, 2.0])
+@pytest.mark.parametrize("alpha", [0.25, -1.0])
+def test_dense_matches_torchvision(device, reduction, gamma, alpha):
+    logits, targets = dense_inputs((2, 3, 5, 7), torch.float64, device, soft=gamma == 0.5)
+    ours = value_and_grad(sigmoid_focal_loss, logits, targets, alpha, gamma, reduction=reduction)
+    peer = value_and_grad(torchvision.ops.sigmoid_focal_loss, logits, targets, alpha, gamma, reduction)
+    torch.testing.assert_close(ours[0], peer[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours[1], peer[1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_dense_float32_matches_torchvision(device, reduction):
+    logits, targets = dense_inputs((4, 3, 9, 11), torch.float32, device, soft=True)
+    ours = value_and_grad(sigmoid_focal_loss, logits, targets, reduction=reduction)
+    peer = value_and_grad(torchvision.ops.sigmoid_focal_loss, logits, targets, reduction=reduction)
+    torch.testing.assert_close(ours[0], peer[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours[1], peer[1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("gamma", [0.5, 2.0])
+def test_dense_weight_and_mask_match_reference(device, reduction, gamma):
+    logits, targets = dense_inputs((2, 3, 4, 6), torch.float64, device, soft=True)
+    weight = torch.tensor([0.5, 2.0, 1.5], dtype=torch.float64, device=device)
+    visible = torch.rand(2, 1, 4, 6, generator=torch.Generator().manual_seed(1)).to(device)  # float, broadcast
+    ours = value_and_grad(sigmoid_focal_loss, logits, targets, 0.25, gamma, weight, reduction, visible)
+    ref = value_and_grad(sigmoid_focal_loss_reference, logits, targets, 0.25, gamma, weight, reduction, visible)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-10, atol=1e-12)
+    # Independent check of the semantics: weighted torchvision loss averaged over the visible cells.
+    keep = (visible > 0.5).expand_as(logits)
+    loss = sigmoid_focal_loss(logits, targets, 0.25, gamma, weight, reduction, visible > 0.5)
+    peer = torchvision.ops.sigmoid_focal_loss(logits, targets, 0.25, gamma, "none") * weight.view(1, 3, 1, 1)
+    peer = torch.where(keep, peer, 0.0)
+    expected = {"none": peer, "sum": peer.sum(), "mean": peer.sum() / keep.sum()}[reduction]
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fully_masked_mean_is_zero(device):
+    logits, targets = dense_inputs((2, 3, 4), torch.float32, device)
+    mask = torch.zeros(2, 3, 4, dtype=torch.bool, device=device)
+    loss, grad = value_and_grad(sigmoid_focal_loss, logits, targets, mask=mask)
+    assert loss.item() == 0.0 and torch.count_nonzero(grad).item() == 0
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_low_precision_close_to_float64(device, dtype, reduction):
+    logits, targets = dense_inputs((3, 4, 8, 8), dtype, device, soft=True)
+    loss, grad = value_and_grad(sigmoid_focal_loss, logits, targets, reduction=reduction)
+    ref_loss, ref_grad = value_and_grad(sigmoid_focal_loss_reference, logits.double(), targets.double(),
+                                        reduction=reduction)
+    assert loss.dtype == dtype and grad.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=tol, atol=tol * ref_loss.abs().max().item())
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=tol, atol=tol * ref_grad.abs().max().item())
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0, 2.0])
+def test_extreme_logits_stay_finite(device, dtype, gamma):
+    logits = torch.tensor([[100.0, -100.0, 100.0, -100.0, 200.0, -200.0, 30.0, -30.0]] * 3, dtype=dtype)
+    targets = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 1.0, 0.0]] * 3, dtype=dtype)
+    logits, targets = logits.to(device), targets.to(device)
+    loss, grad = value_and_grad(sigmoid_focal_loss, logits, targets, 0.25, gamma, reduction="none")
+    ref_loss, ref_grad = value_and_grad(sigmoid_focal_loss_reference, logits.double(), targets.double(), 0.25,
+                                        gamma, reduction="none")
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-2, atol=1e-6)
+    labels = torch.tensor([0, 1, 7], device=device)
+    sm_loss, sm_grad = value_and_grad(softmax_focal_loss, logits, labels, 0.25, gamma, reduction="none")
+    sm_ref, sm_ref_grad = value_and_grad(softmax_focal_loss_reference, logits.double(), labels, 0.25, gamma,
+                                         reduction="none")
+    assert torch.isfinite(sm_loss).all() and torch.isfinite(sm_grad).all()
+    torch.testing.assert_close(sm_loss.double(), sm_ref, rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(sm_grad.double(), sm_ref_grad, rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_empty_inputs(device, reduction):
+    logits = torch.zeros(0, 4, 3, 3, device=device, requires_grad=True)
+    loss = sigmoid_focal_loss(logits, torch.zeros(0, 4, 3, 3, device=device), reduction=reduction)
+    assert loss.shape == ((0, 4, 3, 3) if reduction == "none" else ())
+    assert loss.sum().item() == 0.0
+    (grad,) = torch.autograd.grad(loss.sum(), logits)
+    assert grad.shape == logits.shape
+    rows = torch.zeros(0, 5, device=device, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long, device=device)
+    for fn in (sigmoid_focal_loss, softmax_focal_loss):
+        loss = fn(rows, labels, reduction=reduction)
+        assert loss.sum().item() == 0.0
+        assert torch.autograd.grad(loss.sum(), rows)[0].shape == rows.shape
+
+
+@pytest.mark.parametrize("device", devices())
+def test_non_contiguous_inputs(device):
+    logits, targets = dense_inputs((2, 9, 7, 3), torch.float32, device, soft=True)
+    x = logits.permute(0, 3, 1, 2)[:, :, ::2]
+    t = targets.permute(0, 3, 1, 2)[:, :, ::2]
+    mask = (torch.arange(7, device=device) % 3 != 0).view(1, 1, 1, 7)
+    weight = torch.linspace(0.5, 2, 6, device=device)[::2]
+    ours = value_and_grad(sigmoid_focal_loss, x, t, 0.25, 2.0, weight, "mean", mask)
+    ref = value_and_grad(sigmoid_focal_loss_reference, x.contiguous(), t.contiguous(), 0.25, 2.0, weight, "mean", mask)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-8)
+    rows = logits.reshape(-1, 6)[::2, ::2]
+    labels = torch.arange(rows.shape[0] * 2, device=device)[::2] % 4 - 1
+    ours = value_and_grad(softmax_focal_loss, rows, labels)
+    ref = value_and_grad(softmax_focal_loss_reference, rows.contiguous(), labels)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_class_index_hand_computed(device):
+    # All logits 0: p = 1/2, ce = ln 2, (1 - p_t)^2 = 1/4 for every cell. Row 0 is class 1, row 1 is background (3).
+    logits = torch.zeros(2, 3, dtype=torch.float64, device=device)
+    labels = torch.tensor([1, 3], device=device)
+    ln2 = math.log(2.0)
+    expected = torch.full((2, 3), 0.75 * ln2 * 0.25, dtype=torch.float64)
+    expected[0, 1] = 0.25 * ln2 * 0.25
+    loss, grad = value_and_grad(sigmoid_focal_loss, logits, labels, reduction="none")
+    torch.testing.assert_close(loss.cpu(), expected)
+    # d/dx = alpha_t q^2 [(p - t) + 2 (1 - 2t) ce p (1 - p) / q] at p = q = 1/2
+    seed = torch.linspace(0.5, 1.5, 6, dtype=torch.float64).view(2, 3)
+    dgrad = torch.full((2, 3), 0.75 * 0.25 * (0.5 + ln2), dtype=torch.float64)
+    dgrad[0, 1] = 0.25 * 0.25 * (-0.5 - ln2)
+    torch.testing.assert_close(grad.cpu(), dgrad * seed)
+    assert sigmoid_focal_loss(logits, labels, reduction="sum").item() == pytest.approx(ln2)
+    assert sigmoid_focal_loss(logits, labels, reduction="mean").item() == pytest.approx(ln2 / 2)
+    weight = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64, device=device)
+    weighted = sigmoid_focal_loss(logits, labels, weight=weight, reduction="none")
+    torch.testing.assert_close(weighted.cpu(), expected * weight.cpu())
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_class_index_equals_one_hot_dense(device, reduction):
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(37, 6, generator=g, dtype=torch.float64).to(device)
+    labels = torch.randint(0, 7, (37,), generator=g).to(device)
+    one_hot = F.one_hot(labels, 7)[:, :6].double()
+    weight = torch.rand(6, generator=g, dtype=torch.float64).to(device)
+    ours = value_and_grad(sigmoid_focal_loss, logits, labels, weight=weight, reduction=reduction)
+    dense_red = "sum" if reduction == "mean" else reduction
+    dense = value_and_grad(sigmoid_focal_loss, logits, one_hot, weight=weight, reduction=dense_red)
+    scale = 1 / 37 if reduction == "mean" else 1.0
+    torch.testing.assert_close(ours[0], dense[0] * scale)
+    torch.testing.assert_close(ours[1], dense[1] * scale)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_softmax_hand_computed_with_ignore(device):
+    logits = torch.zeros(3, 4, dtype=torch.float64, device=device)
+    labels = torch.tensor([0, -1, 3], device=device)
+    per_sample = 0.25 * 0.75**2 * math.log(4.0)  # p_t = 1/4
+    loss, grad = value_and_grad(softmax_focal_loss, logits, labels, reduction="none")
+    torch.testing.assert_close(loss.cpu(), torch.tensor([per_sample, 0.0, per_sample], dtype=torch.float64))
+    assert torch.count_nonzero(grad[1]).item() == 0
+    assert softmax_focal_loss(logits, labels, reduction="sum").item() == pytest.approx(2 * per_sample)
+    assert softmax_focal_loss(logits, labels, reduction="mean").item() == pytest.approx(2 * per_sample / 3)
+    # d/dx_j = alpha [u^2 + 2 p_t u (-ln p_t)] (p_j - [j = t]), u = 3/4
+    coef = 0.25 * (0.75**2 + 2 * 0.25 * 0.75 * math.log(4.0))
+    row = coef * (torch.full((4,), 0.25, dtype=torch.float64) - F.one_hot(torch.tensor(0), 4))
+    torch.testing.assert_close(grad[0].cpu(), row * 0.5)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_softmax_gamma0_alpha1_is_cross_entropy(device, reduction):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(50, 9, generator=g, dtype=torch.float64) * 4).to(device)
+    labels = torch.randint(-1, 9, (50,), generator=g).to(device)
+    ours = value_and_grad(softmax_focal_loss, logits, labels, 1.0, 0.0, reduction=reduction)
+    peer = value_and_grad(F.cross_entropy, logits, labels, ignore_index=-1, reduction=reduction)
+    torch.testing.assert_close(ours[0], peer[0])
+    torch.testing.assert_close(ours[1], peer[1])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 2.0])
+def test_softmax_matches_reference(device, reduction, gamma):
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(40, 45, generator=g, dtype=torch.float64) * 5).to(device)
+    labels = torch.randint(-2, 45, (40,), generator=g).to(device)
+    weight = torch.rand(45, generator=g, dtype=torch.float64).to(device)
+    ours = value_and_grad(softmax_focal_loss, logits, labels, 0.25, gamma, weight, reduction)
+    ref = value_and_grad(softmax_focal_loss_reference, logits, labels, 0.25, gamma, weight, reduction)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-10, atol=1e-12)
+    for dtype in LOW_PRECISION:
+        low = value_and_grad(softmax_focal_loss, logits.to(dtype), labels, 0.25, gamma, weight, reduction)
+        ref = value_and_grad(softmax_focal_loss_reference, logits.to(dtype).double(), labels, 0.25, gamma, weight,
+                             reduction)
+        torch.testing.assert_close(low[0].double(), ref[0], rtol=2e-2, atol=2e-2 * ref[0].abs().max().item())
+        torch.testing.assert_close(low[1].double(), ref[1], rtol=2e-2, atol=2e-2 * ref[1].abs().max().item())
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_gradcheck(device):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 3, 4, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    t = torch.rand(2, 3, 3, 4, generator=g, dtype=torch.float64).to(device)
+    w = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64, device=device)
+    mask = t > 0.2
+    for gamma in (0.5, 2.0):
+        assert torch.autograd.gradcheck(lambda x: sigmoid_focal_loss(x, t, 0.25, gamma, w, "mean", mask), (x,))
+        assert torch.autograd.gradcheck(lambda x: sigmoid_focal_loss(x, t, 0.25, gamma, reduction="none"), (x,))
+    rows = torch.randn(6, 3, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    labels = torch.tensor([0, 3, 2, -1, 1, 2], device=device)
+    assert torch.autograd.gradcheck(lambda x: sigmoid_focal_loss(x, labels.clamp_min(0), 0.25, 0.5, w), (rows,))
+    assert torch.autograd.gradcheck(lambda x: softmax_focal_loss(x, labels.clamp_max(2), 0.25, 0.5, w), (rows,))
+    assert torch.autograd.gradcheck(lambda x: softmax_focal_loss(x, labels.clamp_max(2), reduction="none"), (rows,))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_opcheck(device, reduction):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 4, 5, generator=g).to(device).requires_grad_(True)
+    t = torch.rand(2, 3, 4, 5, generator=g).to(device)
+    mask = torch.rand(2, 3, 4, 5, generator=g).to(device) > 0.5
+    w = torch.rand(3, generator=g).to(device)
+    torch.library.opcheck(torch.ops.lss.sigmoid_focal_loss, (x, t, w, mask, 0.25, 2.0, reduction, True))
+    rows = torch.randn(7, 3, generator=g).to(device).requires_grad_(True)
+    labels = torch.tensor([0, 3, 2, 1, 1, 3, 0], device=device)
+    torch.library.opcheck(torch.ops.lss.sigmoid_focal_loss, (rows, labels, None, None, 0.25, 0.5, reduction, True))
+    torch.library.opcheck(torch.ops.lss.softmax_focal_loss, (rows, labels - 1, w, 0.25, 2.0, reduction, True))
+    torch.library.opcheck(torch.ops.lss.softmax_focal_loss, (rows.detach(), labels - 1, None, 0.25, 2.0, reduction,
+                                                             False))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_bad_arguments(device):
+    x = torch.randn(4, 3, device=device)
+    with pytest.raises((RuntimeError, ValueError), match=r"\[0, C\] = \[0, 3\]"):
+        sigmoid_focal_loss(x, torch.tensor([0, 1, 4, 2], device=device))
+    with pytest.raises((RuntimeError, ValueError), match=r"\[0, C\] = \[0, 3\]"):
+        sigmoid_focal_loss(x, torch.tensor([0, -1, 2, 2], device=device))
+    with pytest.raises((RuntimeError, ValueError), match="< C = 3|\\[0, C\\) = \\[0, 3\\)"):
+        softmax_focal_loss(x, torch.tensor([0, 3, -1, 2], device=device))
+    # The device stays usable after a rejected call.
+    assert torch.isfinite(softmax_focal_loss(x, torch.tensor([0, 2, -1, 2], device=device)))
+    with pytest.raises(ValueError, match="logits' shape"):
+        sigmoid_focal_loss(x, torch.rand(4, 2, device=device))
+    with pytest.raises(ValueError, match="reduction"):
+        sigmoid_focal_loss(x, torch.rand(4, 3, device=device), reduction="avg")
+    with pytest.raises(ValueError, match="gamma"):
+        sigmoid_focal_loss(x, torch.rand(4, 3, device=device), gamma=-1.0)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        sigmoid_focal_loss(x, torch.rand(4, 3, device=device), mask=torch.ones(3, 4, device=device))
+    with pytest.raises(ValueError, match="one entry per class"):
+        sigmoid_focal_loss(x, torch.rand(4, 3, device=device), weight=torch.ones(4, device=device))
+    with pytest.raises(ValueError, match="targets.detach"):
+        sigmoid_focal_loss(x, torch.rand(4, 3, device=device, requires_grad=True))
+    with pytest.raises(TypeError, match="class indices"):
+        softmax_focal_loss(x, torch.rand(4, device=device))
+    with pytest.raises(ValueError, match="N x C"):
+        softmax_focal_loss(x, torch.zeros(3, dtype=torch.long, device=device))
+
+
+@needs_ext
+def test_backward_without_saved_grad_raises():
+    x = torch.randn(3, 4, requires_grad=True)
+    loss, _, _ = torch.ops.lss.sigmoid_focal_loss(x, torch.rand(3, 4), None, None, 0.25, 2.0, "mean", False)
+    with pytest.raises(RuntimeError, match="save_grad=False"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_modules_and_no_grad(device):
+    logits, targets = dense_inputs((2, 3, 4, 4), torch.float32, device)
+    weight = torch.tensor([1.0, 2.0, 3.0])
+    module = SigmoidFocalLoss(alpha=0.5, gamma=1.0, weight=weight).to(device)
+    expected = sigmoid_focal_loss_reference(logits, targets, 0.5, 1.0, weight.to(device))
+    torch.testing.assert_close(module(logits, targets), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(module(logits.requires_grad_(True), targets), expected)
+    rows = logits.reshape(-1, 3)
+    labels = torch.arange(rows.shape[0], device=device) % 3
+    sm = SoftmaxFocalLoss(gamma=0.5, reduction="sum").to(device)
+    torch.testing.assert_close(sm(rows, labels), softmax_focal_loss_reference(rows, labels, gamma=0.5, reduction="sum"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_cuda_matches_cpu_large(dtype, offset):
+    # Odd sizes and a 1-element offset exercise the vectorized body, its tail and the unaligned fallback.
+    shape = (3, 5, 67, 131)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(7)
+    flat_x = (torch.randn(n + 1, generator=g) * 4).to(dtype)
+    flat_t = torch.rand(n + 1, generator=g)
+    flat_m = torch.rand(n + 1, generator=g) > 0.1
+    x, t, m = (f[offset:offset + n].view(shape) for f in (flat_x, flat_t, flat_m))
+    w = torch.rand(5, generator=g)
+    for reduction in REDUCTIONS:
+        for mask in (None, m):
+            cpu = value_and_grad(sigmoid_focal_loss, x, t, 0.25, 2.0, w, reduction, mask)
+            cuda = value_and_grad(sigmoid_focal_loss, x.cuda(), t.cuda(), 0.25, 2.0, w.cuda(), reduction,
+                                  None if mask is None else mask.cuda())
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            assert_close_scaled(cuda[0].cpu(), cpu[0], tol)
+            assert_close_scaled(cuda[1].cpu(), cpu[1], tol)
+
+
+@pytest.mark.cuda
+def test_cuda_class_index_and_softmax_match_cpu():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(1000, 80, generator=g) * 3
+    labels = torch.randint(0, 81, (1000,), generator=g)
+    w = torch.rand(80, generator=g)
+    mask = torch.rand(1000, 1, generator=g) > 0.2
+    for reduction in REDUCTIONS:
+        cpu = value_and_grad(sigmoid_focal_loss, logits, labels, weight=w, reduction=reduction, mask=mask)
+        cuda = value_and_grad(sigmoid_focal_loss, logits.cuda(), labels.cuda(), weight=w.cuda(), reduction=reduction,
+                              mask=mask.cuda())
+        assert_close_scaled(cuda[0].cpu(), cpu[0], 1e-5)
+        assert_close_scaled(cuda[1].cpu(), cpu[1], 1e-5)
+        sm_labels = labels.clamp_max(79) - (labels % 7 == 0).long() * 100  # some ignored rows
+        for classes in (80, 3, 1000):
+            x = torch.randn(1000, classes, generator=g) * 3
+            lab = sm_labels % classes - (sm_labels < 0).long() * classes
+            cpu = value_and_grad(softmax_focal_loss, x, lab.clamp(-1, classes - 1), reduction=reduction)
+            cuda = value_and_grad(softmax_focal_loss, x.cuda(), lab.clamp(-1, classes - 1).cuda(), reduction=reduction)
+            assert_close_scaled(cuda[0].cpu(), cpu[0], 1e-5)
+            assert_close_scaled(cuda[1].cpu(), cpu[1], 1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_reduction_is_deterministic():
+    x = torch.randn(4, 10, 100, 100, device="cuda", requires_grad=True)
+    t = torch.rand(4, 10, 100, 100, device="cuda")
+    mask = torch.rand(4, 1, 100, 100, device="cuda") > 0.3
+    first = value_and_grad(sigmoid_focal_loss, x, t, mask=mask)
+    for _ in range(3):
+        again = value_and_grad(sigmoid_focal_loss, x, t, mask=mask)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    rows = torch.randn(5000, 80, device="cuda")
+    labels = torch.randint(-1, 80, (5000,), device="cuda")
+    assert torch.equal(softmax_focal_loss(rows, labels), softmax_focal_loss(rows, labels))

@@ -1,0 +1,143 @@
+"""LiftSplatShoot: shapes, gradients, splat implementations agree, device/dtype rules, config validation,
+local ImageNet weights."""
+import pytest
+import torch
+from efficientnet_pytorch import EfficientNet
+
+from lss.config import ConfigError, load_config
+from lss.geometry import image_augmentation, load_nuscenes_rig
+from lss.models import LiftSplatShoot
+from lss.models.camera import CameraEncoder, EfficientNetTrunk
+
+TINY = ["data.final_dim=[32, 96]", "grid.xbound=[-8.0, 8.0, 1.0]", "grid.ybound=[-8.0, 8.0, 1.0]",
+        "grid.dbound=[4.0, 12.0, 2.0]", "model.context_channels=8", "data.classes=[vehicle, drivable_area]"]
+
+
+def tiny_cfg(*extra):
+    return load_config(None, TINY + list(extra))
+
+
+def rig_batch(cfg, batch_size=2, seed=0):
+    """Random images with the real nuScenes rig, intrinsics scaled from 1600x900 to final_dim."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = cfg.data.final_dim
+    K, rot, trans = load_nuscenes_rig(cfg.data.cameras)
+    n = K.shape[0]
+    scale = w / 1600
+    post_rot, post_trans = image_augmentation(scale, (0.0, 900 * scale - h))
+    expand = lambda t: t.unsqueeze(0).expand(batch_size, *t.shape).clone()  # noqa: E731
+    return {
+        "images": torch.randn(batch_size, n, 3, h, w, generator=g),
+        "intrinsics": expand(K), "sensor2ego_rot": expand(rot), "sensor2ego_trans": expand(trans),
+        "post_rot": expand(post_rot.expand(n, 3, 3)), "post_trans": expand(post_trans.expand(n, 3)),
+        "targets": (torch.rand(batch_size, len(cfg.data.classes), 16, 16, generator=g) > 0.8).float(),
+    }
+
+
+def test_forward_shapes_and_gradients_reach_both_encoders():
+    cfg = tiny_cfg()
+    model = LiftSplatShoot(cfg)
+    batch = rig_batch(cfg)
+    out = model(batch)["segmentation"]
+    assert out.shape == (2, 2, 16, 16) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    out.square().mean().backward()
+    for name in ("camera.head.weight", "camera.trunk.net._conv_stem.weight", "bev.stem.0.weight",
+                 "bev.segmentation.weight"):
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_frustum_is_a_non_persistent_buffer_and_follows_the_module():
+    model = LiftSplatShoot(tiny_cfg())
+    assert "splat.frustum" not in model.state_dict()
+    assert dict(model.named_buffers())["splat.frustum"].shape == (4, 2, 6, 3)
+    model.to(torch.float64)
+    assert model.splat.frustum.dtype == torch.float64  # cast with the module, but the LUT is built in float32
+
+
+def test_bev_pool_and_reference_splat_agree():
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    ours = LiftSplatShoot(cfg).eval()
+    ref = LiftSplatShoot(tiny_cfg("model.splat=reference")).eval()
+    ref.load_state_dict(ours.state_dict())
+    batch = rig_batch(cfg)
+    with torch.no_grad():
+        a, b = ours(batch)["segmentation"], ref(batch)["segmentation"]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_channels_last_gives_the_same_output():
+    cfg = tiny_cfg()
+    model = LiftSplatShoot(cfg).eval()
+    batch = rig_batch(cfg)
+    with torch.no_grad():
+        a = model(batch)["segmentation"]
+        b = model.to(memory_format=torch.channels_last)(batch)["segmentation"]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_depth_is_a_distribution():
+    enc = CameraEncoder(depth_bins=5, context_channels=3).eval()
+    depth, context = enc(torch.randn(2, 3, 64, 64))
+    assert depth.shape == (2, 5, 4, 4) and context.shape == (2, 3, 4, 4)
+    torch.testing.assert_close(depth.sum(1), torch.ones(2, 4, 4))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.final_dim=[40, 96]", "multiples of 32"),
+    ("grid.xbound=[-5.0, 5.0, 1.0]", "multiples of 8"),
+    ("model.heads=[segmentation, boxes]", "unknown head"),
+    ("model.heads=[detection]", "segmentation head is required"),
+    ("model.downsample=8", "stride 16"),
+    ("model.splat=cuda_magic", "model.splat='cuda_magic'"),
+    ("model.backbone=resnet50", "efficientnet-b0"),
+])
+def test_bad_model_config_is_rejected(override, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        LiftSplatShoot(tiny_cfg(override))
+
+
+def test_bad_images_are_rejected():
+    cfg = tiny_cfg()
+    batch = rig_batch(cfg)
+    batch["images"] = batch["images"][:, :, :2]
+    with pytest.raises(ValueError, match="B x N x 3 x H x W"):
+        LiftSplatShoot(cfg)(batch)
+
+
+def test_pretrained_weights_load_from_a_local_file(tmp_path):
+    source = EfficientNet.from_name("efficientnet-b0")
+    path = tmp_path / "effb0.pth"
+    torch.save(source.state_dict(), path)  # the layout of efficientnet-pytorch's ImageNet files (with _fc)
+    model = LiftSplatShoot(tiny_cfg(f"model.pretrained={path}"))
+    torch.testing.assert_close(model.camera.trunk.net._conv_stem.weight, source._conv_stem.weight)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        EfficientNetTrunk(pretrained=str(tmp_path / "missing.pth"))
+    torch.save({"conv.weight": torch.zeros(1)}, path)
+    with pytest.raises(ValueError, match="not an efficientnet-b0 state dict"):
+        EfficientNetTrunk(pretrained=str(path))
+
+
+def test_lut_is_built_in_float32_under_autocast():
+    cfg = tiny_cfg()
+    model = LiftSplatShoot(cfg)
+    batch = rig_batch(cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lut = model.splat.lut(batch)
+        out = model(batch)["segmentation"]
+    ref = model.splat.lut_cache.get(model.splat.frustum, *(batch[k] for k in (
+        "intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")), model.splat.grid)
+    assert torch.equal(lut.point_cell, ref.point_cell)
+    assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_forward_backward():
+    cfg = tiny_cfg()
+    model = LiftSplatShoot(cfg).cuda().to(memory_format=torch.channels_last)
+    batch = {k: v.cuda() for k, v in rig_batch(cfg).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(batch)["segmentation"]
+    out.float().mean().backward()
+    assert torch.isfinite(out.float()).all() and model.camera.head.weight.grad is not None

@@ -1,0 +1,213 @@
+import pytest
+import torch
+import torchvision
+
+from conftest import devices
+from lss.ops import RoIAlign, roi_align, roi_align_reference
+from lss.ops._ext import has_ext
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+
+def make_rois(k, batch, height, width, scale=1.0, seed=0, device="cpu", dtype=torch.float32):
+    """K x 5 random rois in image coordinates (feature map size / scale), some partly outside the image."""
+    g = torch.Generator().manual_seed(seed)
+    img_h, img_w = height / scale, width / scale
+    xy = torch.rand(k, 2, generator=g) * torch.tensor([img_w, img_h]) * 1.1 - 0.05 * torch.tensor([img_w, img_h])
+    wh = torch.rand(k, 2, generator=g) * torch.tensor([img_w, img_h]) * 0.6 + 0.3
+    idx = torch.randint(0, batch, (k, 1), generator=g).float()
+    return torch.cat([idx, xy, xy + wh], dim=1).to(device=device, dtype=dtype)
+
+
+def features(n, c, h, w, seed=0, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, c, h, w, generator=g).to(device=device, dtype=dtype)
+
+
+def fwd_bwd(fn, x, *args, **kwargs):
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x, *args, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    out.backward(torch.randn(out.shape, generator=g).to(out.device, out.dtype))
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sampling_ratio,scale", [(-1, 1.0), (0, 0.5), (2, 0.25), (3, 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_torchvision(device, aligned, sampling_ratio, scale, dtype):
+    x = features(2, 5, 13, 17, device=device, dtype=dtype)
+    rois = make_rois(12, 2, 13, 17, scale, device=device, dtype=dtype)
+    args = dict(output_size=(3, 4), spatial_scale=scale, sampling_ratio=sampling_ratio, aligned=aligned)
+    out, grad = fwd_bwd(roi_align, x, rois, **args)
+    ref_out, ref_grad = fwd_bwd(torchvision.ops.roi_align, x, rois, **args)
+    torch.testing.assert_close(out, ref_out, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(grad, ref_grad, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_reference_matches_torchvision(aligned):
+    x = features(2, 3, 11, 9, dtype=torch.float64)
+    rois = make_rois(10, 2, 11, 9, 0.5, dtype=torch.float64)
+    args = dict(output_size=5, spatial_scale=0.5, sampling_ratio=-1, aligned=aligned)
+    out, grad = fwd_bwd(roi_align_reference, x, rois, **args)
+    ref_out, ref_grad = fwd_bwd(torchvision.ops.roi_align, x, rois, **args)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sampling_ratio", [-1, 2])
+def test_max_mode_matches_reference(device, aligned, sampling_ratio):
+    x = features(2, 4, 12, 10, device=device, dtype=torch.float64)
+    rois = make_rois(9, 2, 12, 10, 1.0, seed=3, device=device, dtype=torch.float64)
+    args = dict(output_size=3, sampling_ratio=sampling_ratio, aligned=aligned, mode="max")
+    out, grad = fwd_bwd(roi_align, x, rois, **args)
+    ref_out, ref_grad = fwd_bwd(roi_align_reference, x, rois, **args)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-10, rtol=1e-10)
+    # max over samples is at least their mean
+    avg = roi_align(x, rois, 3, sampling_ratio=sampling_ratio, aligned=aligned)
+    assert (out >= avg - 1e-12).all()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_low_precision_matches_float32(device, dtype, mode):
+    x = features(2, 6, 10, 12, device=device, dtype=dtype)
+    rois = make_rois(8, 2, 10, 12, device=device)
+    out, grad = fwd_bwd(roi_align, x, rois, 2, sampling_ratio=2, aligned=True, mode=mode)
+    ref_out, ref_grad = fwd_bwd(roi_align, x.float(), rois, 2, sampling_ratio=2, aligned=True, mode=mode)
+    assert out.dtype == dtype and grad.dtype == dtype
+    torch.testing.assert_close(out.float(), ref_out, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(grad.float(), ref_grad, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("device", devices())
+def test_list_rois_and_layouts(device):
+    x = features(3, 4, 9, 11, device=device)
+    boxes = [make_rois(n, 1, 9, 11, seed=n, device=device)[:, 1:] for n in (4, 0, 3)]
+    rois = torch.cat([torch.cat([torch.full((len(b), 1), float(i), device=device), b], 1)
+                      for i, b in enumerate(boxes)])
+    expected = roi_align(x, rois, 3, aligned=True)
+    torch.testing.assert_close(roi_align(x, boxes, 3, aligned=True), expected)
+    # non-contiguous (a channel slice of a wider map, transposed twice) and channels_last inputs
+    wide = features(3, 8, 11, 9, device=device).transpose(2, 3)[:, ::2]
+    torch.testing.assert_close(roi_align(wide, rois, 3), roi_align(wide.contiguous(), rois, 3))
+    cl = x.to(memory_format=torch.channels_last)
+    torch.testing.assert_close(roi_align(cl, rois, 3, aligned=True), expected)
+    torch.testing.assert_close(roi_align(x, rois.t().contiguous().t(), 3, aligned=True), expected)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_empty_rois(device, mode):
+    x = features(2, 3, 5, 5, device=device).requires_grad_(True)
+    out = roi_align(x, torch.zeros(0, 5, device=device), 2, mode=mode)
+    assert out.shape == (0, 3, 2, 2)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert roi_align(x, [torch.zeros(0, 4, device=device)], 2, mode=mode).shape == (0, 3, 2, 2)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_gradcheck(device, mode):
+    x = features(1, 2, 6, 7, device=device, dtype=torch.float64).requires_grad_(True)
+    rois = make_rois(3, 1, 6, 7, seed=5, device=device, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda t: roi_align(t, rois, 2, 1.0, 2, True, mode), (x,))
+    assert torch.autograd.gradcheck(lambda t: roi_align(t, rois, 2, 1.0, -1, False, mode), (x,))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_deterministic_backward(device, mode):
+    x = features(2, 8, 16, 16, device=device)
+    rois = make_rois(64, 2, 16, 16, seed=2, device=device)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = [fwd_bwd(roi_align, x, rois, 4, sampling_ratio=-1, aligned=True, mode=mode)[1] for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+    fast = fwd_bwd(roi_align, x, rois, 4, sampling_ratio=-1, aligned=True, mode=mode)[1]
+    torch.testing.assert_close(grads[0], fast, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_matches_cpu(mode, dtype):
+    x = features(2, 40, 20, 24, dtype=dtype)
+    rois = make_rois(50, 2, 20, 24, 0.5, seed=7)
+    args = dict(output_size=(5, 3), spatial_scale=0.5, sampling_ratio=-1, aligned=True, mode=mode)
+    out, grad = fwd_bwd(roi_align, x, rois, **args)
+    out_c, grad_c = fwd_bwd(roi_align, x.cuda(), rois.cuda(), **args)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out_c.cpu(), out, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_c.cpu(), grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.cuda
+def test_cuda_large_batch_index_and_channels():
+    # many rois on the last image of a batch, channel count not a multiple of the warp size
+    x = features(5, 37, 30, 30, device="cuda")
+    rois = make_rois(300, 5, 30, 30, device="cuda")
+    rois[:, 0] = 4
+    torch.testing.assert_close(roi_align(x, rois, 7, 1.0, 2, True),
+                               torchvision.ops.roi_align(x, rois, 7, 1.0, 2, True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("max_mode", [False, True])
+def test_opcheck(device, max_mode):
+    x = features(2, 3, 8, 8, device=device).requires_grad_(True)
+    rois = make_rois(5, 2, 8, 8, device=device)
+    torch.library.opcheck(torch.ops.lss.roi_align.default, (x, rois, 1.0, 2, 3, 2, True, max_mode))
+
+
+def test_errors():
+    x = features(2, 3, 8, 8)
+    good = make_rois(4, 2, 8, 8)
+    with pytest.raises(ValueError, match="K x 5"):
+        roi_align(x, good[:, 1:], 2)
+    with pytest.raises(ValueError, match="batch index 2.0, expected an integer in \\[0, 2\\)"):
+        roi_align(x, torch.tensor([[2.0, 0, 0, 4, 4]]), 2)
+    with pytest.raises(ValueError, match="batch index"):
+        roi_align(x, torch.tensor([[0.5, 0, 0, 4, 4]]), 2)
+    with pytest.raises(ValueError, match="must be finite"):
+        roi_align(x, torch.tensor([[0.0, 0, float("nan"), 4, 4]]), 2)
+    with pytest.raises(ValueError, match="must be finite"):
+        roi_align(x, torch.tensor([[0.0, 0, 0, float("inf"), 4]]), 2)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        roi_align(x, good, 2, mode="sum")
+    with pytest.raises(ValueError, match="output_size"):
+        roi_align(x, good, 0)
+    with pytest.raises(ValueError, match="N x C x H x W"):
+        roi_align(x[0], good, 2)
+    with pytest.raises(ValueError, match="boxes for 3 images"):
+        roi_align(x, [good[:1, 1:]] * 3, 2)
+
+
+@pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+def test_raw_op_rejects_bad_rois_without_reading_out_of_bounds():
+    x = features(1, 2, 6, 6)
+    with pytest.raises(RuntimeError, match="rois must be K x 5"):
+        torch.ops.lss.roi_align(x, torch.zeros(3, 4), 1.0, 2, 2, 2, False, False)
+    # rois that bypass the Python checks pool to zeros instead of reading out of bounds
+    bad = torch.tensor([[7.0, 0, 0, 3, 3], [0.0, float("nan"), 0, 3, 3], [-1.0, 0, 0, 3, 3]])
+    out, _ = torch.ops.lss.roi_align(x, bad, 1.0, 2, 2, -1, False, False)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_module_repr_and_forward():
+    m = RoIAlign((7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True)
+    assert repr(m) == "RoIAlign(output_size=(7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True, mode='avg')"
+    x = features(1, 2, 10, 10)
+    rois = make_rois(3, 1, 10, 10, scale=0.125)
+    torch.testing.assert_close(m(x, rois), roi_align(x, rois, 7, 0.125, 2, True))

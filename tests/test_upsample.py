@@ -1,0 +1,263 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd import gradcheck, gradgradcheck
+
+from conftest import devices
+from lss.ops import UpsampleBilinear, _ext, upsample_bilinear, upsample_bilinear_reference
+from lss.ops.upsample import MODES
+
+needs_ext = pytest.mark.skipif(not _ext.has_ext(), reason="lss._C is not built")
+
+# (input shape, resize arguments): up, down, mixed, fractional scales, 1 x N and N x 1 maps, output length 1.
+CASES = [
+    ((2, 3, 5, 7), dict(scale_factor=2)),
+    ((2, 3, 5, 7), dict(size=(9, 4))),
+    ((1, 2, 9, 11), dict(scale_factor=0.5)),
+    ((1, 2, 4, 6), dict(scale_factor=(1.5, 3))),
+    ((1, 2, 17, 13), dict(size=(3, 29))),
+    ((2, 1, 1, 6), dict(size=(3, 12))),
+    ((2, 1, 6, 1), dict(size=(12, 3))),
+    ((1, 3, 5, 7), dict(size=(1, 4))),
+    ((1, 3, 5, 7), dict(size=(1, 1))),
+    ((3, 2, 6, 6), dict(size=(6, 6))),
+]
+CASE_IDS = [f"{'x'.join(map(str, s))}-{next(iter(k.values()))}" for s, k in CASES]
+# Against the float64 reference: the kernels place samples in float32 for every dtype but float64.
+TOL = {
+    torch.float64: dict(rtol=1e-12, atol=1e-12),
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+
+
+def out_size(shape, kwargs):
+    if "size" in kwargs:
+        return kwargs["size"]
+    s = kwargs["scale_factor"]
+    s = s if isinstance(s, tuple) else (s, s)
+    return math.floor(shape[2] * s[0]), math.floor(shape[3] * s[1])
+
+
+def has_unit_output(shape, kwargs):
+    return 1 in out_size(shape, kwargs)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape,kwargs", CASES, ids=CASE_IDS)
+def test_forward_and_backward_match_reference(device, dtype, mode, shape, kwargs):
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    y = upsample_bilinear(x, mode=mode, **kwargs)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    xr = x.detach().double().requires_grad_()
+    yr = upsample_bilinear_reference(xr, mode=mode, **kwargs)
+    (gr,) = torch.autograd.grad(yr, xr, g.double())
+    assert y.shape == (shape[0], shape[1], *out_size(shape, kwargs)) and y.dtype == dtype
+    torch.testing.assert_close(y, yr.to(dtype), **TOL[dtype])
+    torch.testing.assert_close(gx, gr.to(dtype), **TOL[dtype])
+
+
+@pytest.mark.parametrize("mode,align_corners", [("pytorch_half_pixel", False), ("half_pixel", False),
+                                                ("align_corners", True)])
+@pytest.mark.parametrize("shape,kwargs", CASES, ids=CASE_IDS)
+def test_matches_interpolate(mode, align_corners, shape, kwargs):
+    if mode == "pytorch_half_pixel" and has_unit_output(shape, kwargs):
+        pytest.skip("ONNX pytorch_half_pixel samples index 0 on an axis of length 1 (tested below)")
+    x = torch.randn(shape, requires_grad=True)
+    y = upsample_bilinear(x, mode=mode, **kwargs)
+    want = F.interpolate(x, mode="bilinear", align_corners=align_corners, **kwargs)
+    # 1e-6 relative to the data's scale: both place samples in float32, with their own rounding.
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6 * x.abs().max().item())
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, x, g)[0], torch.autograd.grad(want, x, g)[0]
+    torch.testing.assert_close(gx, gw, rtol=1e-6, atol=1e-6 * gw.abs().max().item())
+
+
+def test_pytorch_half_pixel_unit_output_samples_first_index():
+    x = torch.randn(2, 3, 5, 7)
+    y = upsample_bilinear(x, size=(1, 7), mode="pytorch_half_pixel")
+    torch.testing.assert_close(y, x[:, :, :1, :], rtol=0, atol=0)
+    assert not torch.allclose(y, F.interpolate(x, size=(1, 7), mode="bilinear", align_corners=False))
+
+
+def onnx_resize(x: torch.Tensor, mode: str, kwargs: dict) -> torch.Tensor:
+    """Runs ONNX Resize (linear, opset 13) in onnxruntime on a float32 N x C x H x W tensor."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    inits = []
+    if "size" in kwargs:
+        names = ["X", "", "", "sizes"]
+        inits.append(helper.make_tensor("sizes", TensorProto.INT64, [4], [*x.shape[:2], *out_size(x.shape, kwargs)]))
+    else:
+        s = kwargs["scale_factor"]
+        s = s if isinstance(s, tuple) else (s, s)
+        names = ["X", "", "scales"]
+        inits.append(helper.make_tensor("scales", TensorProto.FLOAT, [4], [1.0, 1.0, *map(float, s)]))
+    node = helper.make_node("Resize", names, ["Y"], mode="linear", coordinate_transformation_mode=mode)
+    graph = helper.make_graph([node], "resize", [helper.make_tensor_value_info("X", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(sess.run(None, {"X": x.numpy()})[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape,kwargs", CASES, ids=CASE_IDS)
+def test_matches_onnxruntime_resize(mode, shape, kwargs):
+    x = torch.randn(shape)
+    want = onnx_resize(x, mode, kwargs)
+    torch.testing.assert_close(upsample_bilinear(x, mode=mode, **kwargs), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(upsample_bilinear_reference(x, mode=mode, **kwargs), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape,kwargs", [((1, 2, 3, 4), dict(scale_factor=2)), ((2, 1, 7, 5), dict(size=(3, 8))),
+                                          ((1, 1, 1, 3), dict(size=(2, 1)))])
+def test_gradcheck(device, mode, shape, kwargs):
+    x = torch.randn(shape, device=device, dtype=torch.float64, requires_grad=True)
+    fn = lambda t: upsample_bilinear(t, mode=mode, **kwargs)  # noqa: E731
+    assert gradcheck(fn, (x,))
+    assert gradgradcheck(fn, (x,))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_opcheck(device):
+    samples = [
+        (torch.randn(2, 3, 4, 5, device=device, requires_grad=True), [8, 10], 2.0, 2.0, "align_corners"),
+        (torch.randn(1, 2, 9, 6, device=device, requires_grad=True), [4, 13], None, None, "pytorch_half_pixel"),
+        (torch.randn(2, 4, 3, 5, device=device).to(memory_format=torch.channels_last).requires_grad_(),
+         [7, 5], None, None, "half_pixel"),
+        (torch.randn(1, 3, 5, 5, device=device, dtype=torch.float64, requires_grad=True), [5, 2], 1.0, 0.5,
+         "asymmetric"),
+    ]
+    for args in samples:
+        torch.library.opcheck(torch.ops.lss.upsample_bilinear, args)
+    grad = torch.randn(2, 3, 8, 10, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.lss._upsample_bilinear_backward, (grad, [2, 3, 4, 5], 2.0, 2.0, "align_corners"))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_non_contiguous_input(device):
+    base = torch.randn(2, 6, 11, 9, device=device)
+    x = base.transpose(2, 3)[:, ::2, 1:, :].requires_grad_()
+    assert not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+    y = upsample_bilinear(x, scale_factor=(2, 1.5), mode="asymmetric")
+    assert y.is_contiguous()
+    xc = x.detach().contiguous().requires_grad_()
+    yc = upsample_bilinear_reference(xc, scale_factor=(2, 1.5), mode="asymmetric")
+    torch.testing.assert_close(y, yc, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(y).transpose(2, 3).contiguous().transpose(2, 3)  # strided grad_output too
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(yc, xc, g)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["align_corners", "pytorch_half_pixel"])
+def test_channels_last_keeps_format(device, dtype, mode):
+    x = torch.randn(2, 37, 5, 6, device=device, dtype=dtype).to(memory_format=torch.channels_last).requires_grad_()
+    y = upsample_bilinear(x, scale_factor=2, mode=mode)
+    assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert gx.is_contiguous(memory_format=torch.channels_last)
+    xr = x.detach().double().contiguous().requires_grad_()
+    yr = upsample_bilinear_reference(xr, scale_factor=2, mode=mode)
+    (gr,) = torch.autograd.grad(yr, xr, g.double())
+    torch.testing.assert_close(y, yr.to(dtype), **TOL[dtype])
+    torch.testing.assert_close(gx, gr.to(dtype), **TOL[dtype])
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_empty_batch_gives_empty_results(device):
+    x = torch.randn(0, 3, 4, 5, device=device, requires_grad=True)
+    y = upsample_bilinear(x, scale_factor=2, mode="align_corners")
+    assert y.shape == (0, 3, 8, 10)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_module_forward_and_repr():
+    up = UpsampleBilinear(scale_factor=2, mode="align_corners")
+    assert repr(up) == "UpsampleBilinear(scale_factor=2, mode='align_corners')"
+    assert repr(UpsampleBilinear(size=(8, 22))) == "UpsampleBilinear(size=(8, 22), mode='pytorch_half_pixel')"
+    x = torch.randn(2, 4, 4, 11)
+    torch.testing.assert_close(up(x), F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [upsample_bilinear, upsample_bilinear_reference])
+@pytest.mark.parametrize("x,kwargs,error,message", [
+    (torch.randn(1, 2, 4, 4), dict(size=8, scale_factor=2), ValueError, "exactly one of size and scale_factor"),
+    (torch.randn(1, 2, 4, 4), dict(), ValueError, "exactly one of size and scale_factor"),
+    (torch.randn(2, 4, 4), dict(scale_factor=2), ValueError, "must be 4-D"),
+    (torch.randn(1, 1, 2, 2, 2), dict(scale_factor=2), ValueError, "must be 4-D"),
+    (torch.ones(1, 2, 4, 4, dtype=torch.int64), dict(scale_factor=2), TypeError, "float32, float16"),
+    (torch.randn(1, 2, 4, 4), dict(size=(0, 3)), ValueError, "size must be positive integers"),
+    (torch.randn(1, 2, 4, 4), dict(size=(-2, 3)), ValueError, "size must be positive integers"),
+    (torch.randn(1, 2, 4, 4), dict(size=(2.5, 3)), ValueError, "size must be positive integers"),
+    (torch.randn(1, 2, 4, 4), dict(size=(2, 3, 4)), ValueError, "pair"),
+    (torch.randn(1, 2, 4, 4), dict(scale_factor=0), ValueError, "scale_factor must be positive"),
+    (torch.randn(1, 2, 4, 4), dict(scale_factor=-1.0), ValueError, "scale_factor must be positive"),
+    (torch.randn(1, 2, 4, 4), dict(scale_factor=0.2), ValueError, "at least 1"),
+    (torch.randn(1, 2, 0, 4), dict(scale_factor=2), ValueError, "height and width must be positive"),
+    (torch.randn(1, 2, 4, 4), dict(scale_factor=2, mode="bilinear"), ValueError, "unknown mode 'bilinear'"),
+])
+def test_bad_arguments(fn, x, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fn(x, **kwargs)
+
+
+def test_module_bad_arguments():
+    with pytest.raises(ValueError, match="exactly one of size and scale_factor"):
+        UpsampleBilinear()
+    with pytest.raises(ValueError, match="unknown mode"):
+        UpsampleBilinear(scale_factor=2, mode="nearest")
+
+
+@needs_ext
+def test_kernel_rejects_bad_sizes():
+    with pytest.raises(RuntimeError, match="output_size must be two positive sizes"):
+        torch.ops.lss.upsample_bilinear(torch.randn(1, 1, 2, 2), [0, 2], None, None, "half_pixel")
+    with pytest.raises(RuntimeError, match="does not fit grad_output"):
+        torch.ops.lss._upsample_bilinear_backward(torch.randn(1, 2, 4, 4), [1, 3, 2, 2], None, None, "half_pixel")
+    with pytest.raises(RuntimeError, match="unknown mode"):
+        torch.ops.lss.upsample_bilinear(torch.randn(1, 1, 2, 2), [4, 4], None, None, "cubic")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape,kwargs", [((3, 7, 13, 17), dict(scale_factor=2)),
+                                          ((2, 45, 19, 8), dict(size=(5, 31))),
+                                          ((24, 40, 4, 11), dict(scale_factor=2)),
+                                          ((1, 3, 64, 48), dict(scale_factor=(0.25, 3.5)))])
+def test_cpu_cuda_parity(dtype, channels_last, mode, shape, kwargs):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(shape, dtype=dtype).to(memory_format=fmt).requires_grad_()
+    xc = x.detach().cuda().requires_grad_()
+    y = upsample_bilinear(x, mode=mode, **kwargs)
+    yc = upsample_bilinear(xc, mode=mode, **kwargs)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    (gxc,) = torch.autograd.grad(yc, xc, g.cuda())
+    assert yc.is_contiguous(memory_format=fmt) and gxc.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(yc.cpu(), y, **TOL[dtype])
+    torch.testing.assert_close(gxc.cpu(), gx, **TOL[dtype])
