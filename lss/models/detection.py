@@ -191,7 +191,7 @@ def decode_peaks(heatmap_logits: torch.Tensor, regression: torch.Tensor, frame: 
     heat = torch.sigmoid(heatmap_logits.float())
     peaks = heat * (heat == F.max_pool2d(heat, 3, stride=1, padding=1))
     k = min(top_k, K * H * W)
-    scores, index = peaks.view(B, -1).topk(k, dim=1)
+    scores, index = peaks.reshape(B, -1).topk(k, dim=1)
     labels = index // (H * W)
     cell = index % (H * W)
     row, col = cell // W, cell % W
