@@ -14,15 +14,15 @@ namespace {
 
 template <typename T>
 struct AxisTable {
-  std::vector<int64_t> i0, i1, begin, end;
+  std::vector<int> i0, i1, begin, end;
   std::vector<T> w0, w1;
 
   explicit AxisTable(const AxisMap<T>& m) : i0(m.out), i1(m.out), begin(m.in), end(m.in), w0(m.out), w1(m.out) {
-    for (int64_t o = 0; o < m.out; ++o) m.taps(o, i0[o], i1[o], w0[o], w1[o]);
-    for (int64_t i = 0; i < m.in; ++i) m.sampled_by(i, begin[i], end[i]);
+    for (int o = 0; o < m.out; ++o) m.taps(o, i0[o], i1[o], w0[o], w1[o]);
+    for (int i = 0; i < m.in; ++i) m.sampled_by(i, begin[i], end[i]);
   }
 
-  T weight(int64_t o, int64_t i) const { return (i0[o] == i ? w0[o] : T(0)) + (i1[o] == i ? w1[o] : T(0)); }
+  T weight(int64_t o, int i) const { return (i0[o] == i ? w0[o] : T(0)) + (i1[o] == i ? w1[o] : T(0)); }
 };
 
 int64_t grain(int64_t work_per_item) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, work_per_item)); }
@@ -114,7 +114,8 @@ void backward_kernel(const at::Tensor& grad_output, at::Tensor& grad_input, std:
   at::parallel_for(0, N * IH * IW, grain(C * 4), [&](int64_t begin, int64_t end) {
     std::vector<T> acc(C);
     for (int64_t pix = begin; pix < end; ++pix) {
-      const int64_t iw = pix % IW, ih = (pix / IW) % IH, n = pix / (IW * IH);
+      const int iw = static_cast<int>(pix % IW), ih = static_cast<int>((pix / IW) % IH);
+      const int64_t n = pix / (IW * IH);
       std::fill(acc.begin(), acc.end(), T(0));
       for (int64_t oh = th.begin[ih]; oh < th.end[ih]; ++oh) {
         const T wh = th.weight(oh, ih);
