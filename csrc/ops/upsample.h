@@ -129,6 +129,20 @@ inline bool is_channels_last(const at::Tensor& t) {
   return !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast);
 }
 
+// The kernels' view of `t` (channels_last kept, anything else made contiguous) and an empty result of `sizes` in
+// the same layout.
+struct KernelLayout {
+  bool channels_last;
+  at::Tensor src;
+  at::Tensor result;
+};
+
+inline KernelLayout kernel_layout(const at::Tensor& t, at::IntArrayRef sizes) {
+  const bool channels_last = is_channels_last(t);
+  const auto format = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  return {channels_last, channels_last ? t : t.contiguous(), at::empty(sizes, t.options().memory_format(format))};
+}
+
 inline void check_forward(const at::Tensor& input, at::IntArrayRef output_size) {
   TORCH_CHECK(input.dim() == 4, "upsample_bilinear: input must be 4-D (N x C x H x W), got shape ", dims(input.sizes()));
   TORCH_CHECK(at::isFloatingType(input.scalar_type()), "upsample_bilinear: input must be float32, float16, "

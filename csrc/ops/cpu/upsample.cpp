@@ -136,11 +136,10 @@ at::Tensor upsample_bilinear_cpu(const at::Tensor& input, at::IntArrayRef output
   LSS_CHECK_CPU(input, "upsample_bilinear: input");
   check_forward(input, output_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
-  const bool channels_last = is_channels_last(input);
-  const at::Tensor src = channels_last ? input : input.contiguous();
-  at::Tensor output = at::empty({input.size(0), input.size(1), output_size[0], output_size[1]},
-                                input.options().memory_format(channels_last ? at::MemoryFormat::ChannelsLast
-                                                                            : at::MemoryFormat::Contiguous));
+  KernelLayout io = kernel_layout(input, {input.size(0), input.size(1), output_size[0], output_size[1]});
+  const bool channels_last = io.channels_last;
+  const at::Tensor& src = io.src;
+  at::Tensor& output = io.result;
   if (output.numel() == 0) return output;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "upsample_bilinear_cpu", [&] {
     forward_kernel<scalar_t>(src, output, scales_h, scales_w, coord_mode, channels_last);
@@ -154,11 +153,10 @@ at::Tensor upsample_bilinear_backward_cpu(const at::Tensor& grad_output, at::Int
   LSS_CHECK_CPU(grad_output, "_upsample_bilinear_backward: grad_output");
   check_backward(grad_output, input_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
-  const bool channels_last = is_channels_last(grad_output);
-  const at::Tensor gy = channels_last ? grad_output : grad_output.contiguous();
-  at::Tensor grad_input = at::empty(input_size, grad_output.options().memory_format(
-                                                    channels_last ? at::MemoryFormat::ChannelsLast
-                                                                  : at::MemoryFormat::Contiguous));
+  KernelLayout io = kernel_layout(grad_output, input_size);
+  const bool channels_last = io.channels_last;
+  const at::Tensor& gy = io.src;
+  at::Tensor& grad_input = io.result;
   if (grad_input.numel() == 0) return grad_input;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gy.scalar_type(), "upsample_bilinear_backward_cpu", [&] {
     backward_kernel<scalar_t>(gy, grad_input, scales_h, scales_w, coord_mode, channels_last);

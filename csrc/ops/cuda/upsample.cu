@@ -193,13 +193,12 @@ at::Tensor upsample_bilinear_cuda(const at::Tensor& input, at::IntArrayRef outpu
   check_forward(input, output_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
   c10::cuda::CUDAGuard guard(input.device());
-  const bool channels_last = is_channels_last(input);
-  const at::Tensor src = channels_last ? input : input.contiguous();
   const int64_t N = input.size(0), C = input.size(1), IH = input.size(2), IW = input.size(3);
   const int64_t OH = output_size[0], OW = output_size[1];
-  at::Tensor output = at::empty({N, C, OH, OW}, input.options().memory_format(
-                                                    channels_last ? at::MemoryFormat::ChannelsLast
-                                                                  : at::MemoryFormat::Contiguous));
+  KernelLayout io = kernel_layout(input, {N, C, OH, OW});
+  const bool channels_last = io.channels_last;
+  const at::Tensor& src = io.src;
+  at::Tensor& output = io.result;
   if (output.numel() == 0) return output;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "upsample_bilinear_cuda", [&] {
@@ -234,13 +233,12 @@ at::Tensor upsample_bilinear_backward_cuda(const at::Tensor& grad_output, at::In
   check_backward(grad_output, input_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
   c10::cuda::CUDAGuard guard(grad_output.device());
-  const bool channels_last = is_channels_last(grad_output);
-  const at::Tensor g = channels_last ? grad_output : grad_output.contiguous();
   const int64_t N = input_size[0], C = input_size[1], IH = input_size[2], IW = input_size[3];
-  const int64_t OH = g.size(2), OW = g.size(3);
-  at::Tensor grad_input = at::empty(input_size, g.options().memory_format(
-                                                    channels_last ? at::MemoryFormat::ChannelsLast
-                                                                  : at::MemoryFormat::Contiguous));
+  const int64_t OH = grad_output.size(2), OW = grad_output.size(3);
+  KernelLayout io = kernel_layout(grad_output, input_size);
+  const bool channels_last = io.channels_last;
+  const at::Tensor& g = io.src;
+  at::Tensor& grad_input = io.result;
   if (grad_input.numel() == 0) return grad_input;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "upsample_bilinear_backward_cuda", [&] {
