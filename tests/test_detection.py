@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import devices
 
 from lss.config import Config
 from lss.models.detection import (
@@ -34,7 +35,7 @@ def perfect_outputs(targets: dict, frame: BevFrame) -> dict:
     targets written at the centre cells."""
     heat = targets["heatmap"]
     logits = torch.logit(heat.clamp(1e-4, 1 - 1e-4))
-    regression = torch.zeros(heat.shape[0], 10, frame.H, frame.W)
+    regression = torch.zeros(heat.shape[0], 10, frame.H, frame.W, device=heat.device)
     regression[targets["batch"], :, targets["row"], targets["col"]] = targets["regression"]
     return {"det_heatmap": logits, "det_regression": regression}
 
@@ -66,16 +67,18 @@ def test_boxes_off_the_map_are_dropped():
     assert t["heatmap"].sum() == 0 and len(t["labels"]) == 0
 
 
-def test_encode_decode_round_trip():
+@pytest.mark.parametrize("device", devices())
+def test_encode_decode_round_trip(device):
     g = torch.Generator().manual_seed(0)
     boxes = [random_boxes(40, g), random_boxes(25, g)]
     labels = [torch.randint(0, 10, (40,), generator=g), torch.randint(0, 10, (25,), generator=g)]
-    targets = encode_targets(boxes, labels, FRAME)
+    targets = encode_targets(boxes, labels, FRAME, device=torch.device(device))
     outputs = perfect_outputs(targets, FRAME)
     # The model runs channels_last.
     heatmap, regression = (outputs[k].contiguous(memory_format=torch.channels_last)
                            for k in ("det_heatmap", "det_regression"))
     proposals = propose(heatmap, regression, FRAME, Config().detection, max_per_sample=100)
+    proposals = Proposals(*(t.cpu() for t in (proposals.boxes, proposals.scores, proposals.labels, proposals.valid)))
     for b in range(2):
         valid = proposals.valid[b]
         assert int(valid.sum()) == len(boxes[b])
@@ -134,22 +137,24 @@ def test_envelope_of_rotated_box():
     torch.testing.assert_close(bev_envelopes(box), torch.tensor([[0.0, -4.0, 2.0, 0.0]]), atol=1e-5, rtol=0)
 
 
-def test_second_stage_gradients_reach_bev_features_through_roi_align():
+@pytest.mark.parametrize("device", devices())
+def test_second_stage_gradients_reach_bev_features_through_roi_align(device):
     g = torch.Generator().manual_seed(2)
-    features = torch.randn(2, 8, 40, 40, generator=g, requires_grad=True)
+    features = torch.randn(2, 8, 40, 40, generator=g).to(device).requires_grad_(True)
     frame = BevFrame.from_bounds((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (40, 40))
     boxes = torch.zeros(2, 2, 9)
     boxes[..., 3:6] = torch.tensor([1.0, 2.0, 1.5])
     boxes[0, 0, :2] = torch.tensor([-6.0, 4.0])
     boxes[1, 0, :2] = torch.tensor([3.0, -3.0])
-    proposals = Proposals(boxes, torch.full((2, 2), 0.5), torch.zeros(2, 2, dtype=torch.long),
-                          torch.tensor([[True, False], [True, False]]))
-    refiner = BoxRefiner(8, 10, roi_size=3, hidden=16, enlarge=1.0)
+    proposals = Proposals(boxes.to(device), torch.full((2, 2), 0.5, device=device),
+                          torch.zeros(2, 2, dtype=torch.long, device=device),
+                          torch.tensor([[True, False], [True, False]], device=device))
+    refiner = BoxRefiner(8, 10, roi_size=3, hidden=16, enlarge=1.0).to(device)
     torch.nn.init.normal_(refiner.residual.weight)
     scores, residuals = refiner(features, proposals, frame)
     assert residuals[:, 1].abs().sum() == 0 and scores[:, 1].abs().sum() == 0
     (scores.sum() + residuals.sum()).backward()
-    grad = features.grad.abs().sum(1)  # B x H x W
+    grad = features.grad.abs().sum(1).cpu()  # B x H x W
     # Non-zero inside each proposal's footprint (cells around row (x+10)/0.5, column (y+10)/0.5), zero elsewhere.
     assert grad[0, 6:10, 27:29].min() > 0 and grad[1, 25:27, 13:15].min() > 0
     assert grad[0, 20:, :].sum() == 0 and grad[1, :15, :].sum() == 0
