@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import devices
 
-from lss.config import Config
+from lss.config import Config, ConfigError
 from lss.models.detection import (
     DETECTION_CLASSES, BevFrame, BoxRefiner, DetectionHead, Proposals, apply_residuals, bev_envelopes,
     box_residuals, decode_detections, decode_peaks, detection_loss, encode_targets, propose,
@@ -227,6 +227,14 @@ def test_bad_inputs_have_clear_errors():
         encode_targets([torch.zeros(1, 9)], [torch.zeros(1)], FRAME)
     with pytest.raises(ValueError, match="regression B x 10"):
         decode_peaks(torch.zeros(1, 10, 8, 8), torch.zeros(1, 9, 8, 8), FRAME, 5)
+    config = Config()
+    config.detection.max_detections = 600
+    with pytest.raises(ConfigError, match="at most 500 boxes"):
+        DetectionHead(8, config)
+    config = Config()
+    config.detection.code_weights = (1.0,) * 9
+    with pytest.raises(ConfigError, match="expected 10 weights"):
+        DetectionHead(8, config)
     with pytest.raises(KeyError, match="data.detection_targets"):
         detection_loss({"det_heatmap": torch.zeros(1, 10, 8, 8), "det_regression": torch.zeros(1, 10, 8, 8)}, {},
                        Config())

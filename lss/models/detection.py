@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lss.config import Config, DetectionConfig
+from lss.config import Config, ConfigError, DetectionConfig
 from lss.data import DETECTION_CLASSES
 from lss.ops import batched_nms, roi_align, sigmoid_focal_loss
 
 REGRESSION_CHANNELS = ("offset_x", "offset_y", "z", "log_w", "log_l", "log_h", "sin_yaw", "cos_yaw", "vx", "vy")
 BOX_DIM = 9
+MAX_BOXES_PER_SAMPLE = 500  # the nuScenes detection evaluation's limit
 # Which regression channel's code weight applies to each box residual of the second stage (yaw takes sin's).
 _RESIDUAL_WEIGHT_CHANNELS = (0, 1, 2, 3, 4, 5, 6, 8, 9)
 # Sizes are clamped here when decoded so that an untrained head cannot produce inf boxes.
@@ -380,6 +381,24 @@ class BoxRefiner(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def check_config(cfg: DetectionConfig) -> None:
+    """Raise ConfigError naming the detection.* value that cannot work."""
+    if len(cfg.code_weights) != len(REGRESSION_CHANNELS):
+        raise ConfigError(f"detection.code_weights: expected {len(REGRESSION_CHANNELS)} weights "
+                          f"({', '.join(REGRESSION_CHANNELS)}), got {len(cfg.code_weights)}")
+    if not 1 <= cfg.max_detections <= MAX_BOXES_PER_SAMPLE:
+        raise ConfigError(f"detection.max_detections={cfg.max_detections}: expected 1 to {MAX_BOXES_PER_SAMPLE} (the "
+                          "nuScenes evaluation accepts at most 500 boxes per sample)")
+    for key in ("head_channels", "top_k", "roi_size", "refine_hidden", "refine_proposals"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"detection.{key}={getattr(cfg, key)}: expected a positive integer")
+    if cfg.min_radius < 0:
+        raise ConfigError(f"detection.min_radius={cfg.min_radius}: expected 0 or more heatmap cells")
+    if not 0 < cfg.gaussian_overlap < 1 or cfg.match_distance <= 0 or cfg.roi_enlarge <= 0:
+        raise ConfigError("detection: gaussian_overlap must lie in (0, 1), match_distance and roi_enlarge must be "
+                          f"positive; got {cfg.gaussian_overlap}, {cfg.match_distance}, {cfg.roi_enlarge}")
+
+
 def _conv_bn_relu(c_in: int, c_out: int) -> list[nn.Module]:
     return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
 
@@ -395,6 +414,7 @@ class DetectionHead(nn.Module):
 
     def __init__(self, in_channels: int, config: Config, num_classes: int = len(DETECTION_CLASSES)):
         super().__init__()
+        check_config(config.detection)
         self.cfg = config.detection
         self.xbound, self.ybound = tuple(config.grid.xbound), tuple(config.grid.ybound)
         self.num_classes = num_classes
@@ -475,9 +495,7 @@ def detection_loss(outputs: dict, batch: dict, config: Config) -> dict[str, torc
     if "det_boxes" not in batch or "det_labels" not in batch:
         raise KeyError("detection_loss: the batch has no 'det_boxes'/'det_labels'; set data.detection_targets: "
                        "true so that the dataset provides the detection targets")
-    if len(cfg.code_weights) != len(REGRESSION_CHANNELS):
-        raise ValueError(f"detection.code_weights: expected {len(REGRESSION_CHANNELS)} weights "
-                         f"({', '.join(REGRESSION_CHANNELS)}), got {len(cfg.code_weights)}")
+    check_config(cfg)
     heatmap_logits, regression = outputs["det_heatmap"], outputs["det_regression"]
     frame = BevFrame.from_bounds(config.grid.xbound, config.grid.ybound, heatmap_logits.shape[-2:])
     targets = encode_targets(batch["det_boxes"], batch["det_labels"], frame, heatmap_logits.shape[1],
