@@ -26,6 +26,7 @@ data:
   bot_pct_lim: [0.0, 0.1]
   rot_lim: [-3.0, 3.0]
   rand_flip: true
+  num_train_cameras: 4  # 4 random cameras per training sample (LSS used 5 of 6); all 6 at evaluation
   classes: [vehicle, drivable_area]
   workers: 1
 grid:
@@ -43,13 +44,13 @@ optim:
   schedule: onecycle
 train:
   batch_size: 2
-  max_steps: 300
+  max_steps: 250
   device: auto
   out_dir: runs/demo
   log_every: 10
-  eval_every: 100
-  ckpt_every: 100
-  viz_every: 100
+  eval_every: 125
+  ckpt_every: 125
+  viz_every: 125
 eval:
   batch_size: 4
 viz:
