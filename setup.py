@@ -102,13 +102,15 @@ def extensions():
     if with_cuda:
         cu = sorted(glob.glob(os.path.join("csrc", "ops", "cuda", "*.cu")))
         archs = os.environ["TORCH_CUDA_ARCH_LIST"]
-        _log(f"building CPU + CUDA kernels: {why}; TORCH_CUDA_ARCH_LIST={archs}; {len(sources)} C++ + {len(cu)} CUDA sources")
+        extra_includes = wheel_cuda_includes(cuda_home)
+        _log(f"building CPU + CUDA kernels: {why}; TORCH_CUDA_ARCH_LIST={archs}; {len(sources)} C++ + {len(cu)} CUDA sources"
+             + (f"; CUDA library headers from {extra_includes[0]}" if extra_includes else ""))
         define_macros += [("LSS_WITH_CUDA", None), ("LSS_CUDA_ARCHS", f'"{archs}"')]
         return [
             CUDAExtension(
                 "lss._C",
                 sources + cu,
-                include_dirs=[os.path.join(ROOT, "csrc")],
+                include_dirs=[os.path.join(ROOT, "csrc")] + extra_includes,
                 define_macros=define_macros,
                 extra_compile_args={
                     "cxx": cxx_flags,
@@ -126,6 +128,21 @@ def extensions():
             extra_compile_args={"cxx": cxx_flags},
         )
     ]
+
+
+def wheel_cuda_includes(cuda_home):
+    """CUDA library headers (cusparse.h, cublas_v2.h, ...) that torch's CUDA headers include: a minimal toolkit may
+    lack them, while the nvidia-* wheels that come with a CUDA build of torch ship them."""
+    if os.path.exists(os.path.join(cuda_home, "include", "cusparse.h")):
+        return []
+    import site
+
+    roots = site.getsitepackages() + [site.getusersitepackages()]
+    found = []
+    for root in roots:
+        for header in sorted(glob.glob(os.path.join(root, "nvidia", "*", "include", "cusparse.h"))):
+            found.append(os.path.dirname(header))
+    return found[:1]
 
 
 def build_ext_cls():

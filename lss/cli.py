@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 import shutil
 import subprocess
@@ -178,12 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from lss.config import ConfigError
-
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"lss: config error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input (config, arguments, files): the message says what to do
+        if os.environ.get("LSS_DEBUG"):
+            raise
+        print(f"lss {args.command}: error: {e}", file=sys.stderr)
+        print("(set LSS_DEBUG=1 for the full traceback)", file=sys.stderr)
         return 2
 
 

@@ -228,7 +228,7 @@ def _merge(obj: Any, values: dict, where: str) -> Any:
     allowed = [f.name for f in dataclasses.fields(obj)]
     for key, value in values.items():
         if key not in allowed:
-            raise ConfigError(f"{where}: unknown key '{key}'. Allowed keys: {', '.join(allowed)}")
+            raise ConfigError(f"{where or 'top level'}: unknown key '{key}'. Allowed keys: {', '.join(allowed)}")
         path = f"{where}.{key}" if where else key
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current) and isinstance(value, dict):
@@ -258,13 +258,19 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: typing.Seque
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(values, dict):
             raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
-        _merge(cfg, values, str(path))
+        try:
+            _merge(cfg, values, "")
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
     for item in overrides:
         keys, value = _parse_override(item)
         nested: Any = value
         for k in reversed(keys):
             nested = {k: nested}
-        _merge(cfg, nested, "--set")
+        try:
+            _merge(cfg, nested, "")
+        except ConfigError as e:
+            raise ConfigError(f"--set {item}: {e}") from None
     return cfg
 
 

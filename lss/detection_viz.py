@@ -1,6 +1,6 @@
 """Pictures of 3D boxes: footprints with a heading tick on the BEV panel, wireframes projected into the (augmented)
 camera images. Used by `lss viz` when the model has the detection head; conventions as in lss.viz (BEV forward up,
-ego left on the left; RGB uint8 images)."""
+ego left on the left; RGB uint8 images). Ground truth is green, predictions red."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -18,8 +18,7 @@ _MIN_DEPTH = 0.5
 
 def box_corners(boxes: np.ndarray) -> np.ndarray:
     """Corners M x 8 x 3 (ego frame) of boxes M x 9 [x, y, z, w, l, h, yaw, ...] (z the box centre)."""
-    boxes = np.asarray(boxes, dtype=np.float64)
-    boxes = boxes.reshape(-1, boxes.shape[-1]) if boxes.size else np.zeros((0, 9))
+    boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 9) if np.size(boxes) else np.zeros((0, 9))
     w, l, h = boxes[:, 3:4], boxes[:, 4:5], boxes[:, 5:6]
     sx = np.array([1, -1, -1, 1, 1, -1, -1, 1], dtype=np.float64) * 0.5
     sy = np.array([1, 1, -1, -1, 1, 1, -1, -1], dtype=np.float64) * 0.5
@@ -44,8 +43,8 @@ def draw_bev_boxes(panel: np.ndarray, boxes: np.ndarray, lower: Sequence[float],
         cols = (ny - (points[..., 1] - lower[1]) / cell_size[1]) * scale
         return np.round(np.stack([cols, rows], -1)).astype(np.int32)
 
-    corners = box_corners(boxes)
-    for box, box_corner in zip(np.asarray(boxes).reshape(len(corners), -1), corners):
+    boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 9) if np.size(boxes) else np.zeros((0, 9))
+    for box, box_corner in zip(boxes, box_corners(boxes)):
         if not np.isfinite(box_corner).all():
             continue
         footprint = to_pixels(box_corner[:4, :2])
@@ -94,26 +93,39 @@ def draw_camera_boxes(image: np.ndarray, boxes: np.ndarray, intrinsics: np.ndarr
     return image
 
 
-def draw_detections(camera_images: np.ndarray, panel: np.ndarray, item: dict, grid, predictions: Optional[dict],
-                    score_threshold: float = 0.3) -> tuple[np.ndarray, np.ndarray]:
-    """Ground-truth boxes (item["det_boxes"], when present) and predicted boxes (predictions {"boxes", "scores"}
-    from decode_detections, those scoring at least `score_threshold`) drawn on copies of the N x H x W x 3 camera
-    images of the item and of its BEV panel. `grid`: the lss.geometry.BevGrid of the panel.
-    Returns (camera images, panel)."""
+def _as_numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
-    def as_numpy(x):
-        return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
-    camera_images, panel = np.ascontiguousarray(camera_images).copy(), np.ascontiguousarray(panel).copy()
+def _box_layers(item: dict, predictions: Optional[dict], score_threshold: float) -> list:
+    """(boxes, color) to draw: the ground truth when the item has it, then the confident predictions."""
     layers = []
     if "det_boxes" in item:
-        layers.append((as_numpy(item["det_boxes"]), GROUND_TRUTH_COLOR))
+        layers.append((_as_numpy(item["det_boxes"]), GROUND_TRUTH_COLOR))
     if predictions is not None:
-        keep = as_numpy(predictions["scores"]) >= score_threshold
-        layers.append((as_numpy(predictions["boxes"])[keep], PREDICTION_COLOR))
-    rig = [as_numpy(item[k]) for k in ("intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")]
-    for boxes, color in layers:
-        draw_bev_boxes(panel, boxes, grid.lower, grid.cell_size, (grid.nx, grid.ny), color)
-        for n, image in enumerate(camera_images):
+        keep = _as_numpy(predictions["scores"]) >= score_threshold
+        layers.append((_as_numpy(predictions["boxes"])[keep], PREDICTION_COLOR))
+    return layers
+
+
+def draw_camera_detections(camera_images: np.ndarray, item: dict, predictions: Optional[dict],
+                           score_threshold: float = 0.3) -> np.ndarray:
+    """Copies of the item's N x H x W x 3 camera images with its ground-truth boxes (item["det_boxes"], when
+    present, green) and the predictions ({"boxes", "scores"} from decode_detections, those scoring at least
+    `score_threshold`, red) projected through the item's rig and augmentation."""
+    images = np.ascontiguousarray(camera_images).copy()
+    rig = [_as_numpy(item[k]) for k in ("intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")]
+    for boxes, color in _box_layers(item, predictions, score_threshold):
+        for n, image in enumerate(images):
             draw_camera_boxes(image, boxes, *(r[n] for r in rig), color)
-    return camera_images, panel
+    return images
+
+
+def draw_bev_detections(panel: np.ndarray, item: dict, grid, predictions: Optional[dict],
+                        score_threshold: float = 0.3) -> np.ndarray:
+    """A copy of the BEV panel (lss.viz.bev_panel of the lss.geometry.BevGrid `grid`) with the ground-truth and
+    predicted boxes, as draw_camera_detections chooses them."""
+    panel = np.ascontiguousarray(panel).copy()
+    for boxes, color in _box_layers(item, predictions, score_threshold):
+        draw_bev_boxes(panel, boxes, grid.lower, grid.cell_size, (grid.nx, grid.ny), color)
+    return panel

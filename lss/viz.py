@@ -119,14 +119,22 @@ def bev_grid_image(probs: torch.Tensor, targets: torch.Tensor, classes: Sequence
     return np.ascontiguousarray(np.repeat(gray[..., None], 3, axis=2))
 
 
-def render_sample(item: dict, probs: np.ndarray, cfg: Config, title: str = "") -> np.ndarray:
-    """One picture (H x W x 3 uint8) of a dataset item and the model's K x nx x ny probabilities."""
+def render_sample(item: dict, probs: np.ndarray, cfg: Config, title: str = "",
+                  detections: Optional[dict] = None) -> np.ndarray:
+    """One picture (H x W x 3 uint8) of a dataset item and the model's K x nx x ny probabilities; with the
+    detection head, its boxes (`detections`, lss.models.detection.decode_detections) and the item's ground truth."""
+    from lss.detection_viz import draw_bev_detections, draw_camera_detections
     from lss.geometry import BevGrid
 
     grid = BevGrid.from_config(cfg.grid)
-    mosaic = camera_mosaic(denormalize(item["images"], cfg.data.image_mean, cfg.data.image_std), cfg.data.cameras)
+    images = denormalize(item["images"], cfg.data.image_mean, cfg.data.image_std)
+    if detections is not None:
+        images = draw_camera_detections(images, item, detections)
+    mosaic = camera_mosaic(images, cfg.data.cameras)
     panel = bev_panel(probs, item["targets"].float().numpy(), cfg.data.classes, grid.lower, grid.cell_size,
                       size=mosaic.shape[0])
+    if detections is not None:
+        panel = draw_bev_detections(panel, item, grid, detections)
     gap = np.full((mosaic.shape[0], 8, 3), 255, np.uint8)
     image = np.concatenate([mosaic, gap, panel], axis=1)
     header = np.full((24, image.shape[1], 3), 255, np.uint8)
@@ -151,6 +159,7 @@ def render_checkpoint(cfg: Config, ckpt: str, out_dir: str, num: Optional[int] =
 
     from lss.engine.checkpoint import load_checkpoint, load_model_state
     from lss.engine.train import default_dataset_fn, default_model_fn, select_device
+    from lss.models.detection import decode_detections
 
     path = Path(ckpt)
     state = load_checkpoint(path)
@@ -168,9 +177,12 @@ def render_checkpoint(cfg: Config, ckpt: str, out_dir: str, num: Optional[int] =
         item = dataset[idx]
         batch = {k: v.unsqueeze(0).to(device) if torch.is_tensor(v) else [v] for k, v in item.items()}
         with torch.no_grad():
-            probs = model(batch)["segmentation"][0].float().sigmoid().cpu().numpy()
+            outputs = model(batch)
+        probs = outputs["segmentation"][0].float().sigmoid().cpu().numpy()
+        detections = decode_detections(outputs, cfg)[0] if "detection" in cfg.model.heads else None
         token = item.get("sample_token", "")
-        image = render_sample(item, probs, cfg, title=f"{idx:04d} {token[:12]} step {state['step']}")
+        image = render_sample(item, probs, cfg, title=f"{idx:04d} {token[:12]} step {state['step']}",
+                              detections=detections)
         file = out / f"{idx:04d}_{token[:12] or 'sample'}.png"
         Image.fromarray(image).save(file)
         written.append(file)

@@ -1,5 +1,6 @@
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -70,10 +71,11 @@ def test_encode_decode_round_trip():
     boxes = [random_boxes(40, g), random_boxes(25, g)]
     labels = [torch.randint(0, 10, (40,), generator=g), torch.randint(0, 10, (25,), generator=g)]
     targets = encode_targets(boxes, labels, FRAME)
-    cfg = Config().detection
-    proposals = propose(**{"heatmap_logits": perfect_outputs(targets, FRAME)["det_heatmap"],
-                           "regression": perfect_outputs(targets, FRAME)["det_regression"]},
-                        frame=FRAME, cfg=cfg, max_per_sample=100)
+    outputs = perfect_outputs(targets, FRAME)
+    # The model runs channels_last.
+    heatmap, regression = (outputs[k].contiguous(memory_format=torch.channels_last)
+                           for k in ("det_heatmap", "det_regression"))
+    proposals = propose(heatmap, regression, FRAME, Config().detection, max_per_sample=100)
     for b in range(2):
         valid = proposals.valid[b]
         assert int(valid.sum()) == len(boxes[b])
@@ -264,7 +266,8 @@ def test_perfect_detections_score_map_one_in_the_official_evaluation(synthetic_r
     outputs = perfect_outputs(encode_targets(boxes, labels, frame), frame)
     collector = DetectionCollector(config)
     collector.add(outputs, {"sample_token": tokens})
-    summary = collector.evaluate(nusc, "mini_val", tmp_path)
+    split = SimpleNamespace(root=synthetic_root, version="v1.0-mini", devkit_split="mini_val")
+    summary = collector.evaluate_dataset(split, tmp_path)
 
     present = summary["classes_with_gt"]
     assert present and summary["num_samples"] == len(tokens)
@@ -281,6 +284,12 @@ def test_perfect_detections_score_map_one_in_the_official_evaluation(synthetic_r
     assert "| car |" in (tmp_path / "detection_metrics.md").read_text()
     submission = json.loads((tmp_path / "detection_submission.json").read_text())
     assert set(submission["results"]) == set(tokens) and submission["meta"]["use_camera"] is True
+
+    # Only the samples that were evaluated count (eval.max_batches).
+    partial = DetectionCollector(config)
+    partial.detections = {tokens[0]: collector.detections[tokens[0]]}
+    first = partial.evaluate_dataset(split, tmp_path / "partial")
+    assert first["num_samples"] == 1 and first["mAP_classes_with_gt"] == pytest.approx(1.0)
 
     # The same boxes 0.75 m off: all missed at the 0.5 m matching distance, mostly matched at 1, 2 and 4 m (greedy
     # matching can pair a box with a neighbour in a crowd).
@@ -328,3 +337,40 @@ def test_bev_boxes_drawn_forward_up_left_on_the_left():
     # x = 20 m forward -> above the centre row (100); y = 30 m left -> left of the centre column.
     assert abs(rows.mean() - (100 - 2 * 20)) < 2 and abs(cols.mean() - (100 - 2 * 30)) < 2
     assert rows.max() - rows.min() == pytest.approx(8, abs=2)
+
+
+@pytest.mark.slow
+def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
+    from lss.engine.demo import demo
+
+    tiny = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",
+            "grid.ybound=[-16.0, 16.0, 1.0]", "grid.dbound=[4.0, 20.0, 2.0]", "model.context_channels=8",
+            "data.classes=[vehicle, drivable_area]", "data.workers=0", "train.batch_size=2", "train.max_steps=2",
+            "train.eval_every=2", "train.viz_every=2", "train.ckpt_every=2", "train.log_every=1",
+            "train.device=cpu", "eval.batch_size=2", "viz.num=1", "viz.gif=false",
+            "model.heads=[segmentation, detection]", "data.detection_targets=true", "detection.head_channels=8",
+            "detection.refine_hidden=16", "detection.refine_proposals=8", f"data.dataroot={synthetic_root}"]
+    run = tmp_path / "run"
+    result = demo(overrides=tiny, out_dir=str(run))
+    losses = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = {k for row in losses for k in row.get("values", row)}
+    assert any("det_heatmap" in k for k in logged) and any("det_refine_box" in k for k in logged)
+    report = json.loads((run / "eval.json").read_text())
+    detection = report["detection"]
+    assert 0.0 <= detection["mAP"] <= 1.0 and 0.0 <= detection["NDS"] <= 1.0
+    assert detection["eval_set"] == "mini_val" and detection["num_samples"] == 3
+    assert set(detection["per_class"]) == set(DETECTION_CLASSES)
+    assert json.loads((run / "detection_metrics.json").read_text())["mAP"] == detection["mAP"]
+    submission = json.loads((run / "detection_submission.json").read_text())
+    assert len(submission["results"]) == 3
+    assert result["eval"]["detection"]["mAP"] == detection["mAP"]
+    assert len(list((run / "viz").glob("*.png"))) == 1
+
+
+def test_drawing_no_boxes_leaves_the_pictures_unchanged():
+    from lss.detection_viz import draw_bev_boxes, draw_camera_boxes
+
+    panel = np.full((64, 64, 3), 7, np.uint8)
+    draw_bev_boxes(panel, np.zeros((0, 9), np.float32), (-16.0, -16.0), (1.0, 1.0), (32, 32), (255, 0, 0))
+    draw_camera_boxes(panel, np.zeros((0, 9)), np.eye(3), np.eye(3), np.zeros(3), np.eye(3), np.zeros(3), (255, 0, 0))
+    assert (panel == 7).all()

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from pyquaternion import Quaternion
 
 from lss.config import Config
 from lss.data import DETECTION_CLASSES
-from lss.data.nuscenes import resolve_split
+from lss.data.nuscenes import load_tables, resolve_split
 from lss.models.detection import decode_detections
 
 TP_ERRORS = ("trans_err", "scale_err", "orient_err", "vel_err", "attr_err")
@@ -204,10 +206,41 @@ class DetectionCollector:
         for token, det in zip(tokens, decoded):
             self.detections[token] = {k: v.detach().cpu() for k, v in det.items()}
 
+    def gather(self) -> None:
+        """Merge the detections of every distributed rank into each rank's collector (no-op when not distributed)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.detections)
+        for part in parts:
+            self.detections.update(part)
+
     def evaluate(self, nusc, eval_set: str, out_dir: Union[str, Path], verbose: bool = False) -> dict:
         """Metrics of the collected samples (see evaluate_submission); the table is printed."""
         submission = build_submission(self.detections, nusc, eval_set)
         restrict = None if set(self.detections) == set(submission["results"]) else list(self.detections)
         summary = evaluate_submission(nusc, submission, eval_set, out_dir, sample_tokens=restrict, verbose=verbose)
         print(format_table(summary), end="")
+        return summary
+
+    def evaluate_dataset(self, dataset, out_dir: Optional[Union[str, Path]] = None) -> dict:
+        """Metrics on the split of `dataset` (a lss.data.NuScenesBEV), gathered over distributed ranks: rank 0
+        evaluates and shares the result. Files go to `out_dir` (default: a temporary folder, removed after)."""
+        if not all(hasattr(dataset, a) for a in ("root", "version", "devkit_split")):
+            raise TypeError(f"DetectionCollector.evaluate_dataset: expected a lss.data.NuScenesBEV, got "
+                            f"{type(dataset).__name__}")
+        self.gather()
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        summary = None
+        if not distributed or dist.get_rank() == 0:
+            nusc = load_tables(dataset.root, dataset.version)
+            if out_dir is not None:
+                summary = self.evaluate(nusc, dataset.devkit_split, out_dir)
+            else:
+                with tempfile.TemporaryDirectory(prefix="lss_detection_eval_") as tmp:
+                    summary = self.evaluate(nusc, dataset.devkit_split, tmp)
+        if distributed:
+            shared = [summary]
+            dist.broadcast_object_list(shared, src=0)
+            summary = shared[0]
         return summary

@@ -12,15 +12,18 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lss.config import Config
+from lss.engine.detection_eval import DetectionCollector
 from lss.engine.metrics import IoUMeter, format_iou_table
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device: torch.device,
              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-             show_progress: bool = True) -> dict:
-    """IoU per class over every batch of `loader` (summed over distributed ranks); see IoUMeter.compute."""
+             show_progress: bool = True, detection_dir: Optional[Path] = None) -> dict:
+    """IoU per class over every batch of `loader` (summed over distributed ranks); see IoUMeter.compute. With the
+    detection head, also "detection": the nuScenes detection metrics (files in `detection_dir` when given)."""
     meter = IoUMeter(cfg.data.classes, cfg.eval.threshold, cfg.eval.sweep)
+    detections = DetectionCollector(cfg) if "detection" in cfg.model.heads and loader is not None else None
     was_training = model.training
     model.eval()
     limit = cfg.eval.max_batches
@@ -33,12 +36,17 @@ def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device
                 break
             batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
             with autocast():
-                logits = model(batch)["segmentation"]
-            meter.update(logits, batch["targets"])
+                outputs = model(batch)
+            meter.update(outputs["segmentation"], batch["targets"])
+            if detections is not None:
+                detections.add(outputs, batch)
     finally:
         model.train(was_training)
     meter.all_reduce()
-    return meter.compute()
+    result = meter.compute()
+    if detections is not None:
+        result["detection"] = detections.evaluate_dataset(loader.dataset, detection_dir)
+    return result
 
 
 def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -> dict:
@@ -62,11 +70,11 @@ def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -
     def autocast():
         return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
-    result = evaluate(model, loader, cfg, device, autocast)
-    result.update({"checkpoint": str(path), "step": state["step"], "split": cfg.data.val_split,
-                   "samples": len(dataset)})
     out = Path(out_dir) if out_dir else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
     out.mkdir(parents=True, exist_ok=True)
+    result = evaluate(model, loader, cfg, device, autocast, detection_dir=out)
+    result.update({"checkpoint": str(path), "step": state["step"], "split": cfg.data.val_split,
+                   "samples": len(dataset)})
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     print(format_iou_table(result, title=f"IoU (%) of {path} at step {state['step']} on {cfg.data.val_split} "
                                          f"({len(dataset)} samples)"))

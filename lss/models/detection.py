@@ -50,6 +50,16 @@ class BevFrame:
         """Continuous cell coordinates (u along rows, v along columns); cell (i, j) covers [i, i + 1) x [j, j + 1)."""
         return (x - self.x_min) / self.dx, (y - self.y_min) / self.dy
 
+    def locate(self, boxes: torch.Tensor, labels: torch.Tensor,
+               num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Centre cells (row, col) of boxes M x 9 and whether each box can be encoded: centre on the map, a label in
+        [0, num_classes), finite geometry and positive sizes."""
+        u, v = self.to_cells(boxes[:, 0], boxes[:, 1])
+        row, col = torch.floor(u).long(), torch.floor(v).long()
+        ok = (row >= 0) & (row < self.H) & (col >= 0) & (col < self.W) & (labels >= 0) & (labels < num_classes) \
+            & torch.isfinite(boxes[:, :7]).all(1) & (boxes[:, 3:6] > 0).all(1)
+        return row, col, ok
+
 
 @dataclass
 class Proposals:
@@ -61,10 +71,11 @@ class Proposals:
     valid: torch.Tensor
 
     @classmethod
-    def empty(cls, batch: int, device: torch.device) -> "Proposals":
-        return cls(torch.zeros(batch, 0, BOX_DIM, device=device), torch.zeros(batch, 0, device=device),
-                   torch.zeros(batch, 0, dtype=torch.long, device=device),
-                   torch.zeros(batch, 0, dtype=torch.bool, device=device))
+    def zeros(cls, batch: int, slots: int, device: torch.device) -> "Proposals":
+        """batch x slots proposals, all invalid."""
+        return cls(torch.zeros(batch, slots, BOX_DIM, device=device), torch.zeros(batch, slots, device=device),
+                   torch.zeros(batch, slots, dtype=torch.long, device=device),
+                   torch.zeros(batch, slots, dtype=torch.bool, device=device))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,12 +132,9 @@ def encode_targets(boxes: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
     batch = torch.cat([torch.full((len(bx),), b, dtype=torch.long, device=device) for b, bx in enumerate(boxes)]) \
         if B else torch.zeros(0, dtype=torch.long)
 
+    row, col, keep = frame.locate(all_boxes, all_labels, num_classes)
+    all_boxes, all_labels, batch, row, col = (t[keep] for t in (all_boxes, all_labels, batch, row, col))
     u, v = frame.to_cells(all_boxes[:, 0], all_boxes[:, 1])
-    row, col = torch.floor(u).long(), torch.floor(v).long()
-    geometry_ok = torch.isfinite(all_boxes[:, :7]).all(1) & (all_boxes[:, 3:6] > 0).all(1)
-    keep = (row >= 0) & (row < H) & (col >= 0) & (col < W) & (all_labels >= 0) & (all_labels < num_classes) \
-        & geometry_ok
-    all_boxes, all_labels, batch, u, v, row, col = (t[keep] for t in (all_boxes, all_labels, batch, u, v, row, col))
 
     if len(all_boxes):
         # Radius from the footprint in cells: l along the heading, w across it (CenterPoint's rule).
@@ -191,7 +199,7 @@ def decode_peaks(heatmap_logits: torch.Tensor, regression: torch.Tensor, frame: 
     heat = torch.sigmoid(heatmap_logits.float())
     peaks = heat * (heat == F.max_pool2d(heat, 3, stride=1, padding=1))
     k = min(top_k, K * H * W)
-    scores, index = peaks.view(B, -1).topk(k, dim=1)
+    scores, index = peaks.reshape(B, -1).topk(k, dim=1)
     labels = index // (H * W)
     cell = index % (H * W)
     row, col = cell // W, cell % W
@@ -240,11 +248,7 @@ def propose(heatmap_logits: torch.Tensor, regression: torch.Tensor, frame: BevFr
         boxes, scores, labels, batch_index = boxes[kept], scores[kept], labels[kept], batch_index[kept]
     item, sample, slot = _pad_per_sample(batch_index, scores, B, max_per_sample)
     P = int(slot.max()) + 1 if len(slot) else 0
-    out = Proposals.empty(B, boxes.device)
-    out.boxes = boxes.new_zeros(B, P, BOX_DIM)
-    out.scores = scores.new_zeros(B, P)
-    out.labels = labels.new_zeros(B, P)
-    out.valid = torch.zeros(B, P, dtype=torch.bool, device=boxes.device)
+    out = Proposals.zeros(B, P, boxes.device)
     out.boxes[sample, slot] = boxes[item]
     out.scores[sample, slot] = scores[item]
     out.labels[sample, slot] = labels[item]
@@ -263,12 +267,10 @@ def ground_truth_proposals(gt_boxes: Sequence[torch.Tensor], gt_labels: Sequence
                            yaw_jitter: float = 0.2) -> Proposals:
     """Jittered copies of the ground-truth boxes on the map (positives for the second stage early in training),
     scored by the heatmap at their cell. Jitter: centre std in metres, relative size std, yaw std in radians."""
-    B, K, H, W = heatmap_logits.shape
+    B, K = heatmap_logits.shape[:2]
     device = heatmap_logits.device
     M = max((len(b) for b in gt_boxes), default=0)
-    out = Proposals(torch.zeros(B, M, BOX_DIM, device=device), torch.zeros(B, M, device=device),
-                    torch.zeros(B, M, dtype=torch.long, device=device),
-                    torch.zeros(B, M, dtype=torch.bool, device=device))
+    out = Proposals.zeros(B, M, device)
     for b, (boxes, labels) in enumerate(zip(gt_boxes, gt_labels)):
         if not len(boxes):
             continue
@@ -279,11 +281,8 @@ def ground_truth_proposals(gt_boxes: Sequence[torch.Tensor], gt_labels: Sequence
         jittered[:, 3:6] *= torch.exp(size_jitter * noise[:, 2:3])
         jittered[:, 6] += yaw_jitter * noise[:, 3]
         jittered[:, 7:9] = torch.nan_to_num(jittered[:, 7:9])
-        u, v = frame.to_cells(jittered[:, 0], jittered[:, 1])
-        row, col = torch.floor(u).long(), torch.floor(v).long()
         labels = labels.to(device, torch.long)
-        ok = (row >= 0) & (row < H) & (col >= 0) & (col < W) & (labels >= 0) & (labels < K) \
-            & torch.isfinite(jittered[:, :7]).all(1) & (jittered[:, 3:6] > 0).all(1)
+        row, col, ok = frame.locate(jittered, labels, K)
         n = int(ok.sum())
         out.boxes[b, :n] = jittered[ok]
         out.labels[b, :n] = labels[ok]
@@ -358,7 +357,9 @@ class BoxRefiner(nn.Module):
         score_logits = bev_features.new_zeros(B, P, dtype=torch.float32)
         residuals = bev_features.new_zeros(B, P, BOX_DIM, dtype=torch.float32)
         if not len(rois):
-            return score_logits, residuals
+            # Zero-valued use of every parameter: DDP expects gradients for all of them on every step.
+            unused = sum(p.sum() for p in self.parameters()).float() * 0
+            return score_logits + unused, residuals + unused
         # float32: in bf16 a roi corner near cell 200 would be off by a whole cell.
         pooled = roi_align(bev_features.float(), rois, (self.roi_size, self.roi_size), spatial_scale=1.0,
                            sampling_ratio=2, aligned=True)

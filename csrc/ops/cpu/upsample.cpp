@@ -14,15 +14,15 @@ namespace {
 
 template <typename T>
 struct AxisTable {
-  std::vector<int64_t> i0, i1, begin, end;
+  std::vector<int> i0, i1, begin, end;
   std::vector<T> w0, w1;
 
   explicit AxisTable(const AxisMap<T>& m) : i0(m.out), i1(m.out), begin(m.in), end(m.in), w0(m.out), w1(m.out) {
-    for (int64_t o = 0; o < m.out; ++o) m.taps(o, i0[o], i1[o], w0[o], w1[o]);
-    for (int64_t i = 0; i < m.in; ++i) m.sampled_by(i, begin[i], end[i]);
+    for (int o = 0; o < m.out; ++o) m.taps(o, i0[o], i1[o], w0[o], w1[o]);
+    for (int i = 0; i < m.in; ++i) m.sampled_by(i, begin[i], end[i]);
   }
 
-  T weight(int64_t o, int64_t i) const { return (i0[o] == i ? w0[o] : T(0)) + (i1[o] == i ? w1[o] : T(0)); }
+  T weight(int64_t o, int i) const { return (i0[o] == i ? w0[o] : T(0)) + (i1[o] == i ? w1[o] : T(0)); }
 };
 
 int64_t grain(int64_t work_per_item) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, work_per_item)); }
@@ -114,7 +114,8 @@ void backward_kernel(const at::Tensor& grad_output, at::Tensor& grad_input, std:
   at::parallel_for(0, N * IH * IW, grain(C * 4), [&](int64_t begin, int64_t end) {
     std::vector<T> acc(C);
     for (int64_t pix = begin; pix < end; ++pix) {
-      const int64_t iw = pix % IW, ih = (pix / IW) % IH, n = pix / (IW * IH);
+      const int iw = static_cast<int>(pix % IW), ih = static_cast<int>((pix / IW) % IH);
+      const int64_t n = pix / (IW * IH);
       std::fill(acc.begin(), acc.end(), T(0));
       for (int64_t oh = th.begin[ih]; oh < th.end[ih]; ++oh) {
         const T wh = th.weight(oh, ih);
@@ -135,11 +136,10 @@ at::Tensor upsample_bilinear_cpu(const at::Tensor& input, at::IntArrayRef output
   LSS_CHECK_CPU(input, "upsample_bilinear: input");
   check_forward(input, output_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
-  const bool channels_last = is_channels_last(input);
-  const at::Tensor src = channels_last ? input : input.contiguous();
-  at::Tensor output = at::empty({input.size(0), input.size(1), output_size[0], output_size[1]},
-                                input.options().memory_format(channels_last ? at::MemoryFormat::ChannelsLast
-                                                                            : at::MemoryFormat::Contiguous));
+  KernelLayout io = kernel_layout(input, {input.size(0), input.size(1), output_size[0], output_size[1]});
+  const bool channels_last = io.channels_last;
+  const at::Tensor& src = io.src;
+  at::Tensor& output = io.result;
   if (output.numel() == 0) return output;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "upsample_bilinear_cpu", [&] {
     forward_kernel<scalar_t>(src, output, scales_h, scales_w, coord_mode, channels_last);
@@ -153,11 +153,10 @@ at::Tensor upsample_bilinear_backward_cpu(const at::Tensor& grad_output, at::Int
   LSS_CHECK_CPU(grad_output, "_upsample_bilinear_backward: grad_output");
   check_backward(grad_output, input_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
-  const bool channels_last = is_channels_last(grad_output);
-  const at::Tensor gy = channels_last ? grad_output : grad_output.contiguous();
-  at::Tensor grad_input = at::empty(input_size, grad_output.options().memory_format(
-                                                    channels_last ? at::MemoryFormat::ChannelsLast
-                                                                  : at::MemoryFormat::Contiguous));
+  KernelLayout io = kernel_layout(grad_output, input_size);
+  const bool channels_last = io.channels_last;
+  const at::Tensor& gy = io.src;
+  at::Tensor& grad_input = io.result;
   if (grad_input.numel() == 0) return grad_input;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gy.scalar_type(), "upsample_bilinear_backward_cpu", [&] {
     backward_kernel<scalar_t>(gy, grad_input, scales_h, scales_w, coord_mode, channels_last);

@@ -256,9 +256,14 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = nvec * VEC + first; i < n; i += stride) out[i] = static_cast<scalar_t>(static_cast<acc_t>(grad[i]) * f);
 }
 
-// Blocks for a grid-stride loop over `work` items: enough to fill the GPU, few enough to keep the partials short.
-int grid_size(int64_t work, int per_block) {
-  const int64_t fill = 4LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+// Blocks for a grid-stride loop of `kernel` over `work` items: one resident wave (the occupancy limit times the SM
+// count), or fewer for small work, so no block waits for a second wave and the partials stay short.
+template <typename Kernel>
+int grid_size(Kernel kernel, int64_t work, int per_block) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  const int64_t fill =
+      static_cast<int64_t>(std::max(per_sm, 1)) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(work, per_block), fill)));
 }
 
@@ -294,11 +299,7 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
     return {loss, grad, grad_scale};
   }
 
-  const bool dense_vec = !s.index_targets;
-  const int blocks = grid_size(dense_vec ? ceil_div(s.numel, kVec) : s.numel, kThreads);
   const bool reduce = reduction != kNone;
-  at::Tensor block_loss = reduce ? at::empty({blocks}, logits.options().dtype(at::kDouble)) : at::Tensor();
-  at::Tensor block_kept = reduce ? at::empty({blocks}, logits.options().dtype(at::kLong)) : at::Tensor();
   at::Tensor bad_target = s.index_targets ? at::zeros({1}, logits.options().dtype(at::kInt)) : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();
 
@@ -315,28 +316,36 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
     const scalar_t* x = logits.data_ptr<scalar_t>();
     scalar_t* loss_out = reduce ? nullptr : loss.data_ptr<scalar_t>();
     scalar_t* grad_out = save_grad ? grad.data_ptr<scalar_t>() : nullptr;
-    double* bl = reduce ? block_loss.data_ptr<double>() : nullptr;
-    long long* bk = reduce ? reinterpret_cast<long long*>(block_kept.data_ptr<int64_t>()) : nullptr;
     int* bad = s.index_targets ? bad_target.data_ptr<int>() : nullptr;
+    at::Tensor block_loss, block_kept;
+    double* bl = nullptr;
+    long long* bk = nullptr;
+    int blocks = 1;
 
+    auto launch = [&](auto kernel, auto* tg, int vec) {
+      blocks = grid_size(kernel, ceil_div(s.numel, vec), kThreads);
+      if (reduce) {
+        block_loss = at::empty({blocks}, logits.options().dtype(at::kDouble));
+        block_kept = at::empty({blocks}, logits.options().dtype(at::kLong));
+        bl = block_loss.data_ptr<double>();
+        bk = reinterpret_cast<long long*>(block_kept.data_ptr<int64_t>());
+      }
+      kernel<<<blocks, kThreads, 0, stream>>>(x, tg, p, loss_out, grad_out, bl, bk, bad);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
     auto launch_dense = [&](auto* tg) {
       using target_t = std::remove_const_t<std::remove_pointer_t<decltype(tg)>>;
       const bool vec = aligned<kVec>(x, sizeof(scalar_t)) && aligned<kVec>(tg, sizeof(target_t)) &&
                        aligned<kVec>(p.mask, sizeof(bool)) && aligned<kVec>(loss_out, sizeof(scalar_t)) &&
                        aligned<kVec>(grad_out, sizeof(scalar_t));
       if (vec) {
-        sigmoid_focal_kernel<scalar_t, target_t, kVec>
-            <<<blocks, kThreads, 0, stream>>>(x, tg, p, loss_out, grad_out, bl, bk, bad);
+        launch(sigmoid_focal_kernel<scalar_t, target_t, kVec>, tg, kVec);
       } else {
-        sigmoid_focal_kernel<scalar_t, target_t, 1>
-            <<<blocks, kThreads, 0, stream>>>(x, tg, p, loss_out, grad_out, bl, bk, bad);
+        launch(sigmoid_focal_kernel<scalar_t, target_t, 1>, tg, 1);
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (s.index_targets) {
-      sigmoid_focal_kernel<scalar_t, int64_t, 1><<<blocks, kThreads, 0, stream>>>(
-          x, targets.data_ptr<int64_t>(), p, loss_out, grad_out, bl, bk, bad);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(sigmoid_focal_kernel<scalar_t, int64_t, 1>, targets.data_ptr<int64_t>(), 1);
     } else if (targets.scalar_type() == logits.scalar_type()) {
       launch_dense(targets.data_ptr<scalar_t>());
     } else {
@@ -382,15 +391,15 @@ Outputs softmax_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
     return {loss, grad, grad_scale};
   }
 
-  const int blocks = grid_size(rows, kWarpsPerBlock);
   const bool reduce = reduction != kNone;
-  at::Tensor block_loss = reduce ? at::empty({blocks}, logits.options().dtype(at::kDouble)) : at::Tensor();
-  at::Tensor block_kept = reduce ? at::empty({blocks}, logits.options().dtype(at::kLong)) : at::Tensor();
   at::Tensor bad_target = at::zeros({1}, logits.options().dtype(at::kInt));
   const auto stream = at::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "softmax_focal_loss_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    const int blocks = grid_size(softmax_focal_kernel<scalar_t>, rows, kWarpsPerBlock);
+    at::Tensor block_loss = reduce ? at::empty({blocks}, logits.options().dtype(at::kDouble)) : at::Tensor();
+    at::Tensor block_kept = reduce ? at::empty({blocks}, logits.options().dtype(at::kLong)) : at::Tensor();
     double* bl = reduce ? block_loss.data_ptr<double>() : nullptr;
     long long* bk = reduce ? reinterpret_cast<long long*>(block_kept.data_ptr<int64_t>()) : nullptr;
     softmax_focal_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
@@ -432,11 +441,11 @@ at::Tensor focal_loss_backward_cuda(const at::Tensor& grad_output, const at::Ten
     scalar_t* o = out.data_ptr<scalar_t>();
     const acc_t* sc = grad_scale.data_ptr<acc_t>();
     if (aligned<kVec>(g, sizeof(scalar_t)) && aligned<kVec>(o, sizeof(scalar_t))) {
-      scale_grad_kernel<scalar_t, kVec><<<grid_size(ceil_div(n, kVec), kThreads), kThreads, 0, stream>>>(
-          g, go.data_ptr<scalar_t>(), sc, o, n);
+      const int blocks = grid_size(scale_grad_kernel<scalar_t, kVec>, ceil_div(n, kVec), kThreads);
+      scale_grad_kernel<scalar_t, kVec><<<blocks, kThreads, 0, stream>>>(g, go.data_ptr<scalar_t>(), sc, o, n);
     } else {
-      scale_grad_kernel<scalar_t, 1><<<grid_size(n, kThreads), kThreads, 0, stream>>>(
-          g, go.data_ptr<scalar_t>(), sc, o, n);
+      const int blocks = grid_size(scale_grad_kernel<scalar_t, 1>, n, kThreads);
+      scale_grad_kernel<scalar_t, 1><<<blocks, kThreads, 0, stream>>>(g, go.data_ptr<scalar_t>(), sc, o, n);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

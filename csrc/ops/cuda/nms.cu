@@ -2,7 +2,8 @@
 // the bits of the later boxes it suppresses (n x ceil(n/64) uint64: 1.25 GB at 100k boxes). One block then walks
 // the words in order on the device: a warp resolves the 64 boxes of word w serially from the diagonal word, and
 // the whole block ORs the rows of the kept ones into the later words. Only the kept count crosses to the host.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "ops/nms_common.h"
@@ -133,11 +134,13 @@ at::Tensor nms_cuda_common(const char* op, const at::Tensor& boxes_, const at::T
   const int64_t words = ceil_div(n, kBoxesPerWord);
   TORCH_CHECK(words <= 65535, op, ": at most ", 65535 * kBoxesPerWord, " boxes are supported, got ", n);
   const int64_t smem = words * static_cast<int64_t>(sizeof(uint64_t));
-  const auto* props = at::cuda::getCurrentDeviceProperties();
+  int device = 0, smem_optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   // 1 KiB of margin for the kernel's static shared memory.
-  TORCH_CHECK(smem + 1024 <= static_cast<int64_t>(props->sharedMemPerBlockOptin), op, ": ", n, " boxes need ", smem,
-              " bytes of shared memory for the suppression bitmap, more than this GPU's ",
-              props->sharedMemPerBlockOptin, "; split the boxes (e.g. by class or image) first");
+  TORCH_CHECK(smem + 1024 <= smem_optin, op, ": ", n, " boxes need ", smem,
+              " bytes of shared memory for the suppression bitmap, more than this GPU's ", smem_optin,
+              "; split the boxes (e.g. by class or image) first");
   const auto order = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).contiguous();
   const auto boxes = boxes_.index_select(0, order).to(nms_detail::nms_acc_type(boxes_)).contiguous();
   at::Tensor classes;
@@ -145,7 +148,7 @@ at::Tensor nms_cuda_common(const char* op, const at::Tensor& boxes_, const at::T
   auto mask = at::empty({n, words}, boxes_.options().dtype(at::kLong));
   auto keep = at::empty({n}, boxes_.options().dtype(at::kLong));
   auto num_kept = at::empty({1}, boxes_.options().dtype(at::kLong));
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 mask_grid(static_cast<unsigned>(words), static_cast<unsigned>(words));
   AT_DISPATCH_FLOATING_TYPES(boxes.scalar_type(), "nms_mask_cuda", [&] {
     nms_mask_kernel<scalar_t><<<mask_grid, kBoxesPerWord, 0, stream>>>(

@@ -2,7 +2,7 @@
 // threads of a warp share one (roi, bin) and its bilinear weights and read consecutive channels of one pixel.
 // Backward accumulates into a channels-last float buffer: coalesced atomics by default, a sort-based segment sum
 // when torch.use_deterministic_algorithms(True) is on.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "ops/cuda/roi_scatter.cuh"
@@ -159,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_align_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     roi_align_forward_kernel<scalar_t, acc_t>
-        <<<roi_scatter::grid_for(total), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        <<<roi_scatter::grid_for(total), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
             total, input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N, C, H, W, static_cast<int>(pooled_h),
             static_cast<int>(pooled_w), static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio),
             aligned, max_mode, output.data_ptr<scalar_t>(), max_mode ? argmax.data_ptr<int32_t>() : nullptr);
@@ -184,7 +184,7 @@ at::Tensor roi_align_backward_cuda(const at::Tensor& grad_, const at::Tensor& ro
   const int64_t K = rois.size(0);
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w), sr = static_cast<int>(sampling_ratio);
   const bool deterministic = at::globalContext().deterministicAlgorithms();
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_align_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);

@@ -1,6 +1,6 @@
 // CUDA RoIPool: channels-last reads (warp lanes = consecutive channels of one pixel); backward through the
 // channels-last float buffer of roi_scatter.cuh (coalesced atomics, or the deterministic segment sum).
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cfloat>
@@ -118,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_pool_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     roi_pool_forward_kernel<scalar_t, acc_t>
-        <<<roi_scatter::grid_for(total), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        <<<roi_scatter::grid_for(total), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
             total, input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N, C, H, W, static_cast<int>(pooled_h),
             static_cast<int>(pooled_w), static_cast<acc_t>(spatial_scale), output.data_ptr<scalar_t>(),
             argmax.data_ptr<int32_t>());
@@ -142,7 +142,7 @@ at::Tensor roi_pool_backward_cuda(const at::Tensor& grad_, const at::Tensor& roi
   const int64_t K = rois.size(0), bins = pooled_h * pooled_w;
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
   const bool deterministic = at::globalContext().deterministicAlgorithms();
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);

@@ -6,7 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
 #include "ops/common.h"
@@ -81,7 +81,7 @@ void deterministic_scatter(const Entries& entries, int64_t sentinel, const at::T
   const auto seg_end = at::cumsum(seg_count, 0).contiguous();
   const int64_t items = seg_key.numel() * C;
   if (items == 0) return;
-  segment_sum_kernel<scalar_t, acc_t><<<grid_for(items), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  segment_sum_kernel<scalar_t, acc_t><<<grid_for(items), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       items, C, bins, sentinel, seg_key.data_ptr<int64_t>(), seg_end.data_ptr<int64_t>(),
       seg_count.data_ptr<int64_t>(), perm.data_ptr<int64_t>(), entries.bin.data_ptr<int64_t>(),
       entries.sample.data_ptr<int32_t>(), entries.weight.data_ptr<acc_t>(), grad.data_ptr<scalar_t>(),

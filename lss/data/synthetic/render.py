@@ -260,6 +260,9 @@ def render_camera(cam: CameraModel, ego: tuple[float, float, float], boxes: BoxS
     to_col = np.float32(1.0 / texture.resolution)
     col = ((ex + c * cam.ground_x - s * cam.ground_y) - texture.xmin) * to_col
     row = (texture.ymax - (ey + s * cam.ground_x + c * cam.ground_y)) * to_col
+    # cv2.remap needs float32 maps; numpy 2 promotes by the float64 texture bounds.
+    col = col.astype(np.float32, copy=False)
+    row = row.astype(np.float32, copy=False)
     col[~cam.ground] = -10.0
     border = tuple(float(v) for v in GROUND_RGB[VERGE])
     near = cv2.remap(texture.rgb, col, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=border)

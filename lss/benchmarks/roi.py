@@ -1,0 +1,122 @@
+"""RoIAlign / RoIPool (forward + backward) and NMS against torchvision, same inputs, same process."""
+from __future__ import annotations
+
+import torch
+import torchvision
+
+from lss.ops import batched_nms, nms, roi_align, roi_pool
+
+
+def _rois(k, batch, img_h, img_w, min_size, max_size, device, seed=0):
+    """K x 5 rois with sides uniform in [min_size, max_size] image pixels, inside the image."""
+    g = torch.Generator().manual_seed(seed)
+    wh = torch.rand(k, 2, generator=g) * (max_size - min_size) + min_size
+    wh = torch.minimum(wh, torch.tensor([img_w - 1.0, img_h - 1.0]))
+    xy = torch.rand(k, 2, generator=g) * (torch.tensor([img_w, img_h]) - wh)
+    idx = torch.randint(0, batch, (k, 1), generator=g).float()
+    return torch.cat([idx, xy, xy + wh], 1).to(device)
+
+
+def _boxes(n, device, seed=0, extent=1000.0):
+    """Random detector-like boxes: centres uniform over extent^2, sides 10-100 px; uniform scores."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.rand(n, 2, generator=g) * extent
+    half = (torch.rand(n, 2, generator=g) * 90 + 10) / 2
+    return torch.cat([c - half, c + half], 1).to(device), torch.rand(n, generator=g).to(device)
+
+
+def _fwd_bwd(fn, x, grad_out):
+    def step():
+        x.grad = None
+        fn(x).backward(grad_out)
+    return step
+
+
+def _roi_cases(quick):
+    if quick:
+        return [("roi_align BEV (quick)", (1, 8, 24, 24), 16, 1.0, 2, 2, 10, 24, 24)]
+    return [
+        # BEV features (0.5 m cells): objects of 2-20 m
+        ("roi_align BEV 4x64x200x200, 2048 rois -> 7x7, sr 2, aligned", (4, 64, 200, 200), 2048, 1.0, 2, 4, 40,
+         200, 200),
+        # stride-8 FPN level of a 1216 x 800 image: proposals of 32-400 px
+        ("roi_align FPN 2x256x100x152, 2000 rois -> 7x7, scale 1/8, adaptive, aligned", (2, 256, 100, 152), 2000,
+         1 / 8, -1, 32, 400, 800, 1216),
+    ]
+
+
+def run(ctx) -> list[dict]:
+    dev = ctx.device
+    rows = []
+    for case, shape, k, scale, sr, lo, hi, img_h, img_w in _roi_cases(ctx.quick):
+        torch.manual_seed(0)
+        x = torch.randn(shape, device=dev, requires_grad=True)
+        rois = _rois(k, shape[0], img_h, img_w, lo, hi, dev)
+        grad_out = torch.randn(k, shape[1], 7, 7, device=dev)
+        nbytes = 4 * (2 * x.numel() + 2 * grad_out.numel())
+        impls = [("lss", lambda t: roi_align(t, rois, 7, scale, sr, True)),
+                 ("torchvision", lambda t: torchvision.ops.roi_align(t, rois, 7, scale, sr, True))]
+        for impl, fn in impls:
+            rows.append({"case": case + " fwd+bwd", "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
+                         "floor_ms": ctx.floor_ms(nbytes), "notes": "float32; floor: read x, grad_out; write out, dx"})
+        torch.use_deterministic_algorithms(True)
+        try:
+            ms = ctx.time(_fwd_bwd(impls[0][1], x, grad_out), warmup=3, reps=10)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        rows.append({"case": case + " fwd+bwd", "impl": "lss deterministic", "ms": ms, "floor_ms": None,
+                     "notes": "torch.use_deterministic_algorithms(True): sorted segment sum, bit-identical grads"})
+        with torch.no_grad():
+            for impl, fn in impls:
+                rows.append({"case": case + " fwd", "impl": impl, "ms": ctx.time(lambda: fn(x)),
+                             "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())), "notes": "float32"})
+        if "FPN" in case or ctx.quick:
+            pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
+                    ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]
+            for impl, fn in pool:
+                rows.append({"case": case.replace("roi_align", "roi_pool").replace(", adaptive, aligned", "")
+                             + " fwd+bwd", "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
+                             "floor_ms": ctx.floor_ms(nbytes), "notes": "float32"})
+        del x, grad_out
+    sizes = [300] if ctx.quick else [1000, 5000, 20000, 100000]
+    for n in sizes:
+        boxes, scores = _boxes(n, dev)
+        reps = 5 if n >= 100000 else 30
+        # only the upper triangle of the N x ceil(N/64) bitmap is written
+        floor = ctx.floor_ms(n * ((n + 63) // 64) * 8 / 2)
+        for impl, fn in [("lss", nms), ("torchvision", torchvision.ops.nms)]:
+            rows.append({"case": f"nms {n} boxes, IoU 0.5", "impl": impl,
+                         "ms": ctx.time(lambda: fn(boxes, scores, 0.5), warmup=2, reps=reps), "floor_ms": floor,
+                         "notes": f"kept {len(nms(boxes, scores, 0.5))}; floor: bitmap write"})
+    n = 300 if ctx.quick else 20000
+    boxes, scores = _boxes(n, dev, seed=1)
+    boxes = boxes - 500.0  # ego-frame style coordinates around 0
+    idxs = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(0)).to(dev)
+    for impl, fn in [("lss", batched_nms), ("torchvision", torchvision.ops.batched_nms)]:
+        rows.append({"case": f"batched_nms {n} boxes, 10 classes, IoU 0.5", "impl": impl,
+                     "ms": ctx.time(lambda: fn(boxes, scores, idxs, 0.5), warmup=2, reps=30), "floor_ms": None,
+                     "notes": "coordinates in [-500, 500]"})
+    return rows
+
+
+def smoke(device) -> None:
+    """Every op forward + backward once on small inputs, both backward paths (for compute-sanitizer)."""
+    dev = torch.device(device)
+    x = torch.randn(2, 37, 19, 23, device=dev, requires_grad=True)
+    rois = _rois(40, 2, 76, 92, 2, 60, dev)
+    rois[0, 1:] = torch.tensor([-10.0, -10.0, 100.0, 90.0])  # partly outside the map
+    for deterministic in (False, True):
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            for mode in ("avg", "max"):
+                roi_align(x, rois, (7, 5), 0.25, -1, True, mode).sum().backward()
+                roi_align(x.half(), rois, 3, 0.25, 2, False, mode).float().sum().backward()
+            roi_pool(x, rois, (7, 5), 0.25).sum().backward()
+            roi_pool(x, torch.zeros(0, 5, device=dev), 7, 0.25).sum().backward()
+        finally:
+            torch.use_deterministic_algorithms(False)
+    boxes, scores = _boxes(1000, dev)
+    nms(boxes, scores, 0.5)
+    nms(boxes.half(), scores, 0.5)
+    batched_nms(boxes - 500, scores, torch.randint(0, 4, (1000,), device=dev), 0.5)
+    nms(boxes[:0], scores[:0], 0.5)

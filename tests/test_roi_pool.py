@@ -1,0 +1,147 @@
+import pytest
+import torch
+import torchvision
+
+from conftest import devices
+from lss.ops import RoIPool, roi_pool, roi_pool_reference
+from lss.ops._ext import has_ext
+
+
+def make_rois(k, batch, height, width, scale=1.0, seed=0, device="cpu", dtype=torch.float32):
+    """K x 5 random rois in image coordinates, some partly outside the image, some tiny."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.tensor([width / scale, height / scale])
+    xy = torch.rand(k, 2, generator=g) * size * 1.2 - 0.1 * size
+    wh = torch.rand(k, 2, generator=g) * size * 0.7
+    idx = torch.randint(0, batch, (k, 1), generator=g).float()
+    return torch.cat([idx, xy, xy + wh], dim=1).to(device=device, dtype=dtype)
+
+
+def features(n, c, h, w, seed=0, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, c, h, w, generator=g).to(device=device, dtype=dtype)
+
+
+def fwd_bwd(fn, x, *args, **kwargs):
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x, *args, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    out.backward(torch.randn(out.shape, generator=g).to(out.device, out.dtype))
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("scale,output_size", [(1.0, 3), (0.5, (2, 5)), (0.25, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_torchvision(device, scale, output_size, dtype):
+    x = features(2, 5, 13, 17, device=device, dtype=dtype)
+    rois = make_rois(15, 2, 13, 17, scale, device=device, dtype=dtype)
+    out, grad = fwd_bwd(roi_pool, x, rois, output_size, scale)
+    ref_out, ref_grad = fwd_bwd(torchvision.ops.roi_pool, x, rois, output_size, scale)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_reference_matches_torchvision(scale):
+    x = features(2, 3, 11, 9, dtype=torch.float64)
+    rois = make_rois(10, 2, 11, 9, scale, dtype=torch.float64)
+    # half-pixel coordinates exercise rounding half away from zero
+    rois[:3, 1:] = torch.tensor([[0.5, 1.5, 2.5, 3.5], [-0.5, 2.5, 4.5, 5.5], [1.5, 0.5, 6.5, 8.5]]) / scale
+    out, grad = fwd_bwd(roi_pool_reference, x, rois, 3, scale)
+    ref_out, ref_grad = fwd_bwd(torchvision.ops.roi_pool, x, rois, 3, scale)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_matches_float32(device, dtype):
+    x = features(2, 6, 10, 12, device=device, dtype=dtype)
+    rois = make_rois(8, 2, 10, 12, device=device)
+    out, grad = fwd_bwd(roi_pool, x, rois, 3)
+    ref_out, ref_grad = fwd_bwd(roi_pool, x.float(), rois, 3)
+    assert out.dtype == dtype and grad.dtype == dtype
+    torch.testing.assert_close(out.float(), ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(grad.float(), ref_grad, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_list_rois_and_layouts(device):
+    x = features(3, 4, 9, 11, device=device)
+    boxes = [make_rois(n, 1, 9, 11, seed=n, device=device)[:, 1:] for n in (4, 0, 3)]
+    rois = torch.cat([torch.cat([torch.full((len(b), 1), float(i), device=device), b], 1)
+                      for i, b in enumerate(boxes)])
+    expected = roi_pool(x, rois, 3)
+    torch.testing.assert_close(roi_pool(x, boxes, 3), expected)
+    wide = features(3, 8, 11, 9, device=device).transpose(2, 3)[:, ::2]
+    torch.testing.assert_close(roi_pool(wide, rois, 3), roi_pool(wide.contiguous(), rois, 3))
+    torch.testing.assert_close(roi_pool(x.to(memory_format=torch.channels_last), rois, 3), expected)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_empty_rois(device):
+    x = features(2, 3, 5, 5, device=device).requires_grad_(True)
+    out = roi_pool(x, torch.zeros(0, 5, device=device), 2)
+    assert out.shape == (0, 3, 2, 2)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_gradcheck(device):
+    x = features(1, 2, 6, 7, device=device, dtype=torch.float64).requires_grad_(True)
+    rois = make_rois(3, 1, 6, 7, seed=5, device=device, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda t: roi_pool(t, rois, 2), (x,))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_deterministic_backward(device):
+    x = features(2, 8, 16, 16, device=device)
+    rois = make_rois(64, 2, 16, 16, seed=2, device=device)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = [fwd_bwd(roi_pool, x, rois, 4)[1] for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+    torch.testing.assert_close(grads[0], fwd_bwd(roi_pool, x, rois, 4)[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu():
+    x = features(2, 40, 20, 24)
+    rois = make_rois(50, 2, 20, 24, 0.5, seed=7)
+    out, grad = fwd_bwd(roi_pool, x, rois, (5, 3), 0.5)
+    out_c, grad_c = fwd_bwd(roi_pool, x.cuda(), rois.cuda(), (5, 3), 0.5)
+    torch.testing.assert_close(out_c.cpu(), out, atol=0, rtol=0)
+    torch.testing.assert_close(grad_c.cpu(), grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+@pytest.mark.parametrize("device", devices())
+def test_opcheck(device):
+    x = features(2, 3, 8, 8, device=device).requires_grad_(True)
+    rois = make_rois(5, 2, 8, 8, device=device)
+    torch.library.opcheck(torch.ops.lss.roi_pool.default, (x, rois, 1.0, 2, 3))
+
+
+def test_errors():
+    x = features(2, 3, 8, 8)
+    with pytest.raises(ValueError, match="K x 5"):
+        roi_pool(x, torch.zeros(3, 4), 2)
+    with pytest.raises(ValueError, match="batch index -1.0, expected an integer in \\[0, 2\\)"):
+        roi_pool(x, torch.tensor([[-1.0, 0, 0, 4, 4]]), 2)
+    with pytest.raises(ValueError, match="must be finite"):
+        roi_pool(x, torch.tensor([[0.0, float("-inf"), 0, 4, 4]]), 2)
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
+        roi_pool(x.long(), torch.tensor([[0.0, 0, 0, 4, 4]]), 2)
+
+
+def test_module_repr():
+    m = RoIPool(7, spatial_scale=0.0625)
+    assert repr(m) == "RoIPool(output_size=(7, 7), spatial_scale=0.0625)"
+    x = features(1, 2, 10, 10)
+    rois = make_rois(3, 1, 10, 10, scale=0.0625)
+    torch.testing.assert_close(m(x, rois), roi_pool(x, rois, 7, 0.0625))
