@@ -9,17 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import _lss_standins
-
-_lss_standins.install()
-
-from lss.config import load_config  # noqa: E402
-from lss.data import collate  # noqa: E402
-from lss.engine import checkpoint as ck  # noqa: E402
-from lss.engine.distributed import EpochSampler  # noqa: E402
-from lss.engine.losses import SegmentationLoss  # noqa: E402
-from lss.engine.metrics import IoUMeter, format_iou_table  # noqa: E402
-from lss.engine.train import lr_factor, train  # noqa: E402
+from lss.config import load_config
+from lss.data import collate
+from lss.engine import checkpoint as ck
+from lss.engine.distributed import EpochSampler
+from lss.engine.losses import SegmentationLoss
+from lss.engine.metrics import IoUMeter, format_iou_table
+from lss.engine.train import lr_factor, train
 
 CLASSES = ("vehicle", "drivable_area")
 GRID = 8

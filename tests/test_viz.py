@@ -7,11 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-import _lss_standins
-
-_lss_standins.install()
-
-from lss.viz import FRONT_ROW, BACK_ROW, bev_grid_image, bev_panel, bev_to_image, camera_mosaic  # noqa: E402
+from lss.viz import FRONT_ROW, BACK_ROW, bev_grid_image, bev_panel, bev_to_image, camera_mosaic
 
 CAMERAS = ("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT", "CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT")
 

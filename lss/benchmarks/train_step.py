@@ -66,14 +66,15 @@ def _build(cfg: Config, impl: str, device: torch.device):
     return model, TotalLoss(cfg).to(device), autocast
 
 
-def _peak_gb(device: torch.device, fn) -> float:
+def _peak_memory(device: torch.device, fn) -> str:
+    """Peak allocated device memory during one call of `fn`, as text for the notes."""
     if device.type != "cuda":
-        return float("nan")
+        return "peak memory n/a on CPU"
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) / 1e9
+    return f"peak {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB"
 
 
 def run(ctx) -> list[dict]:
@@ -101,12 +102,12 @@ def run(ctx) -> list[dict]:
 
         model.train()
         ms = ctx.time(train_step, warmup=5, reps=20)
-        peak = _peak_gb(device, train_step)
+        peak = _peak_memory(device, train_step)
         b, n, _, h, w = batches[0]["images"].shape
         nx, ny = _grid_shape(cfg)
         desc = shape.format(b=b, h=h, w=w, d=model.splat.depth_bins, nx=nx, ny=ny)
         rows.append({"case": "train_step_B4" if not ctx.quick else "train_step_quick", "impl": impl, "ms": ms,
-                     "floor_ms": None, "notes": f"{desc}; peak {peak:.2f} GB; fwd+bwd+Adam, LUT rebuilt per step"})
+                     "floor_ms": None, "notes": f"{desc}; {peak}; fwd+bwd+Adam, LUT rebuilt per step"})
 
         model.eval()
         one = {k: v[:1] for k, v in batches[0].items()}
@@ -116,10 +117,10 @@ def run(ctx) -> list[dict]:
                 model(one)
 
         ms = ctx.time(infer, warmup=5, reps=30)
-        peak = _peak_gb(device, infer)
+        peak = _peak_memory(device, infer)
         rows.append({"case": "inference_B1", "impl": impl, "ms": ms, "floor_ms": None,
-                     "notes": f"{shape.format(b=1, h=h, w=w, d=model.splat.depth_bins, nx=nx, ny=ny)}; peak "
-                              f"{peak:.2f} GB; fixed rig (cached LUT)"})
+                     "notes": f"{shape.format(b=1, h=h, w=w, d=model.splat.depth_bins, nx=nx, ny=ny)}; {peak}; "
+                              "fixed rig (cached LUT)"})
         del model, optimizer, batches
         if device.type == "cuda":
             torch.cuda.empty_cache()

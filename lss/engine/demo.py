@@ -11,7 +11,7 @@ from lss.config import Config, load_config
 # The packaged copy of configs/synthetic_demo.yaml (an installed lss has no configs/ folder); a test keeps them equal.
 DEMO_CONFIG_YAML = """\
 # The `lss demo` settings (embedded in lss/engine/demo.py; tests keep the two identical).
-# Small enough for 2 CPU cores: 704x396 synthetic images, 64x192 network input, a 96x96 grid of 0.5 m cells.
+# Small enough for 2 CPU cores: 704x396 synthetic images, 64x192 network input, a 48x48 grid of 1 m cells.
 data:
   dataroot: data/synthetic-demo
   version: v1.0-mini
@@ -26,29 +26,31 @@ data:
   bot_pct_lim: [0.0, 0.1]
   rot_lim: [-3.0, 3.0]
   rand_flip: true
+  num_train_cameras: 4  # 4 random cameras per training sample (LSS used 5 of 6); all 6 at evaluation
   classes: [vehicle, drivable_area]
   workers: 1
 grid:
-  xbound: [-24.0, 24.0, 0.5]
-  ybound: [-24.0, 24.0, 0.5]
+  xbound: [-24.0, 24.0, 1.0]
+  ybound: [-24.0, 24.0, 1.0]
   zbound: [-10.0, 10.0, 20.0]
-  dbound: [4.0, 28.0, 1.0]
+  dbound: [4.0, 36.0, 1.0]
 loss:
-  type: focal
+  type: bce
+  pos_weight: 2.13
 optim:
   name: adamw
-  lr: 0.002
+  lr: 0.003
   weight_decay: 0.0001
   schedule: onecycle
 train:
-  batch_size: 4
-  max_steps: 300
+  batch_size: 2
+  max_steps: 250
   device: auto
   out_dir: runs/demo
   log_every: 10
-  eval_every: 100
-  ckpt_every: 100
-  viz_every: 100
+  eval_every: 125
+  ckpt_every: 125
+  viz_every: 125
 eval:
   batch_size: 4
 viz:
