@@ -233,12 +233,15 @@ def test_bad_arguments(tmp_path):
         generate(blocker / "sub", scenes=1)
 
 
-def test_cli_refuses_non_empty_dir(tmp_path):
+def test_cli_refuses_non_empty_dir(tmp_path, capsys):
     from lss.cli import main
 
     (tmp_path / "x.txt").write_text("")
-    with pytest.raises(FileExistsError):
-        main(["make-synthetic", str(tmp_path), "--scenes", "1", "--samples-per-scene", "1", "--image-size", "64x36"])
+    rc = main(["make-synthetic", str(tmp_path), "--scenes", "1", "--samples-per-scene", "1", "--image-size", "64x36"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "--force" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.txt"]
 
 
 def test_load_rig_sizes():
