@@ -3,27 +3,29 @@
 // the value is w0 * src[i0] + w1 * src[i1] with i0 = floor(x), i1 = min(i0 + 1, in - 1), w1 = x - i0, w0 = 1 - w1.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <c10/macros/Macros.h>
-#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
+
+#include "ops/common.h"
 
 namespace lss {
 namespace upsample {
 
 enum class CoordMode : int { kPytorchHalfPixel = 0, kHalfPixel = 1, kAlignCorners = 2, kAsymmetric = 3 };
 
-inline CoordMode parse_mode(const std::string& mode) {
-  if (mode == "pytorch_half_pixel") return CoordMode::kPytorchHalfPixel;
-  if (mode == "half_pixel") return CoordMode::kHalfPixel;
-  if (mode == "align_corners") return CoordMode::kAlignCorners;
-  if (mode == "asymmetric") return CoordMode::kAsymmetric;
-  TORCH_CHECK(false, "upsample_bilinear: unknown mode '", mode,
-              "'; expected one of pytorch_half_pixel, half_pixel, align_corners, asymmetric");
-}
+// Host-side argument handling, defined in upsample.cpp (see common.h for why it is not inline here).
+CoordMode parse_mode(const std::string& mode);
+
+// Kernels run in NHWC order on a channels_last input (keeping its format), in NCHW order on anything else.
+bool is_channels_last(const at::Tensor& t);
+
+void check_forward(const at::Tensor& input, at::IntArrayRef output_size);
+void check_backward(const at::Tensor& grad_output, at::IntArrayRef input_size);
+
+namespace {
 
 // Output-per-input step of the transform: (in - 1) / (out - 1) for align_corners, else 1 / scale_factor when
 // the output size came from a scale factor (as PyTorch and ONNX Resize do), else in / out.
@@ -113,31 +115,6 @@ struct AxisMap {
   }
 };
 
-// Kernels run in NHWC order on a channels_last input (keeping its format), in NCHW order on anything else.
-inline bool is_channels_last(const at::Tensor& t) {
-  return !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast);
-}
-
-inline void check_forward(const at::Tensor& input, at::IntArrayRef output_size) {
-  TORCH_CHECK(input.dim() == 4, "upsample_bilinear: input must be 4-D (N x C x H x W), got shape ", input.sizes());
-  TORCH_CHECK(at::isFloatingType(input.scalar_type()), "upsample_bilinear: input must be float32, float16, "
-              "bfloat16 or float64, got ", input.scalar_type());
-  TORCH_CHECK(output_size.size() == 2 && output_size[0] > 0 && output_size[1] > 0,
-              "upsample_bilinear: output_size must be two positive sizes (H, W), got ", output_size);
-  TORCH_CHECK(input.size(2) > 0 && input.size(3) > 0, "upsample_bilinear: input height and width must be positive, "
-              "got shape ", input.sizes());
-}
-
-inline void check_backward(const at::Tensor& grad_output, at::IntArrayRef input_size) {
-  TORCH_CHECK(grad_output.dim() == 4, "_upsample_bilinear_backward: grad_output must be 4-D (N x C x H x W), got "
-              "shape ", grad_output.sizes());
-  TORCH_CHECK(at::isFloatingType(grad_output.scalar_type()), "_upsample_bilinear_backward: grad_output must be "
-              "floating point, got ", grad_output.scalar_type());
-  TORCH_CHECK(input_size.size() == 4 && input_size[0] == grad_output.size(0) && input_size[1] == grad_output.size(1)
-              && input_size[2] > 0 && input_size[3] > 0 && grad_output.size(2) > 0 && grad_output.size(3) > 0,
-              "_upsample_bilinear_backward: input_size ", input_size, " does not fit grad_output of shape ",
-              grad_output.sizes(), "; expected (N, C, H, W) with the batch and channels of grad_output");
-}
-
+}  // namespace
 }  // namespace upsample
 }  // namespace lss

@@ -132,7 +132,7 @@ void backward_kernel(const at::Tensor& grad_output, at::Tensor& grad_input, std:
 
 at::Tensor upsample_bilinear_cpu(const at::Tensor& input, at::IntArrayRef output_size, std::optional<double> scales_h,
                                  std::optional<double> scales_w, c10::string_view mode) {
-  LSS_CHECK_CPU(input, "upsample_bilinear: input");
+  check_cpu_tensor(input, "upsample_bilinear: input");
   check_forward(input, output_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
   const bool channels_last = is_channels_last(input);
@@ -150,7 +150,7 @@ at::Tensor upsample_bilinear_cpu(const at::Tensor& input, at::IntArrayRef output
 at::Tensor upsample_bilinear_backward_cpu(const at::Tensor& grad_output, at::IntArrayRef input_size,
                                           std::optional<double> scales_h, std::optional<double> scales_w,
                                           c10::string_view mode) {
-  LSS_CHECK_CPU(grad_output, "_upsample_bilinear_backward: grad_output");
+  check_cpu_tensor(grad_output, "_upsample_bilinear_backward: grad_output");
   check_backward(grad_output, input_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
   const bool channels_last = is_channels_last(grad_output);
