@@ -4,14 +4,7 @@
 # and write logs, bench.json and bench.md under $OUT. A summary is printed last.
 #   device run: bash scripts/gpu_check.sh            (carry .whl, made by ../shared/tools/device_wheels.sh .whl)
 set -uo pipefail
-OUT=${OUT:-/tmp/lss-gpu-check}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} FORCE_CUDA=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lss-site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/lss-site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/gpu_env.sh"
 summary=()
 step() {  # step NAME LOG CMD...: run, log to $OUT/LOG, remember pass/fail
   local name=$1 log=$2; shift 2

@@ -1,32 +1,46 @@
 // Shared checks and helpers for the lss ops. Each op declares its schema in csrc/ops/<op>.cpp
 // (TORCH_LIBRARY_FRAGMENT(lss, m)) and implements kernels in cpu/<op>.cpp and cuda/<op>.cu.
+//
+// Host-side argument checks are declared in the ops' headers and defined once, in csrc/ops/*.cpp, so that only the
+// host compiler builds them. nvcc sees torch's headers with __CUDACC__ set: a message that streams IntArrayRef,
+// ScalarType or Device from a .cu file instantiates c10::str templates that the linker may merge with the host
+// compiler's copies of the same name. Code in .cu files therefore calls these functions, and raises its own
+// errors only through LSS_CHECK with a plain std::string message.
 #pragma once
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <c10/macros/Macros.h>
 
-#define LSS_CHECK_FLOATING(t, name)                                                                     \
-  TORCH_CHECK(at::isFloatingType((t).scalar_type()), name " must be a floating-point tensor "           \
-              "(float32, float16, bfloat16 or float64), got ", (t).scalar_type())
-
-#define LSS_CHECK_DIM(t, d, name, shape_desc)                                                           \
-  TORCH_CHECK((t).dim() == (d), name " must be " #d "-D (" shape_desc "), got shape ", (t).sizes())
-
-#define LSS_CHECK_SAME_DEVICE(a, b, name_a, name_b)                                                     \
-  TORCH_CHECK((a).device() == (b).device(), name_a " and " name_b " must be on the same device, got ",  \
-              (a).device(), " and ", (b).device())
-
-#define LSS_CHECK_CPU(t, name) \
-  TORCH_CHECK((t).device().is_cpu(), name " must be a CPU tensor here, got ", (t).device())
-
-#define LSS_CHECK_CUDA(t, name) \
-  TORCH_CHECK((t).device().is_cuda(), name " must be a CUDA tensor here, got ", (t).device())
+#include <cstdint>
+#include <string>
 
 namespace lss {
+
+// Throws c10::Error with this message (defined in common.cpp).
+[[noreturn]] void raise_error(const std::string& message);
+
+// name: what the tensor is, prefixed with the op ("bev_pool: depth").
+void check_floating(const at::Tensor& t, const char* name);
+void check_dim(const at::Tensor& t, int64_t dim, const char* name, const char* shape_desc);
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name_a, const char* name_b);
+void check_cpu_tensor(const at::Tensor& t, const char* name);
+void check_cuda_tensor(const at::Tensor& t, const char* name);
+
+namespace {
 
 // Number of threads per block used by most elementwise kernels.
 constexpr int kThreads = 256;
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+C10_HOST_DEVICE constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+}  // namespace
 }  // namespace lss
+
+// TORCH_CHECK for .cu code: message is a std::string expression, built only when cond fails.
+#define LSS_CHECK(cond, message)                    \
+  do {                                              \
+    if (C10_UNLIKELY(!(cond))) {                    \
+      ::lss::raise_error(message);                  \
+    }                                               \
+  } while (false)

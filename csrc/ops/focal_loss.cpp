@@ -1,10 +1,10 @@
-// Schemas of the focal loss ops. Kernels: cpu/focal_loss.cpp and cuda/focal_loss.cu.
+// Schemas and host-side argument checks of the focal loss ops. Kernels: cpu/focal_loss.cpp and cuda/focal_loss.cu.
 //
 // Each forward op returns (loss, grad, grad_scale): grad is d(unreduced loss)/d logits in the logits' dtype when
 // save_grad is true (empty otherwise), computed in the same pass as the loss; grad_scale (0-dim, float32 or
 // float64 for float64 logits) is the reduction's factor (1 / denominator for "mean", else 1). The backward op
 // returns grad_output * grad_scale * grad, so forward + backward reads logits and targets once.
-#include "ops/common.h"
+#include "ops/focal_loss.h"
 
 TORCH_LIBRARY_FRAGMENT(lss, m) {
   m.def(
@@ -15,3 +15,92 @@ TORCH_LIBRARY_FRAGMENT(lss, m) {
       "str reduction, bool save_grad) -> (Tensor, Tensor, Tensor)");
   m.def("_focal_loss_backward(Tensor grad_output, Tensor grad, Tensor grad_scale) -> Tensor");
 }
+
+namespace lss {
+namespace focal {
+
+Reduction parse_reduction(const std::string& name, const char* op) {
+  if (name == "none") return kNone;
+  if (name == "mean") return kMean;
+  if (name == "sum") return kSum;
+  TORCH_CHECK(false, op, ": reduction must be \"none\", \"mean\" or \"sum\", got \"", name, "\"");
+}
+
+SigmoidLayout check_sigmoid_args(const at::Tensor& logits, const at::Tensor& targets,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& mask) {
+  check_floating(logits, "sigmoid_focal_loss: logits");
+  check_same_device(logits, targets, "sigmoid_focal_loss: logits", "targets");
+  SigmoidLayout s;
+  s.index_targets = !at::isFloatingType(targets.scalar_type());
+  s.numel = logits.numel();
+  if (s.index_targets) {
+    TORCH_CHECK(targets.scalar_type() == at::kLong, "sigmoid_focal_loss: class-index targets must be int64, got ",
+                targets.scalar_type(), "; convert them with .long()");
+    TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
+                "sigmoid_focal_loss: class-index targets need logits N x C and targets N, got logits ", logits.sizes(),
+                " and targets ", targets.sizes());
+  } else {
+    TORCH_CHECK(targets.sizes() == logits.sizes(), "sigmoid_focal_loss: dense targets must have the logits' shape ",
+                logits.sizes(), ", got ", targets.sizes());
+    TORCH_CHECK(targets.scalar_type() == logits.scalar_type() || targets.scalar_type() == at::kFloat,
+                "sigmoid_focal_loss: dense targets must be float32 or the logits' dtype (", logits.scalar_type(),
+                "), got ", targets.scalar_type());
+  }
+  s.classes = logits.dim() >= 2 ? logits.size(1) : 1;
+  s.rows = logits.dim() >= 1 ? logits.size(0) : 1;
+  s.inner = 1;
+  for (int64_t d = 2; d < logits.dim(); ++d) s.inner *= logits.size(d);
+  if (weight.has_value()) {
+    check_same_device(logits, *weight, "sigmoid_focal_loss: logits", "weight");
+    check_floating(*weight, "sigmoid_focal_loss: weight");
+    TORCH_CHECK(logits.dim() >= 2 && weight->dim() == 1 && weight->size(0) == s.classes,
+                "sigmoid_focal_loss: weight must be 1-D with one entry per class (logits dim 1), got weight ",
+                weight->sizes(), " for logits ", logits.sizes());
+  }
+  if (mask.has_value()) {
+    check_same_device(logits, *mask, "sigmoid_focal_loss: logits", "mask");
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == logits.sizes(),
+                "sigmoid_focal_loss: mask must be a bool tensor of the logits' shape ", logits.sizes(), ", got ",
+                mask->scalar_type(), " ", mask->sizes());
+  }
+  return s;
+}
+
+void check_softmax_args(const at::Tensor& logits, const at::Tensor& targets, const c10::optional<at::Tensor>& weight) {
+  check_floating(logits, "softmax_focal_loss: logits");
+  check_same_device(logits, targets, "softmax_focal_loss: logits", "targets");
+  TORCH_CHECK(targets.scalar_type() == at::kLong, "softmax_focal_loss: targets must be int64 class indices, got ",
+              targets.scalar_type());
+  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
+              "softmax_focal_loss: need logits N x C and targets N, got logits ", logits.sizes(), " and targets ",
+              targets.sizes());
+  if (weight.has_value()) {
+    check_same_device(logits, *weight, "softmax_focal_loss: logits", "weight");
+    check_floating(*weight, "softmax_focal_loss: weight");
+    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == logits.size(1),
+                "softmax_focal_loss: weight must be 1-D with one entry per class, got ", weight->sizes(),
+                " for logits ", logits.sizes());
+  }
+}
+
+void check_backward_args(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale) {
+  TORCH_CHECK(grad_scale.dim() == 0, "focal loss backward: grad_scale must be 0-dim, got ", grad_scale.sizes());
+  check_same_device(grad, grad_output, "focal loss backward: grad", "grad_output");
+  check_same_device(grad, grad_scale, "focal loss backward: grad", "grad_scale");
+}
+
+void raise_bad_targets(const char* op, const std::string& expected, int64_t lo, int64_t hi) {
+  TORCH_CHECK(false, op, ": targets must lie in ", expected, ", got values in [", lo, ", ", hi, "]");
+}
+
+at::Tensor scale_grad_broadcast(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale) {
+  const auto acc = grad_scale.scalar_type();
+  return (grad.to(acc) * (grad_output.to(acc) * grad_scale)).to(grad.scalar_type());
+}
+
+at::ScalarType acc_dtype(const at::Tensor& logits) {
+  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace focal
+}  // namespace lss

@@ -1,4 +1,5 @@
-// Per-element focal loss math shared by the CPU and CUDA kernels (csrc/ops/cpu|cuda/focal_loss.*).
+// Per-element focal loss math shared by the CPU and CUDA kernels (csrc/ops/cpu|cuda/focal_loss.*), and the
+// host-side argument checks they both call (defined in focal_loss.cpp).
 // T is the accumulation type: float for float32/float16/bfloat16 inputs, double for float64.
 #pragma once
 
@@ -14,13 +15,7 @@ namespace focal {
 
 enum Reduction : int { kNone = 0, kMean = 1, kSum = 2 };
 
-inline Reduction parse_reduction(const std::string& name, const char* op) {
-  if (name == "none") return kNone;
-  if (name == "mean") return kMean;
-  if (name == "sum") return kSum;
-  TORCH_CHECK(false, op, ": reduction must be \"none\", \"mean\" or \"sum\", got \"", name, "\"");
-  return kNone;
-}
+namespace {
 
 C10_HOST_DEVICE inline float exp_(float x) { return expf(x); }
 C10_HOST_DEVICE inline double exp_(double x) { return exp(x); }
@@ -79,6 +74,8 @@ C10_HOST_DEVICE inline void softmax_focal(T lpt, T alpha, T gamma, T& loss, T& c
   coef = alpha * ug * (T(1) + gamma * pt * r);
 }
 
+}  // namespace
+
 // Sizes of a sigmoid focal loss call: element i sits in class column (i / inner) % classes and, for class-index
 // targets (logits N x C), in sample row i / classes.
 struct SigmoidLayout {
@@ -89,85 +86,26 @@ struct SigmoidLayout {
   int64_t rows;
 };
 
+// Host-side argument handling, defined in focal_loss.cpp (see common.h for why it is not inline here).
+Reduction parse_reduction(const std::string& name, const char* op);
+
 // Validates a direct call of lss::sigmoid_focal_loss (lss.ops.sigmoid_focal_loss prepares its arguments to pass).
-inline SigmoidLayout check_sigmoid_args(const at::Tensor& logits, const at::Tensor& targets,
-                                        const c10::optional<at::Tensor>& weight,
-                                        const c10::optional<at::Tensor>& mask) {
-  LSS_CHECK_FLOATING(logits, "sigmoid_focal_loss: logits");
-  LSS_CHECK_SAME_DEVICE(logits, targets, "sigmoid_focal_loss: logits", "targets");
-  SigmoidLayout s;
-  s.index_targets = !at::isFloatingType(targets.scalar_type());
-  s.numel = logits.numel();
-  if (s.index_targets) {
-    TORCH_CHECK(targets.scalar_type() == at::kLong, "sigmoid_focal_loss: class-index targets must be int64, got ",
-                targets.scalar_type(), "; convert them with .long()");
-    TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
-                "sigmoid_focal_loss: class-index targets need logits N x C and targets N, got logits ", logits.sizes(),
-                " and targets ", targets.sizes());
-  } else {
-    TORCH_CHECK(targets.sizes() == logits.sizes(), "sigmoid_focal_loss: dense targets must have the logits' shape ",
-                logits.sizes(), ", got ", targets.sizes());
-    TORCH_CHECK(targets.scalar_type() == logits.scalar_type() || targets.scalar_type() == at::kFloat,
-                "sigmoid_focal_loss: dense targets must be float32 or the logits' dtype (", logits.scalar_type(),
-                "), got ", targets.scalar_type());
-  }
-  s.classes = logits.dim() >= 2 ? logits.size(1) : 1;
-  s.rows = logits.dim() >= 1 ? logits.size(0) : 1;
-  s.inner = 1;
-  for (int64_t d = 2; d < logits.dim(); ++d) s.inner *= logits.size(d);
-  if (weight.has_value()) {
-    LSS_CHECK_SAME_DEVICE(logits, *weight, "sigmoid_focal_loss: logits", "weight");
-    LSS_CHECK_FLOATING(*weight, "sigmoid_focal_loss: weight");
-    TORCH_CHECK(logits.dim() >= 2 && weight->dim() == 1 && weight->size(0) == s.classes,
-                "sigmoid_focal_loss: weight must be 1-D with one entry per class (logits dim 1), got weight ",
-                weight->sizes(), " for logits ", logits.sizes());
-  }
-  if (mask.has_value()) {
-    LSS_CHECK_SAME_DEVICE(logits, *mask, "sigmoid_focal_loss: logits", "mask");
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == logits.sizes(),
-                "sigmoid_focal_loss: mask must be a bool tensor of the logits' shape ", logits.sizes(), ", got ",
-                mask->scalar_type(), " ", mask->sizes());
-  }
-  return s;
-}
+SigmoidLayout check_sigmoid_args(const at::Tensor& logits, const at::Tensor& targets,
+                                 const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& mask);
 
 // Validates a direct call of lss::softmax_focal_loss.
-inline void check_softmax_args(const at::Tensor& logits, const at::Tensor& targets,
-                               const c10::optional<at::Tensor>& weight) {
-  LSS_CHECK_FLOATING(logits, "softmax_focal_loss: logits");
-  LSS_CHECK_SAME_DEVICE(logits, targets, "softmax_focal_loss: logits", "targets");
-  TORCH_CHECK(targets.scalar_type() == at::kLong, "softmax_focal_loss: targets must be int64 class indices, got ",
-              targets.scalar_type());
-  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
-              "softmax_focal_loss: need logits N x C and targets N, got logits ", logits.sizes(), " and targets ",
-              targets.sizes());
-  if (weight.has_value()) {
-    LSS_CHECK_SAME_DEVICE(logits, *weight, "softmax_focal_loss: logits", "weight");
-    LSS_CHECK_FLOATING(*weight, "softmax_focal_loss: weight");
-    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == logits.size(1),
-                "softmax_focal_loss: weight must be 1-D with one entry per class, got ", weight->sizes(),
-                " for logits ", logits.sizes());
-  }
-}
+void check_softmax_args(const at::Tensor& logits, const at::Tensor& targets, const c10::optional<at::Tensor>& weight);
 
-inline void check_backward_args(const at::Tensor& grad_output, const at::Tensor& grad,
-                                const at::Tensor& grad_scale) {
-  TORCH_CHECK(grad_scale.dim() == 0, "focal loss backward: grad_scale must be 0-dim, got ", grad_scale.sizes());
-  LSS_CHECK_SAME_DEVICE(grad, grad_output, "focal loss backward: grad", "grad_output");
-  LSS_CHECK_SAME_DEVICE(grad, grad_scale, "focal loss backward: grad", "grad_scale");
-}
+void check_backward_args(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale);
+
+// Class-index targets outside `expected` (e.g. "[0, C] = [0, 3] (C = background)"), found in [lo, hi].
+[[noreturn]] void raise_bad_targets(const char* op, const std::string& expected, int64_t lo, int64_t hi);
 
 // grad_output * grad_scale * grad for any grad_output that broadcasts to grad, computed in grad_scale's dtype.
-inline at::Tensor scale_grad_broadcast(const at::Tensor& grad_output, const at::Tensor& grad,
-                                       const at::Tensor& grad_scale) {
-  const auto acc = grad_scale.scalar_type();
-  return (grad.to(acc) * (grad_output.to(acc) * grad_scale)).to(grad.scalar_type());
-}
+at::Tensor scale_grad_broadcast(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale);
 
 // The accumulation dtype of the weights and of grad_scale.
-inline at::ScalarType acc_dtype(const at::Tensor& logits) {
-  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
+at::ScalarType acc_dtype(const at::Tensor& logits);
 
 }  // namespace focal
 }  // namespace lss

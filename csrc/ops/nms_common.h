@@ -1,40 +1,16 @@
-// Argument checks and the IoU rule shared by the CPU and CUDA NMS kernels.
+// Argument checks shared by the CPU and CUDA NMS kernels.
 #pragma once
-
-#include <c10/macros/Macros.h>
 
 #include "ops/common.h"
 
 namespace lss {
 namespace nms_detail {
 
-inline void check_nms_args(const char* op, const at::Tensor& boxes, const at::Tensor& scores,
-                           const at::Tensor* idxs) {
-  TORCH_CHECK(boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must be N x 4 (x1, y1, x2, y2), got shape ",
-              boxes.sizes());
-  TORCH_CHECK(scores.dim() == 1, op, ": scores must be 1-D (N), got shape ", scores.sizes());
-  TORCH_CHECK(boxes.size(0) == scores.size(0), op, ": boxes and scores must have the same length, got ",
-              boxes.size(0), " boxes and ", scores.size(0), " scores");
-  TORCH_CHECK(at::isFloatingType(boxes.scalar_type()), op, ": boxes must be floating point, got ",
-              boxes.scalar_type());
-  TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op, ": scores must be floating point, got ",
-              scores.scalar_type());
-  TORCH_CHECK(boxes.device() == scores.device(), op, ": boxes and scores must be on the same device, got ",
-              boxes.device(), " and ", scores.device());
-  if (idxs != nullptr) {
-    TORCH_CHECK(idxs->dim() == 1 && idxs->size(0) == boxes.size(0), op, ": idxs must be 1-D with one class per box "
-                "(", boxes.size(0), "), got shape ", idxs->sizes());
-    TORCH_CHECK(!at::isFloatingType(idxs->scalar_type()) && idxs->scalar_type() != at::kBool, op,
-                ": idxs must be an integer tensor, got ", idxs->scalar_type());
-    TORCH_CHECK(idxs->device() == boxes.device(), op, ": idxs must be on the boxes' device ", boxes.device(),
-                ", got ", idxs->device());
-  }
-}
+// Defined in nms.cpp (see common.h for why they are not inline here). idxs: null for plain nms.
+void check_nms_args(const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor* idxs);
 
 // Boxes in the accumulation type: double stays double, everything else is computed in float.
-inline at::ScalarType nms_acc_type(const at::Tensor& boxes) {
-  return boxes.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
+at::ScalarType nms_acc_type(const at::Tensor& boxes);
 
 }  // namespace nms_detail
 }  // namespace lss

@@ -1,4 +1,5 @@
-// Geometry shared by the CPU and CUDA kernels of roi_align and roi_pool, so both backends sample the same points.
+// Geometry shared by the CPU and CUDA kernels of roi_align and roi_pool, so both backends sample the same points,
+// and the host-side argument checks of both ops.
 // Roi coordinates are in the accumulation type T (float for fp16/bf16/fp32 features, double for fp64).
 #pragma once
 
@@ -13,6 +14,7 @@
 
 namespace lss {
 namespace roi {
+namespace {
 
 // Written without isfinite so the same code compiles for host and device: inf - inf and NaN fail both tests.
 template <typename T>
@@ -164,45 +166,20 @@ C10_HOST_DEVICE inline PoolBin pool_bin(const T* roi, int64_t batch_size, T spat
   return p;
 }
 
+}  // namespace
+
+// Host-side checks, defined in roi_common.cpp (see common.h for why they are not inline here).
+
 // Shape checks shared by the CPU and CUDA entry points.
-inline void check_roi_args(const char* op, const at::Tensor& input, const at::Tensor& rois, int64_t pooled_h,
-                           int64_t pooled_w) {
-  TORCH_CHECK(input.dim() == 4, op, ": input must be 4-D (N x C x H x W), got shape ", input.sizes());
-  TORCH_CHECK(at::isFloatingType(input.scalar_type()), op, ": input must be float32, float16, bfloat16 or float64, "
-              "got ", input.scalar_type());
-  TORCH_CHECK(rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be K x 5 (batch index, x1, y1, x2, y2), got "
-              "shape ", rois.sizes());
-  TORCH_CHECK(at::isFloatingType(rois.scalar_type()), op, ": rois must be a floating-point tensor, got ",
-              rois.scalar_type());
-  TORCH_CHECK(input.device() == rois.device(), op, ": input and rois must be on the same device, got ",
-              input.device(), " and ", rois.device());
-  TORCH_CHECK(pooled_h > 0 && pooled_w > 0, op, ": output size must be positive, got ", pooled_h, " x ", pooled_w);
-  TORCH_CHECK(rois.size(0) == 0 || (input.size(2) > 0 && input.size(3) > 0), op,
-              ": input height and width must be positive when there are rois, got shape ", input.sizes());
-  TORCH_CHECK(input.size(2) * input.size(3) < (int64_t(1) << 31), op,
-              ": a feature map plane must have fewer than 2^31 pixels, got ", input.size(2), " x ", input.size(3));
-}
+void check_roi_args(const char* op, const at::Tensor& input, const at::Tensor& rois, int64_t pooled_h,
+                    int64_t pooled_w);
 
 // Shape checks of a backward op's grad (K x C x PH x PW) and, when it routes the gradient, argmax.
-inline void check_roi_grad(const char* op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
-                           bool uses_argmax, int64_t channels, int64_t pooled_h, int64_t pooled_w) {
-  TORCH_CHECK(rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be K x 5, got shape ", rois.sizes());
-  const int64_t K = rois.size(0);
-  TORCH_CHECK(grad.dim() == 4 && grad.size(0) == K && grad.size(1) == channels && grad.size(2) == pooled_h &&
-                  grad.size(3) == pooled_w,
-              op, ": grad must be K x C x pooled_height x pooled_width = ", K, " x ", channels, " x ", pooled_h,
-              " x ", pooled_w, ", got ", grad.sizes());
-  TORCH_CHECK(!uses_argmax || argmax.sizes() == grad.sizes(), op, ": argmax must have grad's shape ", grad.sizes(),
-              ", got ", argmax.sizes());
-  TORCH_CHECK(grad.device() == rois.device() && (!uses_argmax || argmax.device() == grad.device()), op,
-              ": grad, rois and argmax must be on one device");
-}
+void check_roi_grad(const char* op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+                    bool uses_argmax, int64_t channels, int64_t pooled_h, int64_t pooled_w);
 
 // Rois in the accumulation type of the features (float, or double for double features), contiguous.
-inline at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input) {
-  const auto acc = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return rois.to(acc).contiguous();
-}
+at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input);
 
 }  // namespace roi
 }  // namespace lss

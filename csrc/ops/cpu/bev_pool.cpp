@@ -95,12 +95,10 @@ void backward_kernel(const scalar_t* grad_rows, bev_pool::GradRows rows, const s
   });
 }
 
-void check_cpu(const at::Tensor& depth) { LSS_CHECK_CPU(depth, "bev_pool: depth"); }
-
 at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feat_in, const at::Tensor& sorted_points,
                         const at::Tensor& cell_start, const at::Tensor& point_cell, int64_t nz, int64_t nx,
                         int64_t ny) {
-  check_cpu(depth_in);
+  check_cpu_tensor(depth_in, "bev_pool: depth");
   const Shape s = bev_pool::check_args(depth_in, feat_in, &sorted_points, cell_start, point_cell, nz, nx, ny);
   auto out = at::empty({s.B, s.nz * s.C, s.nx, s.ny}, depth_in.options());
   if (out.numel() == 0) return out;
@@ -120,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
                                                          const at::Tensor& feat_in, const at::Tensor& cell_start_in,
                                                          const at::Tensor& point_cell_in, int64_t nz, int64_t nx,
                                                          int64_t ny) {
-  check_cpu(depth_in);
+  check_cpu_tensor(depth_in, "bev_pool: depth");
   const Shape s = bev_pool::check_args(depth_in, feat_in, nullptr, cell_start_in, point_cell_in, nz, nx, ny);
   bev_pool::check_grad_out(grad_out_in, depth_in, s);
   auto [grad_depth, grad_feat] = bev_pool::empty_grads(depth_in, feat_in, s);

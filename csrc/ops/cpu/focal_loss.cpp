@@ -103,7 +103,7 @@ Outputs sigmoid_focal_loss_cpu(const at::Tensor& logits_in, const at::Tensor& ta
                                const c10::optional<at::Tensor>& weight_in, const c10::optional<at::Tensor>& mask_in,
                                double alpha, double gamma, c10::string_view reduction_name, bool save_grad) {
   const SigmoidLayout s = check_sigmoid_args(logits_in, targets_in, weight_in, mask_in);
-  LSS_CHECK_CPU(logits_in, "sigmoid_focal_loss: logits");
+  check_cpu_tensor(logits_in, "sigmoid_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "sigmoid_focal_loss");
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor targets = targets_in.contiguous();
@@ -190,7 +190,7 @@ Outputs softmax_focal_loss_cpu(const at::Tensor& logits_in, const at::Tensor& ta
                                const c10::optional<at::Tensor>& weight_in, double alpha, double gamma,
                                c10::string_view reduction_name, bool save_grad) {
   check_softmax_args(logits_in, targets_in, weight_in);
-  LSS_CHECK_CPU(logits_in, "softmax_focal_loss: logits");
+  check_cpu_tensor(logits_in, "softmax_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "softmax_focal_loss");
   const at::Tensor logits = logits_in.contiguous();
   const at::Tensor targets = targets_in.contiguous();
@@ -210,7 +210,7 @@ Outputs softmax_focal_loss_cpu(const at::Tensor& logits_in, const at::Tensor& ta
 at::Tensor focal_loss_backward_cpu(const at::Tensor& grad_output, const at::Tensor& grad,
                                    const at::Tensor& grad_scale) {
   check_backward_args(grad_output, grad, grad_scale);
-  LSS_CHECK_CPU(grad, "focal loss backward: grad");
+  check_cpu_tensor(grad, "focal loss backward: grad");
   return scale_grad_broadcast(grad_output, grad, grad_scale);
 }
 

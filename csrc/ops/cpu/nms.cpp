@@ -40,7 +40,7 @@ at::Tensor nms_cpu_impl(const at::Tensor& boxes, const at::Tensor& order, const 
 at::Tensor nms_cpu_common(const char* op, const at::Tensor& boxes_, const at::Tensor& scores,
                           const at::Tensor* idxs, double iou_threshold) {
   nms_detail::check_nms_args(op, boxes_, scores, idxs);
-  LSS_CHECK_CPU(boxes_, "nms: boxes");
+  check_cpu_tensor(boxes_, "nms: boxes");
   if (boxes_.size(0) == 0) return at::empty({0}, boxes_.options().dtype(at::kLong));
   const auto boxes = boxes_.to(nms_detail::nms_acc_type(boxes_)).contiguous();
   const auto order = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).contiguous();

@@ -119,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cpu(const at::Tensor& input
                                                          double spatial_scale, int64_t pooled_h, int64_t pooled_w,
                                                          int64_t sampling_ratio, bool aligned, bool max_mode) {
   roi::check_roi_args("roi_align", input_, rois_, pooled_h, pooled_w);
-  LSS_CHECK_CPU(input_, "roi_align: input");
+  check_cpu_tensor(input_, "roi_align: input");
   const auto input = input_.contiguous();
   const auto rois = roi::rois_in_acc_type(rois_, input);
   const int64_t K = rois.size(0), C = input.size(1);
@@ -138,7 +138,7 @@ at::Tensor roi_align_backward_cpu(const at::Tensor& grad_, const at::Tensor& roi
                                   double spatial_scale, int64_t pooled_h, int64_t pooled_w, int64_t batch_size,
                                   int64_t channels, int64_t height, int64_t width, int64_t sampling_ratio,
                                   bool aligned, bool max_mode) {
-  LSS_CHECK_CPU(grad_, "_roi_align_backward: grad");
+  check_cpu_tensor(grad_, "_roi_align_backward: grad");
   roi::check_roi_grad("_roi_align_backward", grad_, rois_, argmax_, max_mode, channels, pooled_h, pooled_w);
   const auto grad = grad_.contiguous();
   const auto acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

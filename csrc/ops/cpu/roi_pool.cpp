@@ -82,7 +82,7 @@ void roi_pool_backward_cpu_impl(const at::Tensor& grad, const at::Tensor& rois, 
 std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(const at::Tensor& input_, const at::Tensor& rois_,
                                                         double spatial_scale, int64_t pooled_h, int64_t pooled_w) {
   roi::check_roi_args("roi_pool", input_, rois_, pooled_h, pooled_w);
-  LSS_CHECK_CPU(input_, "roi_pool: input");
+  check_cpu_tensor(input_, "roi_pool: input");
   const auto input = input_.contiguous();
   const auto rois = roi::rois_in_acc_type(rois_, input);
   const int64_t K = rois.size(0), C = input.size(1);
@@ -98,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(const at::Tensor& input_
 at::Tensor roi_pool_backward_cpu(const at::Tensor& grad_, const at::Tensor& rois_, const at::Tensor& argmax_,
                                  double spatial_scale, int64_t pooled_h, int64_t pooled_w, int64_t batch_size,
                                  int64_t channels, int64_t height, int64_t width) {
-  LSS_CHECK_CPU(grad_, "_roi_pool_backward: grad");
+  check_cpu_tensor(grad_, "_roi_pool_backward: grad");
   roi::check_roi_grad("_roi_pool_backward", grad_, rois_, argmax_, true, channels, pooled_h, pooled_w);
   const auto grad = grad_.contiguous();
   const auto acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

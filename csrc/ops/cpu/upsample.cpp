@@ -133,7 +133,7 @@ void backward_kernel(const at::Tensor& grad_output, at::Tensor& grad_input, std:
 
 at::Tensor upsample_bilinear_cpu(const at::Tensor& input, at::IntArrayRef output_size, std::optional<double> scales_h,
                                  std::optional<double> scales_w, c10::string_view mode) {
-  LSS_CHECK_CPU(input, "upsample_bilinear: input");
+  lss::check_cpu_tensor(input, "upsample_bilinear: input");
   check_forward(input, output_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
   KernelLayout io = kernel_layout(input, {input.size(0), input.size(1), output_size[0], output_size[1]});
@@ -150,7 +150,7 @@ at::Tensor upsample_bilinear_cpu(const at::Tensor& input, at::IntArrayRef output
 at::Tensor upsample_bilinear_backward_cpu(const at::Tensor& grad_output, at::IntArrayRef input_size,
                                           std::optional<double> scales_h, std::optional<double> scales_w,
                                           c10::string_view mode) {
-  LSS_CHECK_CPU(grad_output, "_upsample_bilinear_backward: grad_output");
+  lss::check_cpu_tensor(grad_output, "_upsample_bilinear_backward: grad_output");
   check_backward(grad_output, input_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
   KernelLayout io = kernel_layout(grad_output, input_size);

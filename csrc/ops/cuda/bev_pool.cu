@@ -14,6 +14,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <limits>
+#include <string>
+
 #include "ops/bev_pool.h"
 
 namespace lss {
@@ -158,12 +161,10 @@ __global__ void bev_pool_backward_kernel(const scalar_t* __restrict__ grad_rows,
   }
 }
 
-void check_cuda(const at::Tensor& depth) { LSS_CHECK_CUDA(depth, "bev_pool: depth"); }
-
 at::Tensor bev_pool_cuda(const at::Tensor& depth_in, const at::Tensor& feat_in, const at::Tensor& sorted_points_in,
                          const at::Tensor& cell_start_in, const at::Tensor& point_cell, int64_t nz, int64_t nx,
                          int64_t ny) {
-  check_cuda(depth_in);
+  check_cuda_tensor(depth_in, "bev_pool: depth");
   const Shape s = bev_pool::check_args(depth_in, feat_in, &sorted_points_in, cell_start_in, point_cell, nz, nx, ny);
   c10::cuda::CUDAGuard guard(depth_in.device());
   auto out = at::empty({s.B, s.nz * s.C, s.nx, s.ny}, depth_in.options());
@@ -173,8 +174,9 @@ at::Tensor bev_pool_cuda(const at::Tensor& depth_in, const at::Tensor& feat_in, 
   const auto sorted_points = sorted_points_in.contiguous();
   const auto cell_start = cell_start_in.contiguous();
   const int64_t blocks = ceil_div(s.cells(), kTile);
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "bev_pool: ", s.cells(),
-              " cells exceed the CUDA grid limit; use a smaller batch or grid");
+  LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
+            "bev_pool: " + std::to_string(s.cells()) +
+                " cells exceed the CUDA grid limit; use a smaller batch or grid");
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_cuda_index", [&] {
@@ -192,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad
                                                           const at::Tensor& feat_in, const at::Tensor& cell_start_in,
                                                           const at::Tensor& point_cell_in, int64_t nz, int64_t nx,
                                                           int64_t ny) {
-  check_cuda(depth_in);
+  check_cuda_tensor(depth_in, "bev_pool: depth");
   const Shape s = bev_pool::check_args(depth_in, feat_in, nullptr, cell_start_in, point_cell_in, nz, nx, ny);
   bev_pool::check_grad_out(grad_out_in, depth_in, s);
   c10::cuda::CUDAGuard guard(depth_in.device());
@@ -203,8 +205,9 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad
     return {grad_depth, grad_feat_view};
   }
   if (s.pixels() == 0) return {grad_depth, grad_feat_view};
-  TORCH_CHECK(s.pixels() <= std::numeric_limits<int32_t>::max(), "bev_pool: ", s.pixels(),
-              " feature pixels exceed the CUDA grid limit; use a smaller batch");
+  LSS_CHECK(s.pixels() <= std::numeric_limits<int32_t>::max(),
+            "bev_pool: " + std::to_string(s.pixels()) +
+                " feature pixels exceed the CUDA grid limit; use a smaller batch");
   const auto depth = depth_in.contiguous();
   const auto feat = bev_pool::feat_channels_last(feat_in);
   const auto cell_start = cell_start_in.contiguous();
@@ -225,9 +228,10 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       const size_t row_bytes = static_cast<size_t>(s.C) * sizeof(acc_t);
-      TORCH_CHECK(2 * row_bytes <= kMaxSharedBytes, "bev_pool backward: C = ", s.C,
-                  " channels do not fit in shared memory (at most ", kMaxSharedBytes / (2 * sizeof(acc_t)),
-                  " for this dtype); split the channels into several bev_pool calls");
+      LSS_CHECK(2 * row_bytes <= kMaxSharedBytes,
+                "bev_pool backward: C = " + std::to_string(s.C) + " channels do not fit in shared memory (at most " +
+                    std::to_string(kMaxSharedBytes / (2 * sizeof(acc_t))) +
+                    " for this dtype); split the channels into several bev_pool calls");
       int warps = static_cast<int>(std::min<int64_t>(kMaxPixelWarps, std::max<int64_t>(1, s.D)));
       while ((warps + 1) * row_bytes > kMaxSharedBytes) --warps;
       bev_pool_backward_kernel<scalar_t, index_t>

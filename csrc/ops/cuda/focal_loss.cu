@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -269,18 +270,17 @@ int grid_size(Kernel kernel, int64_t work, int per_block) {
 
 // Reads the kernel's error flag (waits for the kernel) unless a CUDA graph is being captured.
 void raise_if_bad_targets(const at::Tensor& bad_target, const at::Tensor& targets, const char* op,
-                          const char* expected) {
+                          const std::string& expected) {
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
   if (bad_target.item<int>() == 0) return;
-  TORCH_CHECK(false, op, ": targets must lie in ", expected, ", got values in [", targets.min().item<int64_t>(),
-              ", ", targets.max().item<int64_t>(), "]");
+  raise_bad_targets(op, expected, targets.min().item<int64_t>(), targets.max().item<int64_t>());
 }
 
 Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets_in,
                                 const c10::optional<at::Tensor>& weight_in, const c10::optional<at::Tensor>& mask_in,
                                 double alpha, double gamma, c10::string_view reduction_name, bool save_grad) {
   const SigmoidLayout s = check_sigmoid_args(logits_in, targets_in, weight_in, mask_in);
-  LSS_CHECK_CUDA(logits_in, "sigmoid_focal_loss: logits");
+  check_cuda_tensor(logits_in, "sigmoid_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "sigmoid_focal_loss");
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const at::Tensor logits = logits_in.contiguous();
@@ -363,7 +363,7 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
   });
   if (s.index_targets) {
     raise_if_bad_targets(bad_target, targets, "sigmoid_focal_loss",
-                         ("[0, C] = [0, " + std::to_string(s.classes) + "] (C = background)").c_str());
+                         "[0, C] = [0, " + std::to_string(s.classes) + "] (C = background)");
   }
   return {loss, grad, grad_scale};
 }
@@ -372,7 +372,7 @@ Outputs softmax_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
                                 const c10::optional<at::Tensor>& weight_in, double alpha, double gamma,
                                 c10::string_view reduction_name, bool save_grad) {
   check_softmax_args(logits_in, targets_in, weight_in);
-  LSS_CHECK_CUDA(logits_in, "softmax_focal_loss: logits");
+  check_cuda_tensor(logits_in, "softmax_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "softmax_focal_loss");
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const at::Tensor logits = logits_in.contiguous();
@@ -416,14 +416,14 @@ Outputs softmax_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
     }
   });
   raise_if_bad_targets(bad_target, targets, "softmax_focal_loss",
-                       ("[0, C) = [0, " + std::to_string(classes) + ") or < 0 (ignored)").c_str());
+                       "[0, C) = [0, " + std::to_string(classes) + ") or < 0 (ignored)");
   return {loss, grad, grad_scale};
 }
 
 at::Tensor focal_loss_backward_cuda(const at::Tensor& grad_output, const at::Tensor& grad_in,
                                     const at::Tensor& grad_scale) {
   check_backward_args(grad_output, grad_in, grad_scale);
-  LSS_CHECK_CUDA(grad_in, "focal loss backward: grad");
+  check_cuda_tensor(grad_in, "focal loss backward: grad");
   if (grad_output.numel() != 1 || grad_output.dim() > grad_in.dim() ||
       grad_scale.scalar_type() != acc_dtype(grad_in)) {
     return scale_grad_broadcast(grad_output, grad_in, grad_scale);

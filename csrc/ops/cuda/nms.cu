@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <string>
+
 #include "ops/nms_common.h"
 
 namespace lss {
@@ -127,20 +129,22 @@ __global__ void nms_reduce_kernel(int64_t n, int64_t words, const uint64_t* __re
 at::Tensor nms_cuda_common(const char* op, const at::Tensor& boxes_, const at::Tensor& scores,
                            const at::Tensor* idxs, double iou_threshold) {
   nms_detail::check_nms_args(op, boxes_, scores, idxs);
-  LSS_CHECK_CUDA(boxes_, "nms: boxes");
+  check_cuda_tensor(boxes_, "nms: boxes");
   c10::cuda::CUDAGuard guard(boxes_.device());
   const int64_t n = boxes_.size(0);
   if (n == 0) return at::empty({0}, boxes_.options().dtype(at::kLong));
   const int64_t words = ceil_div(n, kBoxesPerWord);
-  TORCH_CHECK(words <= 65535, op, ": at most ", 65535 * kBoxesPerWord, " boxes are supported, got ", n);
+  LSS_CHECK(words <= 65535, std::string(op) + ": at most " + std::to_string(65535 * kBoxesPerWord) +
+                                 " boxes are supported, got " + std::to_string(n));
   const int64_t smem = words * static_cast<int64_t>(sizeof(uint64_t));
   int device = 0, smem_optin = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   // 1 KiB of margin for the kernel's static shared memory.
-  TORCH_CHECK(smem + 1024 <= smem_optin, op, ": ", n, " boxes need ", smem,
-              " bytes of shared memory for the suppression bitmap, more than this GPU's ", smem_optin,
-              "; split the boxes (e.g. by class or image) first");
+  LSS_CHECK(smem + 1024 <= static_cast<int64_t>(smem_optin),
+            std::string(op) + ": " + std::to_string(n) + " boxes need " + std::to_string(smem) +
+                " bytes of shared memory for the suppression bitmap, more than this GPU's " +
+                std::to_string(smem_optin) + "; split the boxes (e.g. by class or image) first");
   const auto order = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).contiguous();
   const auto boxes = boxes_.index_select(0, order).to(nms_detail::nms_acc_type(boxes_)).contiguous();
   at::Tensor classes;

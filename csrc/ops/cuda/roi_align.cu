@@ -146,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
                                                           double spatial_scale, int64_t pooled_h, int64_t pooled_w,
                                                           int64_t sampling_ratio, bool aligned, bool max_mode) {
   roi::check_roi_args("roi_align", input_, rois_, pooled_h, pooled_w);
-  LSS_CHECK_CUDA(input_, "roi_align: input");
+  check_cuda_tensor(input_, "roi_align: input");
   c10::cuda::CUDAGuard guard(input_.device());
   const auto rois = roi::rois_in_acc_type(rois_, input_);
   const int64_t K = rois.size(0), N = input_.size(0), C = input_.size(1), H = input_.size(2), W = input_.size(3);
@@ -172,7 +172,7 @@ at::Tensor roi_align_backward_cuda(const at::Tensor& grad_, const at::Tensor& ro
                                    double spatial_scale, int64_t pooled_h, int64_t pooled_w, int64_t batch_size,
                                    int64_t channels, int64_t height, int64_t width, int64_t sampling_ratio,
                                    bool aligned, bool max_mode) {
-  LSS_CHECK_CUDA(grad_, "_roi_align_backward: grad");
+  check_cuda_tensor(grad_, "_roi_align_backward: grad");
   roi::check_roi_grad("_roi_align_backward", grad_, rois_, argmax_, max_mode, channels, pooled_h, pooled_w);
   c10::cuda::CUDAGuard guard(grad_.device());
   const auto grad = grad_.contiguous();

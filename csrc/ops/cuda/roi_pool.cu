@@ -106,7 +106,7 @@ __global__ void roi_pool_fill_kernel(int64_t total, const acc_t* __restrict__ ro
 std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input_, const at::Tensor& rois_,
                                                          double spatial_scale, int64_t pooled_h, int64_t pooled_w) {
   roi::check_roi_args("roi_pool", input_, rois_, pooled_h, pooled_w);
-  LSS_CHECK_CUDA(input_, "roi_pool: input");
+  check_cuda_tensor(input_, "roi_pool: input");
   c10::cuda::CUDAGuard guard(input_.device());
   const auto rois = roi::rois_in_acc_type(rois_, input_);
   const int64_t K = rois.size(0), N = input_.size(0), C = input_.size(1), H = input_.size(2), W = input_.size(3);
@@ -130,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input
 at::Tensor roi_pool_backward_cuda(const at::Tensor& grad_, const at::Tensor& rois_, const at::Tensor& argmax_,
                                   double spatial_scale, int64_t pooled_h, int64_t pooled_w, int64_t batch_size,
                                   int64_t channels, int64_t height, int64_t width) {
-  LSS_CHECK_CUDA(grad_, "_roi_pool_backward: grad");
+  check_cuda_tensor(grad_, "_roi_pool_backward: grad");
   roi::check_roi_grad("_roi_pool_backward", grad_, rois_, argmax_, true, channels, pooled_h, pooled_w);
   c10::cuda::CUDAGuard guard(grad_.device());
   const auto grad = grad_.contiguous();

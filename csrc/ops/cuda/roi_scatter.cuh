@@ -13,6 +13,8 @@
 
 namespace lss {
 namespace roi_scatter {
+// Internal linkage: each including .cu gets its own copy.
+namespace {
 
 // Entries of the deterministic path; key == sentinel marks a sample that touches no pixel.
 struct Entries {
@@ -23,20 +25,20 @@ struct Entries {
 };
 
 // Per-bin entry counts -> exclusive offsets and the total (one host sync, deterministic path only).
-inline std::pair<at::Tensor, int64_t> exclusive_offsets(const at::Tensor& counts) {
+std::pair<at::Tensor, int64_t> exclusive_offsets(const at::Tensor& counts) {
   const auto inclusive = at::cumsum(counts, 0);
   const int64_t total = counts.numel() > 0 ? inclusive[-1].item<int64_t>() : 0;
   return {inclusive - counts, total};
 }
 
-inline Entries alloc_entries(int64_t total, const at::Tensor& like, at::ScalarType acc) {
+Entries alloc_entries(int64_t total, const at::Tensor& like, at::ScalarType acc) {
   const auto o = like.options();
   return {at::empty({total}, o.dtype(at::kLong)), at::empty({total}, o.dtype(at::kLong)),
           at::empty({total}, o.dtype(at::kInt)), at::empty({total}, o.dtype(acc))};
 }
 
 // Grid size of a grid-stride kernel over `items` threads.
-inline int grid_for(int64_t items) {
+int grid_for(int64_t items) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(items, kThreads), int64_t(1) << 20)));
 }
 
@@ -90,12 +92,13 @@ void deterministic_scatter(const Entries& entries, int64_t sentinel, const at::T
 }
 
 // N x H x W x C accumulator -> N x C x H x W gradient in the features' dtype (one transposing copy).
-inline at::Tensor nhwc_to_nchw(const at::Tensor& grad_nhwc, at::ScalarType dtype) {
+at::Tensor nhwc_to_nchw(const at::Tensor& grad_nhwc, at::ScalarType dtype) {
   auto out = at::empty({grad_nhwc.size(0), grad_nhwc.size(3), grad_nhwc.size(1), grad_nhwc.size(2)},
                        grad_nhwc.options().dtype(dtype));
   out.copy_(grad_nhwc.permute({0, 3, 1, 2}));
   return out;
 }
 
+}  // namespace
 }  // namespace roi_scatter
 }  // namespace lss

@@ -189,7 +189,7 @@ bool fits_int32(int64_t n) { return n <= std::numeric_limits<int32_t>::max(); }
 at::Tensor upsample_bilinear_cuda(const at::Tensor& input, at::IntArrayRef output_size,
                                   std::optional<double> scales_h, std::optional<double> scales_w,
                                   c10::string_view mode) {
-  LSS_CHECK_CUDA(input, "upsample_bilinear: input");
+  lss::check_cuda_tensor(input, "upsample_bilinear: input");
   check_forward(input, output_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
   c10::cuda::CUDAGuard guard(input.device());
@@ -229,7 +229,7 @@ at::Tensor upsample_bilinear_cuda(const at::Tensor& input, at::IntArrayRef outpu
 at::Tensor upsample_bilinear_backward_cuda(const at::Tensor& grad_output, at::IntArrayRef input_size,
                                            std::optional<double> scales_h, std::optional<double> scales_w,
                                            c10::string_view mode) {
-  LSS_CHECK_CUDA(grad_output, "_upsample_bilinear_backward: grad_output");
+  lss::check_cuda_tensor(grad_output, "_upsample_bilinear_backward: grad_output");
   check_backward(grad_output, input_size);
   const CoordMode coord_mode = parse_mode(std::string(mode));
   c10::cuda::CUDAGuard guard(grad_output.device());

@@ -1,0 +1,10 @@
+# Sourced by the GPU scripts: wheels the GPU machine lacks (.whl/, made by ../shared/tools/device_wheels.sh) and
+# the in-place build of lss._C for sm_90 (skipped when an up-to-date build is already there).
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} FORCE_CUDA=1
+OUT=${OUT:-/tmp/lss-gpu}
+mkdir -p "$OUT"
+if [ -d .whl ] && [ ! -d /tmp/lss-site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lss-site .whl/*.whl || exit 1
+fi
+[ -d /tmp/lss-site ] && export PYTHONPATH=/tmp/lss-site
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
