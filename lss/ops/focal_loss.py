@@ -66,6 +66,16 @@ def _prepare_weight(op: str, weight: Optional[Tensor], logits: Tensor) -> Option
     return weight
 
 
+def _check_class_range(op, targets, lowest, highest, expected):
+    """Class indices outside [lowest, highest] (lowest None: no lower bound) raise before any kernel runs; on CUDA
+    this reads two numbers back (one sync). Skipped while compiling: the kernels then mark bad rows with NaN."""
+    if targets.numel() == 0 or torch.compiler.is_compiling():
+        return
+    lo, hi = (int(v) for v in torch.aminmax(targets))
+    if (lowest is not None and lo < lowest) or hi > highest:
+        raise ValueError(f"{op}: targets must lie in {expected}, got values in [{lo}, {hi}]")
+
+
 def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, reduction, mask):
     """Validates the arguments; returns (targets, weight, mask) as the op takes them."""
     op = "sigmoid_focal_loss"
@@ -90,6 +100,8 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, reduction, mask
                 "logits' shape)"
             )
         targets = targets.long()
+        C = logits.shape[1]
+        _check_class_range(op, targets, 0, C, f"[0, C] = [0, {C}] (C = background)")
     weight = _prepare_weight(op, weight, logits)
     if mask is not None:
         if not isinstance(mask, Tensor):
@@ -172,6 +184,8 @@ def softmax_focal_loss(
     if targets.device != logits.device:
         raise ValueError(f"{op}: targets are on {targets.device} but logits are on {logits.device}")
     targets = targets.long()
+    C = logits.shape[1]
+    _check_class_range(op, targets, None, C - 1, f"[0, C) = [0, {C}) or < 0 (ignored)")
     weight = _prepare_weight(op, weight, logits)
     _check_no_grad(op, weight=weight)
     if _ext.use_reference(op):
