@@ -16,9 +16,9 @@ step() {  # step NAME LOG CMD...: run, log to $OUT/LOG, remember pass/fail
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 step build build.log python3 setup.py build_ext --inplace || { tail -n 40 "$OUT/build.log"; exit 1; }
-step cuda-tests cuda_tests.log python3 -m pytest -q -m cuda tests ${LSS_TEST_ARGS:-}
+step cuda-tests cuda_tests.log timeout ${TEST_SECONDS:-300} python3 -m pytest -q -m cuda tests ${LSS_TEST_ARGS:-}
 step sanitizer sanitizer.log compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_ops.py
-step bench bench.log python3 -m lss bench --out "$OUT" ${LSS_BENCH_ARGS:-}
+step bench bench.log timeout ${BENCH_SECONDS:-400} python3 -m lss bench --out "$OUT" ${LSS_BENCH_ARGS:-}
 grep -E "failed|FAILED|Error" "$OUT/cuda_tests.log" | tail -n 30
 grep -E "ERROR SUMMARY|Invalid" "$OUT/sanitizer.log" | head -n 20
 cat "$OUT/bench.md" 2>/dev/null

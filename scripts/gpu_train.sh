@@ -1,33 +1,32 @@
 #!/usr/bin/env bash
-# GPU training check, in one call after scripts/gpu_check.sh built the ops: generate the synthetic set at 1600x900,
-# train configs/synthetic.yaml for TRAIN_STEPS steps, evaluate, and train + evaluate the detection head on a small
-# synthetic v1.0-trainval set. Metrics, curves and eval tables go to $OUT.
+# GPU training check, after scripts/gpu_check.sh built the ops: generate a synthetic set at 1600x900, train
+# configs/synthetic.yaml for TRAIN_STEPS steps (at most TRAIN_SECONDS), evaluate; with DETECTION=1 also train and
+# evaluate the detection head on a small synthetic v1.0-trainval set. Logs go to $OUT/train.log, the loss/IoU curve
+# to $OUT/seg_metrics.jsonl.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-[ -f lss/_C*.so ] || python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -n 30 "$OUT/build.log"; exit 1; }
-STEPS=${TRAIN_STEPS:-2000}
+LOG="$OUT/train.log"
+ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace >> "$LOG" 2>&1 || { tail -n 30 "$LOG"; exit 1; }
 t0=$SECONDS
-python3 -m lss make-synthetic data/synthetic --scenes 10 --samples-per-scene 40 --workers 16 > "$OUT/gen.log" 2>&1
-echo "segmentation set generated in $((SECONDS - t0)) s"
+python3 -m lss make-synthetic data/synthetic --scenes ${SEG_SCENES:-10} --samples-per-scene ${SEG_SAMPLES:-24} \
+  --workers 16 >> "$LOG" 2>&1
+echo "segmentation set generated in $((SECONDS - t0)) s" | tee -a "$LOG"
 timeout ${TRAIN_SECONDS:-300} python3 -m lss train --config configs/synthetic.yaml --out runs/synthetic \
-  --set train.max_steps=$STEPS --set train.eval_every=500 --set train.ckpt_every=500 --set train.viz_every=100000 \
-  > "$OUT/train_seg.log" 2>&1
-echo "segmentation training rc=$? in $((SECONDS - t0)) s"
+  --set data.synthetic.scenes=${SEG_SCENES:-10} --set data.synthetic.samples_per_scene=${SEG_SAMPLES:-24} \
+  --set train.max_steps=${TRAIN_STEPS:-2000} --set train.eval_every=250 --set train.ckpt_every=250 \
+  --set train.viz_every=100000 >> "$LOG" 2>&1
+echo "segmentation training rc=$? after $((SECONDS - t0)) s" | tee -a "$LOG"
 cp runs/synthetic/metrics.jsonl "$OUT/seg_metrics.jsonl" 2>/dev/null
-python3 -m lss eval --config configs/synthetic.yaml --ckpt runs/synthetic/checkpoints/last.pt --out "$OUT" \
-  > "$OUT/eval_seg.log" 2>&1
-tail -n 25 "$OUT/eval_seg.log"
-if [ "${DETECTION:-1}" = 1 ]; then
+python3 -m lss eval --config configs/synthetic.yaml --set data.synthetic.scenes=${SEG_SCENES:-10} \
+  --set data.synthetic.samples_per_scene=${SEG_SAMPLES:-24} --ckpt runs/synthetic/checkpoints/last.pt \
+  --out /tmp/lss-eval-seg 2>&1 | tee -a "$LOG" | tail -n 20
+if [ "${DETECTION:-0}" = 1 ]; then
   t1=$SECONDS
   timeout ${DET_SECONDS:-240} python3 -m lss train --config configs/synthetic_detection.yaml --out runs/det \
     --set data.synthetic.scenes=${DET_SCENES:-16} --set data.synthetic.samples_per_scene=20 \
-    --set train.max_steps=${DET_STEPS:-1500} --set train.eval_every=100000 --set train.viz_every=100000 \
-    > "$OUT/train_det.log" 2>&1
-  echo "detection training rc=$? in $((SECONDS - t1)) s"
-  cp runs/det/metrics.jsonl "$OUT/det_metrics.jsonl" 2>/dev/null
-  mkdir -p "$OUT/det"
+    --set train.max_steps=${DET_STEPS:-1500} --set train.eval_every=100000 --set train.viz_every=100000 >> "$LOG" 2>&1
+  echo "detection training rc=$? after $((SECONDS - t1)) s" | tee -a "$LOG"
   python3 -m lss eval --config configs/synthetic_detection.yaml --set data.synthetic.scenes=${DET_SCENES:-16} \
-    --set data.synthetic.samples_per_scene=20 --ckpt runs/det/checkpoints/last.pt --out "$OUT/det" \
-    > "$OUT/eval_det.log" 2>&1
-  tail -n 30 "$OUT/eval_det.log"
+    --set data.synthetic.samples_per_scene=20 --ckpt runs/det/checkpoints/last.pt --out /tmp/lss-eval-det 2>&1 \
+    | tee -a "$LOG" | tail -n 30
 fi
