@@ -17,7 +17,8 @@ LOW_PRECISION = [torch.float16, torch.bfloat16]
 def value_and_grad(fn, logits, *args, **kwargs):
     x = logits.detach().clone().requires_grad_(True)
     loss = fn(x, *args, **kwargs)
-    seed = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=loss.device).view(loss.shape)
+    # linspace in float32: torch's CPU float16 linspace yields NaN for long ranges
+    seed = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).to(loss.dtype).view(loss.shape)
     (grad,) = torch.autograd.grad((loss * seed).sum(), x)
     return loss.detach(), grad
 
