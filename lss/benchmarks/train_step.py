@@ -15,9 +15,11 @@ from lss.geometry import image_augmentation, load_nuscenes_rig, val_augmentation
 LSS_CONFIG = ["data.classes=[vehicle]", "loss.type=bce"]  # the defaults are the paper's sizes
 QUICK_CONFIG = LSS_CONFIG + ["data.final_dim=[32, 96]", "grid.xbound=[-8.0, 8.0, 1.0]",
                              "grid.ybound=[-8.0, 8.0, 1.0]", "grid.dbound=[4.0, 12.0, 2.0]"]
-IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last)
-    "lss": ("bev_pool", torch.bfloat16, True),
-    "reference_splat_fp32": ("reference", None, False),
+IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last, torch.compile the trainable submodules)
+    "lss": ("bev_pool", torch.bfloat16, True, False),
+    "lss_compiled": ("bev_pool", torch.bfloat16, True, True),
+    "lss_fp32": ("bev_pool", None, False, False),
+    "reference_splat_fp32": ("reference", None, False, False),
 }
 AUG_VARIANTS = 4
 
@@ -52,12 +54,16 @@ def _build(cfg: Config, impl: str, device: torch.device):
     from lss.engine.losses import TotalLoss
     from lss.models import LiftSplatShoot
 
-    splat, dtype, channels_last = IMPLS[impl]
+    splat, dtype, channels_last, compiled = IMPLS[impl]
     cfg.model.splat = splat
     torch.manual_seed(0)
     model = LiftSplatShoot(cfg).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if compiled:  # as `train.compile: true` does
+        for module in model.children():
+            if any(p.requires_grad for p in module.parameters()):
+                module.compile()
     use_amp = dtype is not None and device.type == "cuda"
 
     def autocast():
@@ -83,6 +89,8 @@ def run(ctx) -> list[dict]:
     shape = "B{b}, 6 cams {h}x{w}, D{d}, {nx}x{ny} grid"
     rows = []
     for impl in IMPLS:
+        if IMPLS[impl][3] and (ctx.quick or device.type != "cuda"):
+            continue  # compilation takes minutes on CPU
         cfg = load_config(None, overrides)
         model, loss_fn, autocast = _build(cfg, impl, device)
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -101,6 +109,8 @@ def run(ctx) -> list[dict]:
             optimizer.zero_grad(set_to_none=True)
 
         model.train()
+        for _ in range(1 if ctx.quick else 3):  # compilation and cuDNN autotuning happen outside the timing
+            train_step()
         ms = ctx.time(train_step, warmup=5, reps=20)
         peak = _peak_memory(device, train_step)
         b, n, _, h, w = batches[0]["images"].shape
@@ -116,6 +126,8 @@ def run(ctx) -> list[dict]:
             with torch.no_grad(), autocast():
                 model(one)
 
+        for _ in range(1 if ctx.quick else 3):
+            infer()
         ms = ctx.time(infer, warmup=5, reps=30)
         peak = _peak_memory(device, infer)
         rows.append({"case": "inference_B1", "impl": impl, "ms": ms, "floor_ms": None,

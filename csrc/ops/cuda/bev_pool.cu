@@ -3,13 +3,17 @@
 // Forward: one block per tile of kTile consecutive cells (consecutive along ny). Each warp sums the depth-weighted
 // feature rows of its cells' points (lanes over channels, reads of a pixel's C values coalesced) into shared
 // memory; the block then writes the tile channel by channel, kTile consecutive output elements per channel.
-// Every output element is written once (empty cells write 0): no memset, no atomics.
+// Every output element is written once (empty cells write 0): no memset, no atomics. A tile without points writes
+// its zeros straight away. The lanes of a warp first fetch up to 32 of a cell's point indices and depths at once,
+// then broadcast them, so that the feature-row loads of a cell's points are independent and overlap.
+// Output offsets are computed once per cell (no 64-bit division per element).
 //
 // Backward, gather-style without atomics (deterministic):
 //  1. stage: grad_out rows of the non-empty cells are copied to a cells x C buffer (coalesced reads along ny,
 //     coalesced writes along C); skipped when grad_out is already channels-last.
-//  2. one block per feature pixel: its warps share the pixel's D points; for point p in cell c
-//     grad_depth[p] = dot(feat[pixel], G[c]) and grad_feat[pixel] = sum_p depth[p] * G[c].
+//  2. one block per feature pixel: its warps share the pixel's D points; each warp fetches its points' cells and
+//     depths at once, then for point p in cell c: grad_depth[p] = dot(feat[pixel], G[c]) and
+//     grad_feat[pixel] = sum_p depth[p] * G[c].
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -39,6 +43,23 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// Per tile: the first point of each cell (kTile + 1 entries) and where channel 0 of each cell lives in the output
+// (-1 past the last cell). Returns whether the tile holds any point.
+template <typename index_t>
+__device__ __forceinline__ bool load_tile(const index_t* __restrict__ cell_start, int64_t first, int64_t cells,
+                                          int64_t nxy, int64_t C, index_t* start, int64_t* base) {
+  if (threadIdx.x <= kTile) {
+    const int64_t cell = first + threadIdx.x < cells ? first + threadIdx.x : cells;
+    start[threadIdx.x] = cell_start[cell];
+    if (threadIdx.x < kTile) {
+      const int64_t plane = cell / nxy;
+      base[threadIdx.x] = first + threadIdx.x < cells ? plane * C * nxy + (cell - plane * nxy) : -1;
+    }
+  }
+  __syncthreads();
+  return start[0] != start[kTile];
+}
+
 template <typename scalar_t, typename index_t>
 __global__ void __launch_bounds__(kTileThreads)
     bev_pool_forward_kernel(const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
@@ -47,20 +68,36 @@ __global__ void __launch_bounds__(kTileThreads)
                             index_t hw) {
   using acc_t = at::opmath_type<scalar_t>;
   __shared__ acc_t tile[kTile][kChunk + 1];  // +1: the channel-major write-out reads without bank conflicts
+  __shared__ index_t start[kTile + 1];
+  __shared__ int64_t base[kTile];
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kTile;
+  if (!load_tile(cell_start, first, cells, nxy, C, start, base)) {
+    for (int64_t e = threadIdx.x; e < C * kTile; e += kTileThreads) {
+      const int t = static_cast<int>(e % kTile);
+      if (base[t] >= 0) out[base[t] + (e / kTile) * nxy] = scalar_t(0);
+    }
+    return;
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
     for (int t = warp; t < kTile; t += kTileWarps) {
-      const int64_t cell = first + t;
       acc_t acc[kPerLane];
 #pragma unroll
       for (int r = 0; r < kPerLane; ++r) acc[r] = acc_t(0);
-      if (cell < cells) {
-        const index_t end = cell_start[cell + 1];
-        for (index_t k = cell_start[cell]; k < end; ++k) {
-          const index_t p = sorted_points[k];
-          const acc_t w = static_cast<acc_t>(depth[p]);
-          const scalar_t* row = feat + static_cast<int64_t>((p / dhw) * hw + p % hw) * C + c0;
+      const index_t end = start[t + 1];
+      for (index_t k0 = start[t]; k0 < end; k0 += 32) {
+        const int n = static_cast<int>(end - k0 < 32 ? end - k0 : 32);
+        acc_t my_w = acc_t(0);
+        int64_t my_row = 0;
+        if (lane < n) {  // one round trip for up to 32 points: indices, depths and row offsets
+          const index_t p = sorted_points[k0 + lane];
+          my_w = static_cast<acc_t>(depth[p]);
+          my_row = static_cast<int64_t>((p / dhw) * hw + p % hw) * C + c0;
+        }
+#pragma unroll 4
+        for (int j = 0; j < n; ++j) {
+          const acc_t w = __shfl_sync(0xffffffffu, my_w, j);
+          const scalar_t* row = feat + __shfl_sync(0xffffffffu, my_row, j);
 #pragma unroll
           for (int r = 0; r < kPerLane; ++r) {
             const int c = lane + 32 * r;
@@ -75,11 +112,7 @@ __global__ void __launch_bounds__(kTileThreads)
     const int channels = static_cast<int>(C - c0 < kChunk ? C - c0 : kChunk);
     for (int e = threadIdx.x; e < channels * kTile; e += kTileThreads) {
       const int t = e % kTile, ch = e / kTile;
-      const int64_t cell = first + t;
-      if (cell < cells) {
-        const int64_t plane = cell / nxy;
-        out[(plane * C + c0 + ch) * nxy + (cell - plane * nxy)] = static_cast<scalar_t>(tile[t][ch]);
-      }
+      if (base[t] >= 0) out[base[t] + (c0 + ch) * nxy] = static_cast<scalar_t>(tile[t][ch]);
     }
     __syncthreads();
   }
@@ -89,36 +122,36 @@ template <typename scalar_t, typename index_t>
 __global__ void __launch_bounds__(kTileThreads)
     bev_pool_stage_kernel(const scalar_t* __restrict__ grad_out, const index_t* __restrict__ cell_start,
                           scalar_t* __restrict__ staged, int64_t cells, int64_t nxy, int64_t C) {
-  using acc_t = at::opmath_type<scalar_t>;
-  __shared__ acc_t tile[kTile][kChunk + 1];
-  __shared__ bool nonempty[kTile];
+  __shared__ scalar_t tile[kTile][kChunk + 1];
+  __shared__ index_t start[kTile + 1];
+  __shared__ int64_t base[kTile];
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int64_t last = first + kTile < cells ? first + kTile : cells;
-  if (cell_start[first] == cell_start[last]) return;  // the whole tile is empty: its rows are never read
-  if (threadIdx.x < kTile) {
-    const int64_t cell = first + threadIdx.x;
-    nonempty[threadIdx.x] = cell < cells && cell_start[cell + 1] > cell_start[cell];
-  }
-  __syncthreads();
+  if (!load_tile(cell_start, first, cells, nxy, C, start, base)) return;  // no points: rows never read
   for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
     const int channels = static_cast<int>(C - c0 < kChunk ? C - c0 : kChunk);
     for (int e = threadIdx.x; e < channels * kTile; e += kTileThreads) {
       const int t = e % kTile, ch = e / kTile;
-      if (nonempty[t]) {
-        const int64_t cell = first + t, plane = cell / nxy;
-        tile[t][ch] = static_cast<acc_t>(grad_out[(plane * C + c0 + ch) * nxy + (cell - plane * nxy)]);
-      }
+      if (start[t + 1] > start[t]) tile[t][ch] = grad_out[base[t] + (c0 + ch) * nxy];
     }
     __syncthreads();
     for (int e = threadIdx.x; e < channels * kTile; e += kTileThreads) {
       const int ch = e % channels, t = e / channels;
-      if (nonempty[t]) staged[(first + t) * C + c0 + ch] = static_cast<scalar_t>(tile[t][ch]);
+      if (start[t + 1] > start[t]) staged[(first + t) * C + c0 + ch] = tile[t][ch];
     }
     __syncthreads();
   }
 }
 
-template <typename scalar_t, typename index_t>
+// kPacked: the cells' rows lie back to back (row of cell c at c * C), so c need not be decomposed into (b, z, ij).
+template <bool kPacked>
+__device__ __forceinline__ int64_t grad_row(int64_t cell, const bev_pool::GradRows& rows, int64_t nxy,
+                                            int64_t planes) {
+  if (kPacked) return cell * rows.cell;
+  const int64_t b = cell / planes, z = (cell - b * planes) / nxy, ij = cell - b * planes - z * nxy;
+  return b * rows.batch + z * rows.level + ij * rows.cell;
+}
+
+template <typename scalar_t, typename index_t, bool kPacked>
 __global__ void bev_pool_backward_kernel(const scalar_t* __restrict__ grad_rows, bev_pool::GradRows rows,
                                          const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
                                          const index_t* __restrict__ point_cell, scalar_t* __restrict__ grad_depth,
@@ -134,24 +167,37 @@ __global__ void bev_pool_backward_kernel(const scalar_t* __restrict__ grad_rows,
   for (int64_t c = lane; c < C; c += 32) acc[warp * C + c] = acc_t(0);
   __syncthreads();
   const int64_t bn = pixel / hw, hwi = pixel - bn * hw;
-  for (int64_t d = warp; d < D; d += warps) {
-    const int64_t p = (bn * D + d) * hw + hwi;
-    const int64_t cell = point_cell[p];  // the same for every lane: the branch below is warp-uniform
-    if (cell < 0) {
-      if (lane == 0) grad_depth[p] = scalar_t(0);
-      continue;
+  const int64_t first_point = bn * D * hw + hwi;  // point of depth bin d: first_point + d * hw
+  for (int64_t d0 = warp; d0 < D; d0 += 32 * warps) {
+    // one round trip for up to 32 of this warp's points: lane j holds bin d0 + j * warps
+    const int64_t my_d = d0 + static_cast<int64_t>(lane) * warps;
+    int64_t my_cell = -1;
+    acc_t my_w = acc_t(0);
+    if (my_d < D) {
+      const int64_t p = first_point + my_d * hw;
+      my_cell = point_cell[p];
+      my_w = static_cast<acc_t>(depth[p]);
     }
-    const int64_t b = cell / planes, z = (cell - b * planes) / nxy, ij = cell - b * planes - z * nxy;
-    const scalar_t* g = grad_rows + b * rows.batch + z * rows.level + ij * rows.cell;
-    const acc_t w = static_cast<acc_t>(depth[p]);
-    acc_t dot = acc_t(0);
-    for (int64_t c = lane; c < C; c += 32) {
-      const acc_t gc = static_cast<acc_t>(g[c]);
-      dot += feat_row[c] * gc;
-      acc[warp * C + c] += w * gc;
+    const int64_t n = (D - d0 + warps - 1) / warps < 32 ? (D - d0 + warps - 1) / warps : 32;
+#pragma unroll 2
+    for (int j = 0; j < n; ++j) {
+      const int64_t cell = __shfl_sync(0xffffffffu, my_cell, j);
+      const acc_t w = __shfl_sync(0xffffffffu, my_w, j);
+      const int64_t p = first_point + (d0 + static_cast<int64_t>(j) * warps) * hw;
+      if (cell < 0) {  // the same for every lane: the branch is warp-uniform
+        if (lane == 0) grad_depth[p] = scalar_t(0);
+        continue;
+      }
+      const scalar_t* g = grad_rows + grad_row<kPacked>(cell, rows, nxy, planes);
+      acc_t dot = acc_t(0);
+      for (int64_t c = lane; c < C; c += 32) {
+        const acc_t gc = static_cast<acc_t>(g[c]);
+        dot += feat_row[c] * gc;
+        acc[warp * C + c] += w * gc;
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) grad_depth[p] = static_cast<scalar_t>(dot);
     }
-    dot = warp_sum(dot);
-    if (lane == 0) grad_depth[p] = static_cast<scalar_t>(dot);
   }
   __syncthreads();
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
@@ -234,11 +280,15 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad
                     " for this dtype); split the channels into several bev_pool calls");
       int warps = static_cast<int>(std::min<int64_t>(kMaxPixelWarps, std::max<int64_t>(1, s.D)));
       while ((warps + 1) * row_bytes > kMaxSharedBytes) --warps;
-      bev_pool_backward_kernel<scalar_t, index_t>
-          <<<static_cast<unsigned>(s.pixels()), warps * 32, (warps + 1) * row_bytes, stream>>>(
-              staged.data_ptr<scalar_t>(), rows, depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(),
-              point_cell.data_ptr<index_t>(), grad_depth.data_ptr<scalar_t>(), grad_feat.data_ptr<scalar_t>(), s.C,
-              s.D, s.hw(), s.nxy(), s.nz * s.nxy());
+      // staged rows, or channels-last grad_out with one height level: row of cell c at c * C
+      const bool packed = rows.cell == s.C && rows.batch == s.nz * s.nxy() * s.C &&
+                          (s.nz == 1 || rows.level == s.nxy() * s.C);
+      auto kernel = packed ? bev_pool_backward_kernel<scalar_t, index_t, true>
+                           : bev_pool_backward_kernel<scalar_t, index_t, false>;
+      kernel<<<static_cast<unsigned>(s.pixels()), warps * 32, (warps + 1) * row_bytes, stream>>>(
+          staged.data_ptr<scalar_t>(), rows, depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(),
+          point_cell.data_ptr<index_t>(), grad_depth.data_ptr<scalar_t>(), grad_feat.data_ptr<scalar_t>(), s.C, s.D,
+          s.hw(), s.nxy(), s.nz * s.nxy());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
