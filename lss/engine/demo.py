@@ -46,7 +46,7 @@ optim:
   schedule: onecycle
 train:
   batch_size: 2
-  max_steps: 200
+  max_steps: 600  # measured with depth_weight 1: vehicle IoU 12.9 %, drivable_area 56.1 % (docs/training.md)
   device: auto
   out_dir: runs/demo
   log_every: 10
