@@ -58,6 +58,7 @@ class DataConfig:
     divider_width: int = 2  # lane/road dividers are drawn this many BEV cells wide
     visibility_mask: bool = False
     detection_targets: bool = False
+    depth_targets: bool = False  # per camera feature cell: depth bin of the nearest LIDAR_TOP return (docs/training.md)
     workers: int = 4
     image_mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     image_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -90,6 +91,7 @@ class LossConfig:
     focal_gamma: float = 2.0
     pos_weight: float = 2.13
     class_weights: Optional[tuple[float, ...]] = None
+    depth_weight: float = 0.0  # lidar depth cross-entropy on the camera depth distribution; needs data.depth_targets
 
 
 @dataclass

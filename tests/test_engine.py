@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lss.config import load_config
+from lss.config import ConfigError, load_config
 from lss.data import collate
 from lss.engine import checkpoint as ck
 from lss.engine.distributed import EpochSampler
-from lss.engine.losses import SegmentationLoss
+from lss.engine.losses import SegmentationLoss, TotalLoss, depth_loss
 from lss.engine.metrics import IoUMeter, format_iou_table
 from lss.engine.train import lr_factor, train
 
@@ -134,6 +134,134 @@ def test_focal_loss_uses_the_op_and_class_weights(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
+def depth_case(seed=0, bins=5):
+    """Float64 depth logits B x N x D x fH x fW and int64 targets with about 30% cells ignored (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 3, bins, 4, 6, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, bins, (2, 3, 4, 6), generator=g)
+    targets[torch.rand(targets.shape, generator=g) < 0.3] = -1
+    return logits, targets
+
+
+def depth_reference(logits, targets):
+    """Mean over valid cells of -log softmax(logits)[target], in float64."""
+    log_prob = torch.log_softmax(logits.double(), dim=2)
+    picked = log_prob.gather(2, targets.clamp(min=0).unsqueeze(2)).squeeze(2)
+    return -picked[targets >= 0].mean()
+
+
+def test_depth_loss_matches_a_float64_reference_and_ignores_cells_without_lidar():
+    logits, targets = depth_case()
+    logits.requires_grad_(True)
+    got = depth_loss({"depth_logits": logits}, targets)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), depth_reference(logits.detach(), targets), rtol=1e-6, atol=1e-7)
+    got.backward()
+    ignored = (targets < 0).unsqueeze(2).expand_as(logits)
+    assert logits.grad[~ignored].abs().sum() > 0 and torch.all(logits.grad[ignored] == 0)
+    moved = logits.detach().clone()
+    moved[ignored] += 10 * torch.rand(int(ignored.sum()), dtype=torch.float64)
+    assert depth_loss({"depth_logits": moved}, targets) == got.detach()
+    none = depth_loss({"depth_logits": logits}, torch.full_like(targets, -1))
+    assert none == 0
+    none.backward()  # an empty target set keeps the graph: no NaN, no error
+
+
+def test_depth_loss_is_zero_for_one_hot_distributions_on_the_targets_and_positive_otherwise():
+    logits, targets = depth_case()
+    one_hot = F.one_hot(targets.clamp(min=0), 5).permute(0, 1, 4, 2, 3).double()
+    assert depth_loss({"depth": one_hot}, targets) == 0  # log(1)
+    assert depth_loss({"depth_logits": 60.0 * one_hot}, targets) < 1e-6
+    uniform = depth_loss({"depth_logits": torch.zeros_like(one_hot)}, targets)
+    assert math.isclose(float(uniform), math.log(5), rel_tol=1e-6)
+    assert depth_loss({"depth": one_hot.roll(1, dims=2)}, targets) > 20  # all mass one bin off: log(1e-12) floor
+    probabilities = logits.softmax(dim=2)
+    torch.testing.assert_close(depth_loss({"depth": probabilities}, targets).double(),
+                               depth_reference(logits, targets), rtol=1e-5, atol=1e-6)
+
+
+def test_depth_loss_runs_in_float32_under_bf16_autocast():
+    logits, targets = depth_case()
+    low = logits.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = depth_loss({"depth_logits": low}, targets)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), depth_reference(low, targets), rtol=1e-6, atol=1e-6)
+
+
+def test_depth_loss_rejects_mismatched_inputs():
+    logits, targets = depth_case()
+    with pytest.raises(ValueError, match="do not match"):
+        depth_loss({"depth_logits": logits}, targets[..., :5])
+    with pytest.raises(ValueError, match=r"outside \[-1, 5\)"):
+        depth_loss({"depth_logits": logits}, targets.clamp(max=4) + 1)
+    with pytest.raises(ValueError, match="int64"):
+        depth_loss({"depth_logits": logits}, targets.int())
+    with pytest.raises(ValueError, match="'depth_logits'"):
+        depth_loss({"segmentation": logits}, targets)
+
+
+def test_depth_weight_needs_depth_targets(tmp_path):
+    with pytest.raises(ConfigError, match="loss.depth_weight=1.0 needs lidar depth targets: set "
+                                          "data.depth_targets: true"):
+        fake_train(fake_cfg(tmp_path, "loss.depth_weight=1.0"), tmp_path / "run")
+    with pytest.raises(ConfigError, match="expected >= 0"):
+        TotalLoss(fake_cfg(tmp_path, "loss.depth_weight=-1.0", "data.depth_targets=true"))
+
+
+def test_total_loss_adds_the_weighted_depth_loss_and_logs_it(tmp_path):
+    logits, targets = depth_case()
+    outputs = {"segmentation": torch.randn(2, 2, 4, 4), "depth_logits": logits.float()}
+    batch = {"targets": (torch.rand(2, 2, 4, 4) > 0.5).float(), "depth_targets": targets}
+    logged = TotalLoss(fake_cfg(tmp_path, "data.depth_targets=true"))(outputs, batch)
+    weighted = TotalLoss(fake_cfg(tmp_path, "data.depth_targets=true", "loss.depth_weight=2.5"))(outputs, batch)
+    depth = depth_loss(outputs, targets)
+    assert logged["depth_loss"] == weighted["depth_loss"] == depth
+    assert logged["loss"] == logged["loss/segmentation"] == weighted["loss/segmentation"]
+    torch.testing.assert_close(weighted["loss"], logged["loss"] + 2.5 * depth)
+    assert "depth_loss" not in TotalLoss(fake_cfg(tmp_path))(outputs, batch)
+    with pytest.raises(ValueError, match="no 'depth_targets'"):
+        TotalLoss(fake_cfg(tmp_path, "data.depth_targets=true"))(outputs, {"targets": batch["targets"]})
+
+
+class FakeDepthDataset(FakeBEVDataset):
+    """Adds depth targets (2 bins) that follow from the second image channel; a quarter of the cells ignored."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        depth = (item["images"][:, 1] > 0).long()
+        depth[:, ::2, ::2] = -1
+        item["depth_targets"] = depth
+        return item
+
+
+class FakeDepthModel(FakeModel):
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.depth = nn.Conv2d(3, 2, 1)
+
+    def forward(self, batch):
+        out = super().forward(batch)
+        images = batch["images"]
+        out["depth_logits"] = self.depth(images.flatten(0, 1)).unflatten(0, images.shape[:2])
+        return out
+
+
+def test_training_logs_the_depth_loss_and_learns_it_only_with_a_weight(tmp_path):
+    curves = {}
+    for weight in (1.0, 0.0):
+        cfg = fake_cfg(tmp_path, "data.depth_targets=true", f"loss.depth_weight={weight}", "train.max_steps=12")
+        run = tmp_path / f"run{weight}"
+        train(cfg, str(run), model_fn=FakeDepthModel, collate_fn=collate,
+              dataset_fn=lambda c, split, is_train: FakeDepthDataset(10 if is_train else 5, 0 if is_train else 100))
+        records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        records = [r for r in records if r["kind"] == "train"]
+        assert all("loss/segmentation" in r for r in records)
+        curves[weight] = [r["depth_loss"] for r in records]
+    assert len(curves[1.0]) == 12 and curves[1.0][-1] < 0.6 * curves[1.0][0]
+    assert curves[0.0][-1] > 0.9 * curves[0.0][0]  # logged only: no gradient reaches the depth logits
+
+
 def test_checkpoint_round_trip_and_atomic_write(tmp_path):
     cfg = fake_cfg(tmp_path)
     model = FakeModel()

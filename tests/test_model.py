@@ -5,6 +5,7 @@ import torch
 from efficientnet_pytorch import EfficientNet
 
 from lss.config import ConfigError, load_config
+from lss.engine.losses import depth_loss
 from lss.geometry import image_augmentation, load_nuscenes_rig
 from lss.models import LiftSplatShoot
 from lss.models.camera import CameraEncoder, EfficientNetTrunk
@@ -84,6 +85,23 @@ def test_depth_is_a_distribution():
     torch.testing.assert_close(depth.sum(1), torch.ones(2, 4, 4))
 
 
+def test_depth_logits_are_exposed_and_the_depth_loss_trains_the_camera_encoder():
+    cfg = tiny_cfg()
+    model = LiftSplatShoot(cfg).eval()
+    batch = rig_batch(cfg)
+    out = model(batch)
+    logits = out["depth_logits"]
+    assert logits.shape == (2, 6, 4, 2, 6)  # B x N x D x fH x fW: 4 bins of 2 m, 32 x 96 input at stride 16
+    depth, _ = model.camera(batch["images"].flatten(0, 1))
+    torch.testing.assert_close(logits.flatten(0, 1).softmax(dim=1), depth)
+    targets = torch.randint(-1, 4, (2, 6, 2, 6), generator=torch.Generator().manual_seed(0))
+    depth_loss(out, targets).backward()
+    params = dict(model.named_parameters())
+    assert params["camera.head.weight"].grad.abs().sum() > 0
+    assert params["camera.trunk.net._conv_stem.weight"].grad.abs().sum() > 0
+    assert params["bev.segmentation.weight"].grad is None
+
+
 @pytest.mark.parametrize("override, message", [
     ("data.final_dim=[40, 96]", "multiples of 32"),
     ("grid.xbound=[-5.0, 5.0, 1.0]", "multiples of 8"),
@@ -138,6 +156,10 @@ def test_cuda_bf16_forward_backward():
     model = LiftSplatShoot(cfg).cuda().to(memory_format=torch.channels_last)
     batch = {k: v.cuda() for k, v in rig_batch(cfg).items()}
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = model(batch)["segmentation"]
-    out.float().mean().backward()
+        outputs = model(batch)
+        out = outputs["segmentation"]
+        targets = torch.randint(-1, 4, (2, 6, 2, 6), device="cuda")
+        depth = depth_loss(outputs, targets)
+    assert depth.dtype == torch.float32 and torch.isfinite(depth)
+    (out.float().mean() + depth).backward()
     assert torch.isfinite(out.float()).all() and model.camera.head.weight.grad is not None

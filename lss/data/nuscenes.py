@@ -18,6 +18,7 @@ from pyquaternion import Quaternion
 
 from lss.config import NUSCENES_CAMERAS, Config
 from lss.data import targets as T
+from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
 from lss.data.transforms import load_augmented_image, sample_augmentation
 
 DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
@@ -228,7 +229,10 @@ class NuScenesBEV(torch.utils.data.Dataset):
       "targets" K x nx x ny in {0, 1} (config.data.classes order), "sample_token" str;
       "visibility_mask" nx x ny bool when config.data.visibility_mask;
       "det_boxes" M x 9 [x, y, z, w, l, h, yaw, vx, vy] and "det_labels" M int64 (index into DETECTION_CLASSES)
-      when config.data.detection_targets.
+      when config.data.detection_targets;
+      "depth_targets" N x fH x fW int64 when config.data.depth_targets: per camera feature cell (fH, fW =
+      final_dim // model.downsample) the grid.dbound bin of the nearest LIDAR_TOP return, -1 where there is none
+      (lss.data.depth).
     Boxes, map and targets are in the ego frame of the sample's LIDAR_TOP ego pose.
     """
 
@@ -288,6 +292,9 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.sensor2ego_rot = np.zeros((n, c, 3, 3), dtype=np.float32)
         self.sensor2ego_trans = np.zeros((n, c, 3), dtype=np.float32)
         self.ego_pose = np.zeros((n, 3), dtype=np.float64)  # global x, y, yaw of LIDAR_TOP's ego pose
+        lidar_paths = [""] * n
+        # lidar frame -> camera frame per sample and camera (through both ego poses); filled for data.depth_targets
+        self.lidar_to_camera = np.zeros((n if data.depth_targets else 0, c, 4, 4), dtype=np.float64)
         object_classes = [k for k, kind in enumerate(self.class_kinds) if kind == "object"]
         footprints, class_bits, det_boxes, det_labels, offsets = [], [], [], [], [0]
         for i, (_, sample) in enumerate(samples):
@@ -301,7 +308,15 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 self.intrinsics[i, k] = np.asarray(calib["camera_intrinsic"])
                 self.sensor2ego_rot[i, k] = Quaternion(calib["rotation"]).rotation_matrix
                 self.sensor2ego_trans[i, k] = calib["translation"]
-            pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+            if "LIDAR_TOP" not in sample["data"]:
+                raise ValueError(f"sample {sample['token']} has no LIDAR_TOP sample_data (the ego pose of the "
+                                 f"targets and the depth targets come from it); its channels: {sorted(sample['data'])}")
+            lidar_sd = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
+            if data.depth_targets:
+                lidar_paths[i] = str(self.root / lidar_sd["filename"])
+                for k, cam in enumerate(self.cameras):
+                    self.lidar_to_camera[i, k] = lidar_to_camera_matrix(nusc, lidar_sd["token"], sample["data"][cam])
+            pose = nusc.get("ego_pose", lidar_sd["ego_pose_token"])
             ego_rot = Quaternion(pose["rotation"]).rotation_matrix
             ego_t = np.asarray(pose["translation"])
             self.ego_pose[i] = (ego_t[0], ego_t[1], np.arctan2(ego_rot[1, 0], ego_rot[0, 0]))
@@ -328,6 +343,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 det_labels.append(label)
             offsets.append(len(footprints))
         self.image_paths = np.asarray(paths, dtype=str).reshape(n, c)
+        self.lidar_paths = np.asarray(lidar_paths, dtype=str)
         self.object_offsets = np.asarray(offsets, dtype=np.int64)
         self.object_footprints = np.asarray(footprints, dtype=np.float32).reshape(-1, 4, 2)
         self.object_class_bits = np.asarray(class_bits, dtype=np.int64)
@@ -335,10 +351,12 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.det_labels = np.asarray(det_labels, dtype=np.int64)
 
     def _check_first_images(self) -> None:
-        """Fail at construction, not in a worker, when the image folders are missing altogether."""
+        """Fail at construction, not in a worker, when the image (or lidar) folders are missing altogether."""
         for k, path in enumerate(self.image_paths[0] if len(self) else []):
             if not Path(path).is_file():
                 raise FileNotFoundError(self._missing_image_message(0, k))
+        if self.config.data.depth_targets and len(self):
+            load_lidar_points(self.lidar_paths[0], self.sample_tokens[0])
 
     def _missing_image_message(self, index: int, cam: int) -> str:
         return (f"camera image {self.image_paths[index, cam]} not found (sample {self.sample_tokens[index]}, channel "
@@ -356,11 +374,12 @@ class NuScenesBEV(torch.utils.data.Dataset):
 
     def _load_images(self, index: int, cams: np.ndarray, rng: Optional[np.random.Generator]):
         data = self.config.data
-        images, post_rots, post_trans = [], [], []
+        images, post_rots, post_trans, sizes = [], [], [], []
         for k in cams:
             path = self.image_paths[index, k]
             try:
                 with Image.open(path) as im:
+                    sizes.append(im.size)  # before decoding: JPEG draft mode shrinks im.size
                     aug = sample_augmentation(im.size, tuple(data.final_dim), tuple(data.resize_lim),
                                               tuple(data.bot_pct_lim), tuple(data.rot_lim), data.rand_flip,
                                               self.is_train, rng)
@@ -374,7 +393,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
             post_rots.append(rot)
             post_trans.append(trans)
         return (normalize_images(np.stack(images), self._pixel_lut), torch.from_numpy(np.stack(post_rots)),
-                torch.from_numpy(np.stack(post_trans)))
+                torch.from_numpy(np.stack(post_trans)), np.asarray(sizes))
 
     def bev_targets(self, index: int) -> np.ndarray:
         """K x nx x ny float32 targets of sample `index` (no augmentation touches the BEV)."""
@@ -396,6 +415,15 @@ class NuScenesBEV(torch.utils.data.Dataset):
             targets[k] = canvas
         return targets
 
+    def lidar_depth_targets(self, index: int, cams: np.ndarray, post_rot: np.ndarray, post_trans: np.ndarray,
+                            image_sizes: np.ndarray) -> np.ndarray:
+        """N x fH x fW int64 depth-bin targets of cameras `cams` of sample `index` under their augmentation
+        (post_rot N x 3 x 3, post_trans N x 3; image_sizes N x 2 source W, H); see lss.data.depth."""
+        points = load_lidar_points(self.lidar_paths[index], self.sample_tokens[index])
+        return project_depth_targets(points, self.lidar_to_camera[index, cams], self.intrinsics[index, cams],
+                                     post_rot, post_trans, image_sizes, tuple(self.config.data.final_dim),
+                                     self.config.model.downsample, tuple(self.config.grid.dbound))
+
     def detection_targets(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """(M x 9 boxes, M labels) of detection-class objects whose centre lies inside the BEV grid."""
         lo, hi = self.object_offsets[index], self.object_offsets[index + 1]
@@ -409,7 +437,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
         rng = np.random.default_rng(int(torch.randint(0, 2**62, ()))) if self.is_train else None
         cams = self._camera_subset(rng)
-        images, post_rot, post_trans = self._load_images(index, cams, rng)
+        images, post_rot, post_trans, image_sizes = self._load_images(index, cams, rng)
         item = {
             "images": images,
             "intrinsics": torch.from_numpy(self.intrinsics[index, cams]),
@@ -426,6 +454,9 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 self.intrinsics[index, cams], self.sensor2ego_rot[index, cams], self.sensor2ego_trans[index, cams],
                 post_rot.numpy(), post_trans.numpy(), tuple(self.config.data.final_dim), self.xbound, self.ybound,
                 (dbound[0], dbound[1])))
+        if self.config.data.depth_targets:
+            item["depth_targets"] = torch.from_numpy(self.lidar_depth_targets(
+                index, cams, post_rot.numpy(), post_trans.numpy(), image_sizes))
         if self.config.data.detection_targets:
             boxes, labels = self.detection_targets(index)
             item["det_boxes"] = torch.from_numpy(boxes.copy())

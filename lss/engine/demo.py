@@ -28,6 +28,7 @@ data:
   rand_flip: true
   num_train_cameras: 4  # 4 random cameras per training sample (LSS used 5 of 6); all 6 at evaluation
   classes: [vehicle, drivable_area]
+  depth_targets: true  # lidar depth bins per camera feature cell, for loss.depth_weight
   workers: 1
 grid:
   xbound: [-24.0, 24.0, 1.0]
@@ -37,6 +38,7 @@ grid:
 loss:
   type: bce
   pos_weight: 5.0  # rare vehicle cells: pushes their probabilities past the 0.5 threshold sooner
+  depth_weight: 1.0  # lidar depth supervision of the camera depth distribution (docs/training.md)
 optim:
   name: adamw
   lr: 0.003
@@ -44,7 +46,7 @@ optim:
   schedule: onecycle
 train:
   batch_size: 2
-  max_steps: 200
+  max_steps: 600  # measured with depth_weight 1: vehicle IoU 12.9 %, drivable_area 56.1 % (docs/training.md)
   device: auto
   out_dir: runs/demo
   log_every: 10

@@ -1,5 +1,6 @@
 """Training losses: BEV segmentation (our sigmoid focal loss by default, or the LSS paper's BCE with pos_weight),
-plus the 3D detection losses when "detection" is in model.heads."""
+plus the 3D detection losses when "detection" is in model.heads and the lidar depth loss of the camera depth
+distribution when loss.depth_weight > 0."""
 from __future__ import annotations
 
 from typing import Optional
@@ -66,22 +67,83 @@ def _masked_mean(values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Te
     return (values * mask).sum(dim=dims) / mask.sum(dim=dims).clamp(min=1.0)
 
 
+def depth_loss(outputs: dict, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the camera depth distribution against lidar depth-bin targets, in float32.
+
+    outputs: "depth_logits" B x N x D x fH x fW (preferred: log_softmax is stable), else "depth" probabilities of
+    the same shape; targets B x N x fH x fW int64 bin indices, -1 = no lidar return (ignored). Returns the mean
+    over the valid cells (0, still differentiable, when there are none)."""
+    if "depth_logits" in outputs:
+        scores, from_logits = outputs["depth_logits"], True
+    elif "depth" in outputs:
+        scores, from_logits = outputs["depth"], False
+    else:
+        raise ValueError("loss.depth_weight > 0 needs the model's depth distribution: its outputs must hold "
+                         f"'depth_logits' (or 'depth') B x N x D x fH x fW; got keys {sorted(outputs)}")
+    if scores.dim() != 5 or targets.shape != scores.shape[:2] + scores.shape[3:]:
+        raise ValueError(f"depth scores {tuple(scores.shape)} (B x N x D x fH x fW) and depth_targets "
+                         f"{tuple(targets.shape)} (B x N x fH x fW) do not match; data.final_dim, model.downsample "
+                         "and grid.dbound must be the same for the data and the model")
+    if targets.dtype != torch.int64:
+        raise ValueError(f"depth_targets must be int64 bin indices, got {targets.dtype}")
+    bins = scores.shape[2]
+    targets = targets.to(scores.device)
+    if bool(((targets < -1) | (targets >= bins)).any()):
+        raise ValueError(f"depth_targets hold values outside [-1, {bins}) for {bins} depth bins; the targets and "
+                         "the model must use the same grid.dbound")
+    with torch.autocast(device_type=scores.device.type, enabled=False):
+        scores = scores.float().flatten(0, 1)  # B*N x D x fH x fW
+        log_prob = scores.log_softmax(dim=1) if from_logits else scores.clamp_min(1e-12).log()
+        total = F.nll_loss(log_prob, targets.flatten(0, 1), ignore_index=-1, reduction="sum")
+        return total / (targets >= 0).sum().clamp(min=1)
+
+
+def check_depth_config(config: Config) -> None:
+    """loss.depth_weight must be >= 0, and > 0 only with the lidar depth targets of data.depth_targets."""
+    weight = config.loss.depth_weight
+    if weight < 0:
+        raise ConfigError(f"loss.depth_weight={weight}: expected >= 0 (0 turns the lidar depth loss off)")
+    if weight > 0 and not config.data.depth_targets:
+        raise ConfigError(f"loss.depth_weight={weight} needs lidar depth targets: set data.depth_targets: true "
+                          "(the dataset then projects each sample's LIDAR_TOP points into the cameras), or set "
+                          "loss.depth_weight: 0")
+
+
 class TotalLoss(nn.Module):
-    """forward(outputs, batch) -> {"loss": the sum of every head's loss, plus each term for logging (detached)}."""
+    """forward(outputs, batch) -> {"loss": the sum of every head's loss, plus each term for logging (detached)}.
+
+    With data.depth_targets the lidar depth cross-entropy is logged as "depth_loss" and, weighted by
+    loss.depth_weight, added to "loss" (with weight 0 it is only logged, when the model outputs a depth
+    distribution: how well depth is learned implicitly)."""
 
     def __init__(self, config: Config):
         super().__init__()
+        check_depth_config(config)
         self.config = config
         self.segmentation = SegmentationLoss(config)
         self.detection = "detection" in config.model.heads
+        self.depth_weight = config.loss.depth_weight
+        self.depth = config.data.depth_targets
 
     def forward(self, outputs: dict, batch: dict) -> dict:
         out = self.segmentation(outputs, batch)
+        if self.detection or self.depth:
+            out["loss/segmentation"] = out["loss"].detach()
         if self.detection:
             from lss.models.detection import detection_loss
 
             terms = detection_loss(outputs, batch, self.config)
-            out["loss/segmentation"] = out["loss"].detach()
             out["loss"] = out["loss"] + sum(terms.values())
             out.update({f"loss/{k}": v.detach() for k, v in terms.items()})
+        if self.depth:
+            if "depth_targets" not in batch:
+                raise ValueError("data.depth_targets is set but the batch has no 'depth_targets'; the dataset must "
+                                 "provide them (lss.data.NuScenesBEV does with data.depth_targets: true)")
+            if self.depth_weight > 0:
+                depth = depth_loss(outputs, batch["depth_targets"])
+                out["loss"] = out["loss"] + self.depth_weight * depth
+                out["depth_loss"] = depth.detach()
+            elif "depth_logits" in outputs or "depth" in outputs:
+                with torch.no_grad():
+                    out["depth_loss"] = depth_loss(outputs, batch["depth_targets"])
         return out

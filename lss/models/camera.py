@@ -72,7 +72,8 @@ class CameraEncoder(nn.Module):
     """Lift: per camera pixel of the stride-16 feature map, a softmax depth distribution over D bins and C context
     features.
 
-    forward(images B*N x 3 x H x W) -> (depth B*N x D x H/16 x W/16 (probabilities), context B*N x C x H/16 x W/16).
+    forward(images B*N x 3 x H x W) -> (depth B*N x D x H/16 x W/16 (probabilities), context B*N x C x H/16 x W/16);
+    with return_logits=True also the depth logits B*N x D x H/16 x W/16 (for a depth loss) as a third element.
     """
 
     def __init__(self, depth_bins: int, context_channels: int, backbone: str = "efficientnet-b0",
@@ -84,9 +85,11 @@ class CameraEncoder(nn.Module):
         self.fuse = Up(EfficientNetTrunk.stride16_channels + EfficientNetTrunk.stride32_channels, 512)
         self.head = nn.Conv2d(512, depth_bins + context_channels, kernel_size=1)
 
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, images: torch.Tensor, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
         stride16, stride32 = self.trunk(images)
         out = self.head(self.fuse(stride32, stride16))
-        depth = out[:, : self.depth_bins].softmax(dim=1)
+        logits = out[:, : self.depth_bins]
         context = out[:, self.depth_bins:]
-        return depth, context
+        if return_logits:
+            return logits.softmax(dim=1), context, logits
+        return logits.softmax(dim=1), context

@@ -16,8 +16,10 @@ BEV_STRIDE = 8  # the BEV trunk's deepest reduction
 
 
 class LiftSplatShoot(nn.Module):
-    """forward(batch) -> {"segmentation": B x K x nx x ny logits}, K = len(config.data.classes); with "detection"
-    in model.heads also the DetectionHead outputs ("det_heatmap", "det_regression", ...; lss.models.detection).
+    """forward(batch) -> {"segmentation": B x K x nx x ny logits, "depth_logits": B x N x D x fH x fW (the camera
+    depth distribution before its softmax, for lidar depth supervision)}, K = len(config.data.classes); with
+    "detection" in model.heads also the DetectionHead outputs ("det_heatmap", "det_regression", ...;
+    lss.models.detection).
 
     batch holds "images" B x N x 3 x H x W and the rig: "intrinsics", "sensor2ego_rot", "post_rot" (B x N x 3 x 3),
     "sensor2ego_trans", "post_trans" (B x N x 3), as produced by lss.data.collate.
@@ -58,11 +60,11 @@ class LiftSplatShoot(nn.Module):
             raise ValueError(f"batch['images'] must be B x N x 3 x H x W, got {tuple(images.shape)}")
         b, n = images.shape[:2]
         lut = self.splat.lut(batch)
-        depth, context = self.camera(images.flatten(0, 1))
+        depth, context, depth_logits = self.camera(images.flatten(0, 1), return_logits=True)
         depth = depth.unflatten(0, (b, n))
         context = context.unflatten(0, (b, n))
         features, logits = self.bev(self.splat(depth, context, lut))
-        outputs = {"segmentation": logits}
+        outputs = {"segmentation": logits, "depth_logits": depth_logits.unflatten(0, (b, n))}
         if self.detection is not None:
             outputs.update(self.detection(features, batch))
         return outputs
