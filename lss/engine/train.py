@@ -67,10 +67,12 @@ def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
+    # on the GPU the fused implementation updates all parameters in a few kernels instead of several per tensor
+    fused = bool(params) and all(p.is_cuda for p in params)
     if o.name == "adam":
-        return torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)
+        return torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay, fused=fused or None)
     if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, fused=fused or None)
     raise ConfigError(f"optim.name={o.name!r}: expected 'adam' or 'adamw'")
 
 

@@ -25,9 +25,12 @@ def has_ext() -> bool:
     return _C is not None
 
 
+_HAS_CUDA = _C is not None and bool(_C.has_cuda())  # read once: torch.compile cannot trace into lss._C
+
+
 def has_cuda_ops() -> bool:
     """Whether the CUDA kernels were compiled into the loaded extension."""
-    return _C is not None and bool(_C.has_cuda())
+    return _HAS_CUDA
 
 
 def cuda_archs() -> str:
