@@ -112,6 +112,7 @@ class TrainConfig:
     amp: str = "bf16"  # "bf16", "fp16" or "none"; autocast applies on CUDA only
     channels_last: bool = True
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune..."
     seed: int = 0
     deterministic: bool = False
     device: str = "auto"  # "auto", "cpu" or "cuda"

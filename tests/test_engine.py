@@ -446,3 +446,15 @@ def test_ddp_code_path_with_gloo_two_processes(tmp_path):
     # the val IoU is summed over both ranks' shards, so every rank reports the same numbers
     assert r0["final"]["val"]["iou"] == r1["final"]["val"]["iou"]
     assert len(losses_of(tmp_path / "ddp")) == 3  # only rank 0 wrote
+
+
+def test_compile_encoders_wraps_trainable_children_and_rejects_unknown_modes():
+    from lss.engine.train import compile_encoders
+
+    model = nn.Module()
+    model.encoder = nn.Linear(2, 2)
+    model.frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ConfigError, match="train.compile_mode='fast'.*reduce-overhead"):
+        compile_encoders(model, "fast")
+    compile_encoders(model, "reduce-overhead")
+    assert model.encoder._compiled_call_impl is not None and model.frozen._compiled_call_impl is None

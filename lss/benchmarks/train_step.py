@@ -10,17 +10,18 @@ import contextlib
 import torch
 
 from lss.config import Config, load_config
-from lss.engine.train import build_optimizer
+from lss.engine.train import build_optimizer, compile_encoders
 from lss.geometry import image_augmentation, load_nuscenes_rig, val_augmentation
 
 LSS_CONFIG = ["data.classes=[vehicle]", "loss.type=bce"]  # the defaults are the paper's sizes
 QUICK_CONFIG = LSS_CONFIG + ["data.final_dim=[32, 96]", "grid.xbound=[-8.0, 8.0, 1.0]",
                              "grid.ybound=[-8.0, 8.0, 1.0]", "grid.dbound=[4.0, 12.0, 2.0]"]
-IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last, torch.compile the trainable submodules)
-    "lss": ("bev_pool", torch.bfloat16, True, False),
-    "lss_compiled": ("bev_pool", torch.bfloat16, True, True),
-    "lss_fp32": ("bev_pool", None, False, False),
-    "reference_splat_fp32": ("reference", None, False, False),
+IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last, torch.compile mode of the encoders or None)
+    "lss": ("bev_pool", torch.bfloat16, True, None),
+    "lss_compiled": ("bev_pool", torch.bfloat16, True, "default"),
+    "lss_cudagraphs": ("bev_pool", torch.bfloat16, True, "reduce-overhead"),
+    "lss_fp32": ("bev_pool", None, False, None),
+    "reference_splat_fp32": ("reference", None, False, None),
 }
 AUG_VARIANTS = 4
 
@@ -55,16 +56,14 @@ def _build(cfg: Config, impl: str, device: torch.device):
     from lss.engine.losses import TotalLoss
     from lss.models import LiftSplatShoot
 
-    splat, dtype, channels_last, compiled = IMPLS[impl]
+    splat, dtype, channels_last, compile_mode = IMPLS[impl]
     cfg.model.splat = splat
     torch.manual_seed(0)
     model = LiftSplatShoot(cfg).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if compiled:  # as `train.compile: true` does
-        for module in model.children():
-            if any(p.requires_grad for p in module.parameters()):
-                module.compile()
+    if compile_mode is not None:  # as `train.compile: true` with `train.compile_mode` does
+        compile_encoders(model, compile_mode)
     use_amp = dtype is not None and device.type == "cuda"
 
     def autocast():
@@ -81,7 +80,9 @@ def _peak_memory(device: torch.device, fn) -> str:
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     torch.cuda.synchronize(device)
-    return f"peak {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB"
+    # CUDA-graph replays allocate nothing, so their memory shows in the reserved peak only (the graphs' pools)
+    return (f"peak {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB allocated, "
+            f"{torch.cuda.max_memory_reserved(device) / 1e9:.2f} GB reserved")
 
 
 def run(ctx) -> list[dict]:
@@ -90,7 +91,7 @@ def run(ctx) -> list[dict]:
     shape = "B{b}, 6 cams {h}x{w}, D{d}, {nx}x{ny} grid"
     rows = []
     for impl in IMPLS:
-        if IMPLS[impl][3] and (ctx.quick or device.type != "cuda"):
+        if IMPLS[impl][3] is not None and (ctx.quick or device.type != "cuda"):
             continue  # compilation takes minutes on CPU
         cfg = load_config(None, overrides)
         model, loss_fn, autocast = _build(cfg, impl, device)
@@ -135,6 +136,8 @@ def run(ctx) -> list[dict]:
                      "notes": f"{shape.format(b=1, h=h, w=w, d=model.splat.depth_bins, nx=nx, ny=ny)}; {peak}; "
                               "fixed rig (cached LUT)"})
         del model, optimizer, batches
+        if IMPLS[impl][3] is not None:
+            torch._dynamo.reset()  # drops the compiled graphs and their CUDA-graph memory pools
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

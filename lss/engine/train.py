@@ -76,6 +76,20 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     raise ConfigError(f"optim.name={o.name!r}: expected 'adam' or 'adamw'")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_encoders(model: nn.Module, mode: str = "default") -> None:
+    """torch.compile every trainable submodule (camera and BEV encoders, heads) in place; the LUT build stays eager
+    (its sizes depend on the calibration). "reduce-overhead" replays them as CUDA graphs, which removes the host
+    cost of launching their kernels one by one."""
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"train.compile_mode={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    for module in model.children():
+        if any(p.requires_grad for p in module.parameters()):
+            module.compile(mode=mode)
+
+
 def lr_factor(cfg: Config, step: int) -> float:
     """Multiplier of optim.lr at optimizer step `step`: linear warm-up, then constant, cosine or one-cycle decay."""
     o, total = cfg.optim, max(cfg.train.max_steps, 1)
@@ -186,9 +200,7 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         if t.compile:
-            for module in self.model.children():
-                if any(p.requires_grad for p in module.parameters()):
-                    module.compile()
+            compile_encoders(self.model, t.compile_mode)
         self.net = self.model
         if dist_info.enabled:
             ids = [device.index] if device.type == "cuda" else None
@@ -243,6 +255,12 @@ class Trainer:
                 self.scaler.scale(losses["loss"] / len(micro_batches)).backward()
             for k, v in losses.items():
                 totals[k] = totals.get(k, 0.0) + v.detach() / len(micro_batches)
+        if self.dist.enabled:  # log the global batch's mean, and let every rank see a non-finite loss together
+            names = sorted(totals)
+            stacked = torch.stack([torch.as_tensor(totals[k], device=self.device, dtype=torch.float32)
+                                   for k in names])
+            torch.distributed.all_reduce(stacked)
+            totals = dict(zip(names, stacked / self.dist.world_size))
         loss = float(totals["loss"])
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower optim.lr, check the data, or "
