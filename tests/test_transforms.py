@@ -161,3 +161,13 @@ def test_decode_resized_edge_alignment(tmp_path):
     edge = affine @ [799.5, 0, 1]
     assert edge[0] == pytest.approx(159.5)
     assert out[90, 159, 0] == 0 and out[90, 160, 0] == 255
+
+
+def test_importing_the_data_pipeline_limits_opencv_to_one_thread():
+    # a parent-process OpenCV thread pool can deadlock forked DataLoader workers
+    import subprocess
+    import sys
+
+    code = "import cv2; cv2.setNumThreads(4); import lss.data; print(cv2.getNumThreads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"

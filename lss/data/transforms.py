@@ -18,6 +18,9 @@ import cv2
 import numpy as np
 from PIL import Image
 
+# One OpenCV thread per process: parallelism comes from loader workers, and a thread pool started in the parent
+# before DataLoader forks its workers can deadlock them (seen on a 16-core machine).
+cv2.setNumThreads(1)
 
 @dataclass(frozen=True)
 class ImageAugmentation:
