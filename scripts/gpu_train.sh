@@ -14,7 +14,7 @@ echo "segmentation set generated in $((SECONDS - t0)) s" | tee -a "$LOG"
 seg_train() {
   timeout ${TRAIN_SECONDS:-300} python3 -m lss train --config configs/synthetic.yaml --out runs/synthetic \
     --set data.synthetic.scenes=${SEG_SCENES:-10} --set data.synthetic.samples_per_scene=${SEG_SAMPLES:-24} \
-    --set train.max_steps=${TRAIN_STEPS:-2000} --set train.eval_every=250 --set train.ckpt_every=250 \
+    --set train.max_steps=${TRAIN_STEPS:-2000} --set train.eval_every=${EVAL_EVERY:-250} --set train.ckpt_every=250 \
     --set train.viz_every=100000 "$@" >> "$LOG" 2>&1
 }
 seg_train; rc=$?
