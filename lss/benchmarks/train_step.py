@@ -6,6 +6,7 @@ step, so the frustum LUT is rebuilt as in training. Peak memory (torch.cuda.max_
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -90,7 +91,11 @@ def run(ctx) -> list[dict]:
     overrides = QUICK_CONFIG if ctx.quick else LSS_CONFIG
     shape = "B{b}, 6 cams {h}x{w}, D{d}, {nx}x{ny} grid"
     rows = []
-    for impl in IMPLS:
+    chosen = os.environ.get("LSS_TRAIN_STEP_IMPLS")  # comma-separated subset of IMPLS, e.g. "lss_cudagraphs"
+    unknown = sorted(set(chosen.split(",")) - set(IMPLS)) if chosen else []
+    if unknown:
+        raise ValueError(f"LSS_TRAIN_STEP_IMPLS names {unknown}; choose from {', '.join(IMPLS)}")
+    for impl in chosen.split(",") if chosen else IMPLS:
         if IMPLS[impl][3] is not None and (ctx.quick or device.type != "cuda"):
             continue  # compilation takes minutes on CPU
         cfg = load_config(None, overrides)
