@@ -13,9 +13,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lss.benchmarks.train_step import IMPLS, LSS_CONFIG, _build, random_batches
+from lss.benchmarks.train_step import IMPLS, LSS_CONFIG, _build, make_train_step, random_batches
 from lss.config import load_config
-from lss.engine.train import build_optimizer
 
 
 def main() -> None:
@@ -28,20 +27,7 @@ def main() -> None:
     device = torch.device("cuda")
     cfg = load_config(None, LSS_CONFIG + args.set)
     model, loss_fn, autocast = _build(cfg, args.impl, device)
-    optimizer = build_optimizer(cfg, model)
-    batches = random_batches(cfg, 4, device)
-    counter = [0]
-
-    def train_step():
-        batch = batches[counter[0] % len(batches)]
-        counter[0] += 1
-        with autocast():
-            out = model(batch)
-        loss = loss_fn(out, batch)["loss"]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train_step, _ = make_train_step(cfg, model, loss_fn, autocast, random_batches(cfg, 4, device))
 
     model.train()
     for _ in range(5):

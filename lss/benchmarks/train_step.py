@@ -73,6 +73,26 @@ def _build(cfg: Config, impl: str, device: torch.device):
     return model, TotalLoss(cfg).to(device), autocast
 
 
+def make_train_step(cfg: Config, model, loss_fn, autocast, batches: list[dict]):
+    """A closure running one training step (forward, loss, backward, clipping, Adam as the trainer builds it) on
+    the next of `batches` in turn; returns it and its optimizer."""
+    optimizer = build_optimizer(cfg, model)  # as the trainer: fused Adam on the GPU
+    counter = [0]
+
+    def train_step():
+        batch = batches[counter[0] % len(batches)]
+        counter[0] += 1
+        with autocast():
+            out = model(batch)
+        loss = loss_fn(out, batch)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return train_step, optimizer
+
+
 def _peak_memory(device: torch.device, fn) -> str:
     """Peak allocated device memory during one call of `fn`, as text for the notes."""
     if device.type != "cuda":
@@ -100,21 +120,8 @@ def run(ctx) -> list[dict]:
             continue  # compilation takes minutes on CPU
         cfg = load_config(None, overrides)
         model, loss_fn, autocast = _build(cfg, impl, device)
-        optimizer = build_optimizer(cfg, model)  # as the trainer: fused Adam on the GPU
         batches = random_batches(cfg, 1 if ctx.quick else 4, device)
-        counter = [0]
-
-        def train_step():
-            batch = batches[counter[0] % len(batches)]
-            counter[0] += 1
-            with autocast():
-                out = model(batch)
-            loss = loss_fn(out, batch)["loss"]
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        train_step, optimizer = make_train_step(cfg, model, loss_fn, autocast, batches)
         model.train()
         for _ in range(1 if ctx.quick else 3):  # compilation and cuDNN autotuning happen outside the timing
             train_step()
