@@ -4,13 +4,14 @@ import math
 import cv2
 import numpy as np
 import pytest
+import torch
 from nuscenes.utils.data_classes import Box
 from nuscenes.utils.geometry_utils import view_points
 from PIL import Image
 from pyquaternion import Quaternion
 
-from lss.data.transforms import (ImageAugmentation, crop_flip_rotate_affine, decode_resized, load_augmented_image,
-                                 sample_augmentation)
+from lss.data.transforms import (ImageAugmentation, crop_flip_rotate_affine, decode_resized, image_size_from_header,
+                                 jpeg_scale, load_augmented_image, sample_augmentation)
 
 FINAL_DIM = (128, 352)
 LSS_TRAIN = dict(resize_lim=(0.193, 0.225), bot_pct_lim=(0.0, 0.22), rot_lim=(-5.4, 5.4), rand_flip=True)
@@ -70,8 +71,7 @@ def test_markers_land_where_post_rot_and_post_trans_send_them(tmp_path, size, su
     for trial in range(12):
         aug = sample_augmentation(size, FINAL_DIM, is_train=trial > 0, rng=rng,
                                   **{**LSS_TRAIN, "resize_lim": (0.193 * 1600 / size[0], 0.225 * 1600 / size[0])})
-        with Image.open(path) as im:
-            image, post_rot, post_trans = load_augmented_image(im, aug, FINAL_DIM)
+        image, post_rot, post_trans = load_augmented_image(path.read_bytes(), size, aug, FINAL_DIM)
         assert image.shape == (*FINAL_DIM, 3) and image.dtype == np.uint8
         aug_px = post_rot @ np.concatenate([pixels, np.ones((1, pixels.shape[1]))]) + post_trans[:, None]
         for k in range(pixels.shape[1]):
@@ -96,8 +96,7 @@ def test_projected_devkit_box_corners_hit_drawn_corners(tmp_path):
     rng = np.random.default_rng(3)
     for _ in range(5):
         aug = sample_augmentation(size, FINAL_DIM, is_train=True, rng=rng, **{**LSS_TRAIN, "bot_pct_lim": (0.3, 0.4)})
-        with Image.open(path) as im:
-            image, post_rot, post_trans = load_augmented_image(im, aug, FINAL_DIM)
+        image, post_rot, post_trans = load_augmented_image(path.read_bytes(), size, aug, FINAL_DIM)
         cam = rot.T @ (box_corner_points()[:, :4] - trans[:, None])
         uvd = np.concatenate([view_points(cam, intrinsics, normalize=True)[:2], cam[2:]])
         aug_px = post_rot @ uvd + post_trans[:, None]
@@ -154,8 +153,7 @@ def test_decode_resized_edge_alignment(tmp_path):
     img[:, 800:] = 255
     path = tmp_path / "edge.png"
     Image.fromarray(img).save(path)
-    with Image.open(path) as im:
-        out, affine = decode_resized(im, (320, 180))
+    out, affine = decode_resized(path.read_bytes(), (1600, 900), (320, 180))
     assert out.shape == (180, 320, 3)
     # The boundary between source pixels 799 and 800 sits at u = 799.5.
     edge = affine @ [799.5, 0, 1]
@@ -171,3 +169,50 @@ def test_importing_the_data_pipeline_limits_opencv_to_one_thread():
     code = "import cv2; cv2.setNumThreads(4); import lss.data; print(cv2.getNumThreads())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+def textured_jpeg(path, size=(1600, 900), seed=0):
+    """Smooth random colour texture (so DCT-scaled decodes of different decoders can be compared)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (size[1] // 25, size[0] // 25, 3), dtype=np.uint8)
+    img = cv2.resize(small, size, interpolation=cv2.INTER_CUBIC)
+    Image.fromarray(img).save(path, quality=92)
+    return img
+
+
+@pytest.mark.parametrize("resize_dims", [(340, 191), (700, 400), (1000, 560), (150, 80), (1600, 900)])
+def test_reduced_decode_matches_pil_draft(tmp_path, resize_dims):
+    """OpenCV's reduced decode uses the DCT scale PIL's draft picks and gives the same pixels (RGB order)."""
+    path = tmp_path / "tex.jpg"
+    textured_jpeg(path)
+    with Image.open(path) as im:
+        _, (_, _, draft_w, _) = im.draft("RGB", resize_dims)
+        pil = np.asarray(im.convert("RGB"))
+    assert jpeg_scale((1600, 900), resize_dims) == 1600 // draft_w
+    pil = cv2.resize(pil, resize_dims, interpolation=cv2.INTER_AREA) if pil.shape[1] != resize_dims[0] else pil
+    ours, _ = decode_resized(path.read_bytes(), (1600, 900), resize_dims)
+    diff = np.abs(ours[..., ::-1].astype(int) - pil.astype(int))
+    assert diff.mean() < 1.0 and diff.max() <= 12
+
+
+def test_decode_rejects_wrong_size_and_garbage(tmp_path):
+    path = tmp_path / "tex.jpg"
+    textured_jpeg(path, size=(800, 450))
+    with pytest.raises(OSError, match=r"image is 800x452 pixels, expected 1600x900"):
+        decode_resized(path.read_bytes(), (1600, 900), (340, 191))
+    with pytest.raises(OSError, match="not a decodable image"):
+        decode_resized(b"\xff\xd8\xff garbage", (1600, 900), (340, 191))
+    assert image_size_from_header(path.read_bytes()) == (800, 450)
+
+
+def test_normalize_images_is_the_per_channel_formula():
+    from lss.data.nuscenes import normalize_images
+
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+    lut = ((np.arange(256)[:, None] / 255.0 - mean) / std).astype(np.float32)
+    images = np.random.default_rng(0).integers(0, 256, (3, 16, 24, 3), dtype=np.uint8)
+    out = normalize_images(list(images), lut)
+    want = (images.transpose(0, 3, 1, 2) / 255.0 - mean[:, None, None]) / std[:, None, None]
+    assert out.shape == (3, 3, 16, 24) and out.dtype == torch.float32
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-6)
+    assert normalize_images([], lut).shape == (0, 3, 0, 0)

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import cv2
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 from pyquaternion import Quaternion
 
 from lss.config import NUSCENES_CAMERAS, Config
 from lss.data import targets as T
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
-from lss.data.transforms import load_augmented_image, sample_augmentation
+from lss.data.transforms import image_size_from_header, load_augmented_image, sample_augmentation
 
 DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
                      "traffic_cone", "barrier")
@@ -212,11 +212,16 @@ def _category_matches(class_name: str, category: str) -> bool:
     return category_to_detection_name(category) == class_name
 
 
-def normalize_images(images: np.ndarray, lut: np.ndarray) -> torch.Tensor:
-    """N x H x W x 3 uint8 RGB -> N x 3 x H x W float32 through a 256 x 3 per-channel lookup table."""
-    out = np.empty((images.shape[0], 3, *images.shape[1:3]), dtype=np.float32)
-    for c in range(3):
-        np.take(lut[:, c], images[..., c], out=out[:, c])
+def normalize_images(images: Sequence[np.ndarray], lut: np.ndarray) -> torch.Tensor:
+    """N images H x W x 3 uint8 RGB -> N x 3 x H x W float32 through a 256 x 3 per-channel lookup table."""
+    if not len(images):
+        return torch.zeros(0, 3, 0, 0)
+    out = np.empty((len(images), 3, *images[0].shape[:2]), dtype=np.float32)
+    planes = [np.ascontiguousarray(lut[:, c]) for c in range(3)]
+    for n, image in enumerate(images):
+        # cv2.LUT on contiguous planes is ~10x faster than numpy fancy indexing of the interleaved channels.
+        for c, plane in enumerate(cv2.split(image)):
+            out[n, c] = cv2.LUT(plane, planes[c])
     return torch.from_numpy(out)
 
 
@@ -288,6 +293,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.sample_tokens = np.asarray([r["token"] for _, r in samples])
         self.location_index = np.asarray([self.locations.index(loc) for loc, _ in samples], dtype=np.int16)
         paths = [[""] * c for _ in range(n)]
+        # source (W, H) per image from sample_data; 0 where the table has none (then read from the file header)
+        self.image_sizes = np.zeros((n, c, 2), dtype=np.int64)
         self.intrinsics = np.zeros((n, c, 3, 3), dtype=np.float32)
         self.sensor2ego_rot = np.zeros((n, c, 3, 3), dtype=np.float32)
         self.sensor2ego_trans = np.zeros((n, c, 3), dtype=np.float32)
@@ -305,6 +312,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 sd = nusc.get("sample_data", sample["data"][cam])
                 calib = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
                 paths[i][k] = str(self.root / sd["filename"])
+                self.image_sizes[i, k] = (int(sd.get("width") or 0), int(sd.get("height") or 0))
                 self.intrinsics[i, k] = np.asarray(calib["camera_intrinsic"])
                 self.sensor2ego_rot[i, k] = Quaternion(calib["rotation"]).rotation_matrix
                 self.sensor2ego_trans[i, k] = calib["translation"]
@@ -378,21 +386,24 @@ class NuScenesBEV(torch.utils.data.Dataset):
         for k in cams:
             path = self.image_paths[index, k]
             try:
-                with Image.open(path) as im:
-                    sizes.append(im.size)  # before decoding: JPEG draft mode shrinks im.size
-                    aug = sample_augmentation(im.size, tuple(data.final_dim), tuple(data.resize_lim),
-                                              tuple(data.bot_pct_lim), tuple(data.rot_lim), data.rand_flip,
-                                              self.is_train, rng)
-                    image, rot, trans = load_augmented_image(im, aug, tuple(data.final_dim))
+                encoded = Path(path).read_bytes()
+                size = tuple(int(v) for v in self.image_sizes[index, k])
+                if min(size) <= 0:
+                    size = image_size_from_header(encoded)
+                aug = sample_augmentation(size, tuple(data.final_dim), tuple(data.resize_lim),
+                                          tuple(data.bot_pct_lim), tuple(data.rot_lim), data.rand_flip,
+                                          self.is_train, rng)
+                image, rot, trans = load_augmented_image(encoded, size, aug, tuple(data.final_dim))
             except FileNotFoundError:
                 raise FileNotFoundError(self._missing_image_message(index, k)) from None
-            except (UnidentifiedImageError, OSError) as e:
+            except OSError as e:
                 raise OSError(f"camera image {path} could not be decoded (sample {self.sample_tokens[index]}, "
                               f"channel {self.cameras[k]}): {e}") from None
+            sizes.append(size)
             images.append(image)
             post_rots.append(rot)
             post_trans.append(trans)
-        return (normalize_images(np.stack(images), self._pixel_lut), torch.from_numpy(np.stack(post_rots)),
+        return (normalize_images(images, self._pixel_lut), torch.from_numpy(np.stack(post_rots)),
                 torch.from_numpy(np.stack(post_trans)), np.asarray(sizes))
 
     def bev_targets(self, index: int) -> np.ndarray:

@@ -4,12 +4,14 @@ Pixel convention: integer (u, v) is the CENTRE of a pixel (as in OpenCV and in t
 right, v down. Every augmentation is one affine map `A` from source pixels to augmented pixels; `post_rot` /
 `post_trans` are that map lifted to 3-D so that `post_rot @ (u, v, d) + post_trans = (A(u, v), d)`.
 
-Decoding path (fast and anti-aliased): JPEG DCT-domain downscaling by 1/2, 1/4 or 1/8 (PIL `draft`), an area
-resize to the sampled resize size, then one `cv2.warpAffine` for crop + flip + rotation straight to final_dim.
+Decoding path (fast and anti-aliased): JPEG DCT-domain downscaling by 1/2, 1/4 or 1/8 (OpenCV's reduced-size
+libjpeg decode, as PIL's `draft` picks the scale), an area resize to the sampled resize size, then one
+`cv2.warpAffine` for crop + flip + rotation straight to final_dim.
 The reported matrix is the composition of exactly these maps, so projected points land on the same content.
 """
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -105,20 +107,45 @@ def affine_to_post(affine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return post_rot, post_trans
 
 
-def decode_resized(im: Image.Image, resize_dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Decode an opened (not yet loaded) PIL image to RGB uint8 of size resize_dims (W, H) with anti-aliasing.
+_JPEG_SCALES = (8, 4, 2, 1)
+_REDUCED_FLAGS = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
+                  8: cv2.IMREAD_REDUCED_COLOR_8}
 
-    Returns (H x W x 3 uint8 array, 3 x 3 affine from source pixels to the returned pixels).
+
+def is_jpeg(data: bytes) -> bool:
+    return data[:3] == b"\xff\xd8\xff"
+
+
+def image_size_from_header(data: bytes) -> tuple[int, int]:
+    """(W, H) of an encoded image from its header only (no pixel decoding)."""
+    with Image.open(io.BytesIO(data)) as im:
+        return im.size
+
+
+def jpeg_scale(image_size: tuple[int, int], resize_dims: tuple[int, int]) -> int:
+    """The largest DCT scale denominator k in {1, 2, 4, 8} whose decoded image still covers resize_dims."""
+    ratio = min(image_size[0] // max(resize_dims[0], 1), image_size[1] // max(resize_dims[1], 1))
+    return next((k for k in _JPEG_SCALES if ratio >= k), 1)
+
+
+def decode_resized(data: bytes, image_size: tuple[int, int],
+                   resize_dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Decode an encoded image of `image_size` (W, H) to BGR uint8 of size resize_dims (W, H), anti-aliased.
+
+    Returns (H x W x 3 uint8 BGR array, 3 x 3 affine from source pixels to the returned pixels).
     JPEGs are decoded at the largest DCT scale 1/k that still covers resize_dims; libjpeg's output pixel r covers
     source pixels [k*r, k*(r+1)) (the last one padded), so the decoded image's edges scale by exactly 1/k.
+    Raises OSError when the data cannot be decoded or its size is not `image_size`.
     """
-    k = 1.0
-    source_w = im.width
-    if im.format == "JPEG":
-        drafted = im.draft("RGB", resize_dims)
-        if drafted is not None:
-            k = source_w / drafted[1][2]
-    decoded = np.asarray(im.convert("RGB"))
+    width, height = image_size
+    k = jpeg_scale(image_size, resize_dims) if is_jpeg(data) else 1
+    decoded = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), _REDUCED_FLAGS[k] | cv2.IMREAD_IGNORE_ORIENTATION)
+    if decoded is None:
+        raise OSError(f"not a decodable image ({len(data)} bytes; expected a JPEG or PNG file)")
+    expected = (-(-height // k), -(-width // k))
+    if decoded.shape[:2] != expected:
+        raise OSError(f"image is {decoded.shape[1] * k}x{decoded.shape[0] * k} pixels, expected {width}x{height} "
+                      f"(the size recorded for it); re-extract the file or fix the sample_data table")
     dec_h, dec_w = decoded.shape[:2]
     new_w, new_h = resize_dims
     if (dec_w, dec_h) != (new_w, new_h):
@@ -128,17 +155,18 @@ def decode_resized(im: Image.Image, resize_dims: tuple[int, int]) -> tuple[np.nd
     return decoded, resize_affine(new_w / (dec_w * k), new_h / (dec_h * k))
 
 
-def load_augmented_image(im: Image.Image, aug: ImageAugmentation,
+def load_augmented_image(data: bytes, image_size: tuple[int, int], aug: ImageAugmentation,
                          final_dim: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Decode, resize, crop, flip and rotate one opened (not yet loaded) camera image.
+    """Decode, resize, crop, flip and rotate one encoded camera image of `image_size` (W, H).
 
     Returns (final_dim H x W x 3 uint8 RGB, post_rot 3 x 3, post_trans 3) with post_* mapping source pixels
     to the returned image's pixels. Areas outside the source image are black.
     """
-    resized, resize_m = decode_resized(im, aug.resize_dims)
+    resized, resize_m = decode_resized(data, image_size, aug.resize_dims)
     warp = crop_flip_rotate_affine(aug, final_dim)
     out_h, out_w = final_dim
     image = cv2.warpAffine(resized, warp[:2].astype(np.float64), (out_w, out_h), flags=cv2.INTER_LINEAR,
                            borderMode=cv2.BORDER_CONSTANT, borderValue=(0, 0, 0))
     post_rot, post_trans = affine_to_post(warp @ resize_m)
-    return image, post_rot, post_trans
+    # Channel swap after the warp: on final_dim pixels it is the cheapest place.
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), post_rot, post_trans
