@@ -409,22 +409,21 @@ class NuScenesBEV(torch.utils.data.Dataset):
     def bev_targets(self, index: int) -> np.ndarray:
         """K x nx x ny float32 targets of sample `index` (no augmentation touches the BEV)."""
         targets = np.zeros((len(self.classes), *self.grid_shape), dtype=np.float32)
-        lo, hi = self.object_offsets[index], self.object_offsets[index + 1]
-        bits = self.object_class_bits[lo:hi]
+        for k in range(len(self.classes)):
+            targets[k] = self.class_raster(index, k)
+        return targets
+
+    def class_raster(self, index: int, k: int) -> np.ndarray:
+        """nx x ny uint8 raster of class `k` (data.classes order) for sample `index`."""
+        if self.class_kinds[k] == "object":
+            lo, hi = self.object_offsets[index], self.object_offsets[index + 1]
+            bit = self.class_kinds[:k].count("object")
+            chosen = self.object_footprints[lo:hi][(self.object_class_bits[lo:hi] >> bit) & 1 == 1]
+            return T.rasterize_footprints(np.zeros(self.grid_shape, dtype=np.uint8), chosen, self.xbound, self.ybound)
         x, y, yaw = self.ego_pose[index]
         location = self.locations[self.location_index[index]]
-        bit = 0
-        for k, (name, kind) in enumerate(zip(self.classes, self.class_kinds)):
-            canvas = np.zeros(self.grid_shape, dtype=np.uint8)
-            if kind == "object":
-                chosen = self.object_footprints[lo:hi][(bits >> bit) & 1 == 1]
-                T.rasterize_footprints(canvas, chosen, self.xbound, self.ybound)
-                bit += 1
-            else:
-                canvas = self.maps[location].rasterize(name, (x, y), yaw, self.xbound, self.ybound,
-                                                       self.config.data.divider_width)
-            targets[k] = canvas
-        return targets
+        return self.maps[location].rasterize(self.classes[k], (x, y), yaw, self.xbound, self.ybound,
+                                             self.config.data.divider_width)
 
     def lidar_depth_targets(self, index: int, cams: np.ndarray, post_rot: np.ndarray, post_trans: np.ndarray,
                             image_sizes: np.ndarray) -> np.ndarray:
