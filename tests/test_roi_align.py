@@ -162,6 +162,66 @@ def test_cuda_large_batch_index_and_channels():
                                torchvision.ops.roi_align(x, rois, 7, 1.0, 2, True), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("channels", [1, 5, 37, 70])
+def test_cuda_layouts_match_cpu(channels_last, mode, dtype, channels):
+    # channel counts below, between and above multiples of the warp size; 9 x 8 = 72 bins span two bin tiles
+    x = features(3, channels, 21, 18, seed=channels, dtype=dtype)
+    rois = make_rois(23, 3, 21, 18, 0.5, seed=channels)
+    rois[0, 1:] = torch.tensor([-30.0, -30.0, 80.0, 70.0])  # partly outside the map
+    args = dict(output_size=(9, 8), spatial_scale=0.5, sampling_ratio=-1, aligned=False, mode=mode)
+    xc = x.cuda()
+    if channels_last:
+        xc = xc.to(memory_format=torch.channels_last)
+    out, arg = torch.ops.lss.roi_align(x, rois, 0.5, 9, 8, -1, False, mode == "max")
+    out_c, arg_c = torch.ops.lss.roi_align(xc, rois.cuda(), 0.5, 9, 8, -1, False, mode == "max")
+    assert out_c.is_contiguous()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-10}[dtype]
+    torch.testing.assert_close(out_c.cpu(), out, atol=tol, rtol=tol)
+    if dtype == torch.float64:  # in lower precision near-ties may pick another sample
+        assert torch.equal(arg_c.cpu(), arg)
+    # backward with the CPU's argmax on both devices, so max mode routes identically
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grad = torch.ops.lss._roi_align_backward(g, rois, arg, 0.5, 9, 8, 3, channels, 21, 18, -1, False, mode == "max")
+    grad_c = torch.ops.lss._roi_align_backward(g.cuda(), rois.cuda(), arg.cuda(), 0.5, 9, 8, 3, channels, 21, 18, -1,
+                                               False, mode == "max")
+    assert grad_c.is_contiguous() and grad_c.dtype == dtype
+    torch.testing.assert_close(grad_c.cpu(), grad, atol=tol, rtol=tol)
+    # and through autograd
+    _, grad_auto = fwd_bwd(roi_align, xc, rois.cuda(), **args)
+    assert grad_auto.shape == x.shape and grad_auto.dtype == dtype
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_cuda_64bit_indexing(channels_last, mode):
+    # more than 2^30 elements selects the 64-bit index kernels; compare with a crop of the far corner (32-bit)
+    torch.manual_seed(0)
+    x = torch.randn(1, 16, 8192, 8200, device="cuda", dtype=torch.float16)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    assert x.numel() > 2 ** 30
+    # sample points on multiples of 1/4 pixel: exact in float32 at both offsets
+    rois = torch.tensor([[0.0, 8100, 8110, 8114, 8131], [0.0, 8150, 8170, 8192, 8191],
+                         [0.0, 8130, 8120, 8158, 8148]], device="cuda")
+    top = 8064
+    crop = x[:, :, top:, top:].contiguous(memory_format=torch.channels_last if channels_last
+                                          else torch.contiguous_format)
+    shifted = rois.clone()
+    shifted[:, 1:] -= top
+    out, grad = fwd_bwd(roi_align, x, rois, 7, 1.0, 2, False, mode)
+    out_crop, grad_crop = fwd_bwd(roi_align, crop, shifted, 7, 1.0, 2, False, mode)
+    torch.testing.assert_close(out, out_crop, atol=1e-3, rtol=1e-3)
+    # atomics add in any order: the float32 sums may round to neighbouring float16 values
+    torch.testing.assert_close(grad[:, :, top:, top:], grad_crop, atol=5e-3, rtol=5e-3)
+    assert not grad[:, :, :top].any() and not grad[:, :, :, :top].any()
+
+
 @pytest.mark.skipif(not has_ext(), reason="lss._C not built")
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("max_mode", [False, True])

@@ -119,6 +119,53 @@ def test_cuda_matches_cpu():
     torch.testing.assert_close(grad_c.cpu(), grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("channels", [1, 5, 37, 70])
+def test_cuda_layouts_match_cpu(channels_last, dtype, channels):
+    # channel counts below, between and above multiples of the warp size; 9 x 8 = 72 bins span two bin tiles
+    x = features(3, channels, 21, 18, seed=channels, dtype=dtype)
+    rois = make_rois(23, 3, 21, 18, 0.5, seed=channels)
+    rois[0, 1:] = torch.tensor([-30.0, -30.0, 80.0, 70.0])  # partly outside the map
+    out, grad = fwd_bwd(roi_pool, x, rois, (9, 8), 0.5)
+    xc = x.cuda()
+    if channels_last:
+        xc = xc.to(memory_format=torch.channels_last)
+    out_c, grad_c = fwd_bwd(roi_pool, xc, rois.cuda(), (9, 8), 0.5)
+    assert out_c.is_contiguous() and grad_c.dtype == dtype
+    torch.testing.assert_close(out_c.cpu(), out, atol=0, rtol=0)
+    tol = 1e-2 if dtype == torch.float16 else 1e-6
+    torch.testing.assert_close(grad_c.cpu(), grad, atol=tol, rtol=tol)
+    _, arg = torch.ops.lss.roi_pool(x, rois, 0.5, 9, 8)
+    _, arg_c = torch.ops.lss.roi_pool(xc, rois.cuda(), 0.5, 9, 8)
+    assert torch.equal(arg_c.cpu(), arg)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_64bit_indexing(channels_last):
+    # more than 2^30 elements selects the 64-bit index kernels; compare with a crop of the far corner (32-bit)
+    torch.manual_seed(0)
+    x = torch.randn(1, 16, 8192, 8200, device="cuda", dtype=torch.float16)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    assert x.numel() > 2 ** 30
+    rois = torch.tensor([[0.0, 8100, 8110, 8114, 8131], [0.0, 8150, 8170, 8199, 8191],
+                         [0.0, 8130, 8120, 8158, 8148]], device="cuda")
+    top = 8064
+    crop = x[:, :, top:, top:].contiguous(memory_format=torch.channels_last if channels_last
+                                          else torch.contiguous_format)
+    shifted = rois.clone()
+    shifted[:, 1:] -= top
+    out, grad = fwd_bwd(roi_pool, x, rois, 7)
+    out_crop, grad_crop = fwd_bwd(roi_pool, crop, shifted, 7)
+    torch.testing.assert_close(out, out_crop, atol=0, rtol=0)
+    torch.testing.assert_close(grad[:, :, top:, top:], grad_crop, atol=5e-3, rtol=5e-3)
+    assert not grad[:, :, :top].any() and not grad[:, :, :, :top].any()
+
+
 @pytest.mark.skipif(not has_ext(), reason="lss._C not built")
 @pytest.mark.parametrize("device", devices())
 def test_opcheck(device):

@@ -70,6 +70,18 @@ def run(ctx) -> list[dict]:
             for impl, fn in impls:
                 rows.append({"case": case + " fwd", "impl": impl, "ms": ctx.time(lambda: fn(x)),
                              "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())), "notes": "float32"})
+        # channels_last features: read in place (lss) or copied to NCHW first (torchvision)
+        x_cl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+        for impl, fn in impls:
+            rows.append({"case": case + " channels_last fwd+bwd", "impl": impl,
+                         "ms": ctx.time(_fwd_bwd(fn, x_cl, grad_out)), "floor_ms": ctx.floor_ms(nbytes),
+                         "notes": "float32, channels_last input"})
+        with torch.no_grad():
+            for impl, fn in impls:
+                rows.append({"case": case + " channels_last fwd", "impl": impl, "ms": ctx.time(lambda: fn(x_cl)),
+                             "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())),
+                             "notes": "float32, channels_last input"})
+        del x_cl
         if "FPN" in case or ctx.quick:
             pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
                     ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]

@@ -1,9 +1,13 @@
-// CUDA RoIAlign. Features are read channels-last (one transposing copy unless already channels_last) so the
-// threads of a warp share one (roi, bin) and its bilinear weights and read consecutive channels of one pixel.
-// Backward accumulates into a channels-last float buffer: coalesced atomics by default, a sort-based segment sum
-// when torch.use_deterministic_algorithms(True) is on.
+// CUDA RoIAlign. Forward: NCHW features are read in place by one thread per output with the bin fastest (consecutive
+// threads write consecutive outputs and sample neighbouring pixels of one plane); channels_last features are read by
+// warps of consecutive channels and the tile is written out through shared memory. Backward accumulates into a
+// channels-last float buffer (the sample geometry does not depend on the channel, so a warp's atomics hit
+// consecutive addresses): coalesced atomics by default, a sort-based segment sum when
+// torch.use_deterministic_algorithms(True) is on.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <climits>
 
 #include "ops/cuda/roi_scatter.cuh"
 #include "ops/roi_common.h"
@@ -11,87 +15,203 @@
 namespace lss {
 namespace {
 
-template <typename scalar_t, typename acc_t>
-__global__ void roi_align_forward_kernel(int64_t total, const scalar_t* __restrict__ input_nhwc,
-                                         const acc_t* __restrict__ rois, int64_t N, int64_t C, int64_t H, int64_t W,
-                                         int pooled_h, int pooled_w, acc_t spatial_scale, int sampling_ratio,
-                                         bool aligned, bool max_mode, scalar_t* __restrict__ output,
-                                         int32_t* __restrict__ argmax) {
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = idx % C;
-    int64_t t = idx / C;
-    const int pw = static_cast<int>(t % pooled_w);
-    t /= pooled_w;
+using roi_scatter::kTileSmem;
+using roi_scatter::Tile;
+using roi_scatter::Tiling;
+
+// One axis of roi::bilinear with the same arithmetic (so the same weights), in 32-bit pixel indices: a plane has
+// fewer than 2^31 pixels (check_roi_args). valid == false: more than one pixel outside, the sample is zero.
+template <typename T>
+struct Axis {
+  int lo, hi;
+  T l, h;  // weights of hi and lo
+  bool valid;
+};
+
+template <typename T>
+__device__ __forceinline__ Axis<T> axis(T v, int size) {
+  Axis<T> a;
+  a.valid = !(v < T(-1) || v > static_cast<T>(size));
+  if (!a.valid) {
+    a.lo = a.hi = 0;
+    a.l = a.h = T(0);
+    return a;
+  }
+  if (v <= T(0)) v = T(0);
+  a.lo = static_cast<int>(v);
+  if (a.lo >= size - 1) {
+    a.lo = a.hi = size - 1;
+    v = static_cast<T>(a.lo);
+  } else {
+    a.hi = a.lo + 1;
+  }
+  a.l = v - static_cast<T>(a.lo);
+  a.h = T(1) - a.l;
+  return a;
+}
+
+// Pools one bin of roi r from one channel: base points at the channel's (0, 0) pixel, consecutive pixels `stride`
+// elements apart (1 for NCHW, C for channels-last). Returns the bin's value; arg = the arg-max sample (max mode).
+template <bool kMax, typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ acc_t align_bin(const roi::AlignRoi<acc_t>& r, const scalar_t* __restrict__ base,
+                                           index_t stride, int H, int W, int ph, int pw, int32_t& arg) {
+  acc_t sum = acc_t(0), best = acc_t(0);
+  arg = -1;
+  for (int iy = 0; iy < r.grid_h; ++iy) {
+    const auto ay = axis<acc_t>(r.sample_y(ph, iy), H);
+    const index_t row_lo = static_cast<index_t>(ay.lo) * W, row_hi = static_cast<index_t>(ay.hi) * W;
+    for (int ix = 0; ix < r.grid_w; ++ix) {
+      const auto ax = axis<acc_t>(r.sample_x(pw, ix), W);
+      acc_t v = acc_t(0);
+      if (ay.valid && ax.valid) {
+        v = ay.h * ax.h * static_cast<acc_t>(base[(row_lo + ax.lo) * stride]) +
+            ay.h * ax.l * static_cast<acc_t>(base[(row_lo + ax.hi) * stride]) +
+            ay.l * ax.h * static_cast<acc_t>(base[(row_hi + ax.lo) * stride]) +
+            ay.l * ax.l * static_cast<acc_t>(base[(row_hi + ax.hi) * stride]);
+      }
+      if (kMax) {
+        // The first maximum wins; a NaN sample becomes (and stays) the maximum, like torch.max.
+        if (arg < 0 || v > best || (v != v && best == best)) {
+          best = v;
+          arg = iy * r.grid_w + ix;
+        }
+      } else {
+        sum += v;
+      }
+    }
+  }
+  if (kMax) return arg < 0 ? acc_t(0) : best;
+  return sum / r.count;
+}
+
+// NCHW input: one thread per output, index = output index (pw fastest).
+template <bool kMax, typename scalar_t, typename acc_t, typename index_t>
+__global__ void roi_align_forward_nchw_kernel(index_t total, const scalar_t* __restrict__ input,
+                                              const acc_t* __restrict__ rois, int64_t N, index_t C, int H, int W,
+                                              int pooled_h, int pooled_w, acc_t spatial_scale, int sampling_ratio,
+                                              bool aligned, scalar_t* __restrict__ output,
+                                              int32_t* __restrict__ argmax) {
+  const index_t plane = static_cast<index_t>(H) * W;
+  for (index_t idx = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<index_t>(gridDim.x) * blockDim.x) {
+    const int pw = static_cast<int>(idx % pooled_w);
+    index_t t = idx / pooled_w;
     const int ph = static_cast<int>(t % pooled_h);
-    const int64_t k = t / pooled_h;
+    t /= pooled_h;
+    const index_t c = t % C, k = t / C;
     const auto r = roi::align_roi<acc_t>(rois + k * 5, N, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned);
-    const int64_t out_i = ((k * C + c) * pooled_h + ph) * pooled_w + pw;
-    acc_t sum = acc_t(0), best = acc_t(0);
-    int32_t best_i = -1;
+    int32_t arg = -1;
+    acc_t v = acc_t(0);
     if (r.batch >= 0) {
-      const scalar_t* base = input_nhwc + r.batch * H * W * C + c;
-      for (int iy = 0; iy < r.grid_h; ++iy) {
-        const acc_t y = r.sample_y(ph, iy);
-        for (int ix = 0; ix < r.grid_w; ++ix) {
-          const auto b = roi::bilinear<acc_t>(H, W, y, r.sample_x(pw, ix));
-          acc_t v = acc_t(0);
-          if (b.valid) {
-            v = b.w1 * static_cast<acc_t>(base[b.o1 * C]) + b.w2 * static_cast<acc_t>(base[b.o2 * C]) +
-                b.w3 * static_cast<acc_t>(base[b.o3 * C]) + b.w4 * static_cast<acc_t>(base[b.o4 * C]);
-          }
-          sum += v;
-          // The first maximum wins; a NaN sample becomes (and stays) the maximum, like torch.max.
-          if (best_i < 0 || v > best || (v != v && best == best)) {
-            best = v;
-            best_i = iy * r.grid_w + ix;
+      const scalar_t* base = input + (static_cast<index_t>(r.batch) * C + c) * plane;
+      v = align_bin<kMax, scalar_t, acc_t, index_t>(r, base, index_t(1), H, W, ph, pw, arg);
+    }
+    output[idx] = static_cast<scalar_t>(v);
+    if (kMax) argmax[idx] = arg;
+  }
+}
+
+// Channels-last input: a block per tile (roi, channel chunk, bin tile); lanes read consecutive channels, the tile is
+// staged in shared memory and written as runs of consecutive output addresses.
+template <bool kMax, typename scalar_t, typename acc_t, typename index_t>
+__global__ void __launch_bounds__(kThreads) roi_align_forward_nhwc_kernel(
+    Tiling tiling, const scalar_t* __restrict__ input_nhwc, const acc_t* __restrict__ rois, int64_t N, index_t C,
+    int H, int W, int pooled_h, int pooled_w, acc_t spatial_scale, int sampling_ratio, bool aligned,
+    scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
+  __shared__ acc_t s_val[kTileSmem];
+  __shared__ int32_t s_arg[kMax ? kTileSmem : 1];
+  const index_t bins = static_cast<index_t>(pooled_h) * pooled_w;
+  const index_t image = static_cast<index_t>(H) * W * C;
+  for (int64_t tile = blockIdx.x; tile < tiling.num_tiles; tile += gridDim.x) {
+    const Tile t(tiling, tile, C, bins);
+    const auto r = roi::align_roi<acc_t>(rois + t.k * 5, N, spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                                         aligned);
+    if (t.lane_c < t.nc) {
+      const index_t c = static_cast<index_t>(t.c0) + t.lane_c;
+      const scalar_t* base = r.batch >= 0 ? input_nhwc + static_cast<index_t>(r.batch) * image + c : nullptr;
+      for (int b = t.first_b; b < t.nb; b += t.step_b) {
+        const index_t bin = static_cast<index_t>(t.b0) + b;
+        int32_t arg = -1;
+        acc_t v = acc_t(0);
+        if (base != nullptr) {
+          v = align_bin<kMax, scalar_t, acc_t, index_t>(r, base, C, H, W, static_cast<int>(bin / pooled_w),
+                                                         static_cast<int>(bin % pooled_w), arg);
+        }
+        s_val[t.lane_c * t.row + b] = v;
+        if (kMax) s_arg[t.lane_c * t.row + b] = arg;
+      }
+    }
+    __syncthreads();
+    const index_t out0 = (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
+    for (int i = threadIdx.x; i < t.nc * t.nb; i += blockDim.x) {
+      const int cl = i / t.nb, b = i - cl * t.nb;
+      const index_t o = out0 + static_cast<index_t>(cl) * bins + b;
+      output[o] = static_cast<scalar_t>(s_val[cl * t.row + b]);
+      if (kMax) argmax[o] = s_arg[cl * t.row + b];
+    }
+    __syncthreads();
+  }
+}
+
+// Backward atomics: a block per tile (roi, channel chunk, bin tile); the grad (and argmax) tile is read coalesced
+// into shared memory, then lanes of consecutive channels add their samples' shares to the channels-last buffer.
+template <bool kMax, typename scalar_t, typename acc_t, typename index_t>
+__global__ void __launch_bounds__(kThreads) roi_align_backward_atomic_kernel(
+    Tiling tiling, const scalar_t* __restrict__ grad, const acc_t* __restrict__ rois,
+    const int32_t* __restrict__ argmax, int64_t N, index_t C, int H, int W, int pooled_h, int pooled_w,
+    acc_t spatial_scale, int sampling_ratio, bool aligned, acc_t* __restrict__ grad_nhwc) {
+  __shared__ acc_t s_grad[kTileSmem];
+  __shared__ int32_t s_arg[kMax ? kTileSmem : 1];
+  const index_t bins = static_cast<index_t>(pooled_h) * pooled_w;
+  const index_t image = static_cast<index_t>(H) * W * C;
+  for (int64_t tile = blockIdx.x; tile < tiling.num_tiles; tile += gridDim.x) {
+    const Tile t(tiling, tile, C, bins);
+    const auto r = roi::align_roi<acc_t>(rois + t.k * 5, N, spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                                         aligned);
+    // Uniform over the block (r depends on the roi only), so no thread skips a barrier another one waits at.
+    if (r.batch < 0) continue;
+    const index_t g0 = (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
+    for (int i = threadIdx.x; i < t.nc * t.nb; i += blockDim.x) {
+      const int cl = i / t.nb, b = i - cl * t.nb;
+      const index_t g = g0 + static_cast<index_t>(cl) * bins + b;
+      s_grad[cl * t.row + b] = static_cast<acc_t>(grad[g]);
+      if (kMax) s_arg[cl * t.row + b] = argmax[g];
+    }
+    __syncthreads();
+    if (t.lane_c < t.nc) {
+      acc_t* base = grad_nhwc + static_cast<index_t>(r.batch) * image + static_cast<index_t>(t.c0) + t.lane_c;
+      const int64_t samples = static_cast<int64_t>(r.grid_h) * r.grid_w;
+      for (int b = t.first_b; b < t.nb; b += t.step_b) {
+        const index_t bin = static_cast<index_t>(t.b0) + b;
+        const int ph = static_cast<int>(bin / pooled_w), pw = static_cast<int>(bin % pooled_w);
+        const acc_t g = s_grad[t.lane_c * t.row + b];
+        int iy0 = 0, iy1 = r.grid_h, ix0 = 0, ix1 = r.grid_w;
+        if (kMax) {
+          // Only the arg-max sample gets the gradient.
+          const int32_t only = s_arg[t.lane_c * t.row + b];
+          if (only < 0 || only >= samples) continue;
+          iy0 = only / r.grid_w;
+          ix0 = only - iy0 * r.grid_w;
+          iy1 = iy0 + 1;
+          ix1 = ix0 + 1;
+        }
+        const acc_t s = kMax ? g : g / r.count;
+        for (int iy = iy0; iy < iy1; ++iy) {
+          const auto ay = axis<acc_t>(r.sample_y(ph, iy), H);
+          if (!ay.valid) continue;
+          const index_t row_lo = static_cast<index_t>(ay.lo) * W, row_hi = static_cast<index_t>(ay.hi) * W;
+          for (int ix = ix0; ix < ix1; ++ix) {
+            const auto ax = axis<acc_t>(r.sample_x(pw, ix), W);
+            if (!ax.valid) continue;
+            atomicAdd(base + (row_lo + ax.lo) * C, s * (ay.h * ax.h));
+            atomicAdd(base + (row_lo + ax.hi) * C, s * (ay.h * ax.l));
+            atomicAdd(base + (row_hi + ax.lo) * C, s * (ay.l * ax.h));
+            atomicAdd(base + (row_hi + ax.hi) * C, s * (ay.l * ax.l));
           }
         }
       }
     }
-    if (max_mode) {
-      output[out_i] = static_cast<scalar_t>(best_i < 0 ? acc_t(0) : best);
-      argmax[out_i] = best_i;
-    } else {
-      output[out_i] = static_cast<scalar_t>(sum / r.count);
-    }
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-__global__ void roi_align_backward_atomic_kernel(int64_t total, const scalar_t* __restrict__ grad,
-                                                 const acc_t* __restrict__ rois, const int32_t* __restrict__ argmax,
-                                                 int64_t N, int64_t C, int64_t H, int64_t W, int pooled_h,
-                                                 int pooled_w, acc_t spatial_scale, int sampling_ratio, bool aligned,
-                                                 bool max_mode, acc_t* __restrict__ grad_nhwc) {
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = idx % C;
-    int64_t t = idx / C;
-    const int pw = static_cast<int>(t % pooled_w);
-    t /= pooled_w;
-    const int ph = static_cast<int>(t % pooled_h);
-    const int64_t k = t / pooled_h;
-    const auto r = roi::align_roi<acc_t>(rois + k * 5, N, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned);
-    if (r.batch < 0) continue;
-    const int64_t g_i = ((k * C + c) * pooled_h + ph) * pooled_w + pw;
-    const acc_t g = static_cast<acc_t>(grad[g_i]);
-    acc_t* base = grad_nhwc + r.batch * H * W * C + c;
-    const int32_t only = max_mode ? argmax[g_i] : -1;
-    if (max_mode && only < 0) continue;
-    const acc_t s = max_mode ? g : g / r.count;
-    for (int iy = 0; iy < r.grid_h; ++iy) {
-      const acc_t y = r.sample_y(ph, iy);
-      for (int ix = 0; ix < r.grid_w; ++ix) {
-        if (max_mode && only != iy * r.grid_w + ix) continue;
-        const auto b = roi::bilinear<acc_t>(H, W, y, r.sample_x(pw, ix));
-        if (!b.valid) continue;
-        atomicAdd(base + b.o1 * C, s * b.w1);
-        atomicAdd(base + b.o2 * C, s * b.w2);
-        atomicAdd(base + b.o3 * C, s * b.w3);
-        atomicAdd(base + b.o4 * C, s * b.w4);
-      }
-    }
+    __syncthreads();
   }
 }
 
@@ -147,6 +267,9 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
                                                           int64_t sampling_ratio, bool aligned, bool max_mode) {
   roi::check_roi_args("roi_align", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_align: input");
+  LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX && sampling_ratio <= INT_MAX,
+            "roi_align: output size and sampling_ratio must fit in 32 bits, got " + std::to_string(pooled_h) + " x " +
+                std::to_string(pooled_w) + " and " + std::to_string(sampling_ratio));
   c10::cuda::CUDAGuard guard(input_.device());
   const auto rois = roi::rois_in_acc_type(rois_, input_);
   const int64_t K = rois.size(0), N = input_.size(0), C = input_.size(1), H = input_.size(2), W = input_.size(3);
@@ -154,16 +277,38 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
   const auto int_opts = input_.options().dtype(at::kInt);
   auto argmax = max_mode ? at::empty({K, C, pooled_h, pooled_w}, int_opts) : at::empty({0}, int_opts);
   if (output.numel() == 0) return {output, argmax};
-  const auto input = input_.contiguous(at::MemoryFormat::ChannelsLast);
+  // Channels-last features are read in place by the channel-fastest kernel; everything else as NCHW.
+  const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+  const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
   const int64_t total = output.numel();
+  const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w), sr = static_cast<int>(sampling_ratio);
+  auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_align_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    roi_align_forward_kernel<scalar_t, acc_t>
-        <<<roi_scatter::grid_for(total), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            total, input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N, C, H, W, static_cast<int>(pooled_h),
-            static_cast<int>(pooled_w), static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio),
-            aligned, max_mode, output.data_ptr<scalar_t>(), max_mode ? argmax.data_ptr<int32_t>() : nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const acc_t scale = static_cast<acc_t>(spatial_scale);
+    const scalar_t* in = input.data_ptr<scalar_t>();
+    scalar_t* out = output.data_ptr<scalar_t>();
+    int32_t* arg = max_mode ? argmax.data_ptr<int32_t>() : nullptr;
+    const acc_t* roi_data = rois.data_ptr<acc_t>();
+    roi_scatter::dispatch_index(roi_scatter::fits_int32({total, input.numel()}), [&](auto index_tag) {
+      using index_t = decltype(index_tag);
+      roi_scatter::dispatch_bool(max_mode, [&](auto max_tag) {
+        constexpr bool kMax = decltype(max_tag)::value;
+        if (nhwc) {
+          const auto tiling = roi_scatter::make_tiling(K, C, pooled_h * pooled_w);
+          roi_align_forward_nhwc_kernel<kMax, scalar_t, acc_t, index_t>
+              <<<roi_scatter::grid_for_tiles(tiling), kThreads, 0, stream>>>(
+                  tiling, in, roi_data, N, static_cast<index_t>(C), static_cast<int>(H), static_cast<int>(W), ph, pw,
+                  scale, sr, aligned, out, arg);
+        } else {
+          roi_align_forward_nchw_kernel<kMax, scalar_t, acc_t, index_t>
+              <<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
+                  static_cast<index_t>(total), in, roi_data, N, static_cast<index_t>(C), static_cast<int>(H),
+                  static_cast<int>(W), ph, pw, scale, sr, aligned, out, arg);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
   });
   return {output, argmax};
 }
@@ -174,6 +319,9 @@ at::Tensor roi_align_backward_cuda(const at::Tensor& grad_, const at::Tensor& ro
                                    bool aligned, bool max_mode) {
   check_cuda_tensor(grad_, "_roi_align_backward: grad");
   roi::check_roi_grad("_roi_align_backward", grad_, rois_, argmax_, max_mode, channels, pooled_h, pooled_w);
+  LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX && sampling_ratio <= INT_MAX && height <= INT_MAX &&
+                width <= INT_MAX,
+            "_roi_align_backward: output size, sampling_ratio, height and width must fit in 32 bits");
   c10::cuda::CUDAGuard guard(grad_.device());
   const auto grad = grad_.contiguous();
   const auto acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -189,11 +337,20 @@ at::Tensor roi_align_backward_cuda(const at::Tensor& grad_, const at::Tensor& ro
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);
     if (!deterministic) {
-      const int64_t total = grad.numel();
-      roi_align_backward_atomic_kernel<scalar_t, acc_t><<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
-          total, grad.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), max_mode ? argmax.data_ptr<int32_t>() : nullptr,
-          batch_size, channels, height, width, ph, pw, scale, sr, aligned, max_mode, grad_nhwc.data_ptr<acc_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const auto tiling = roi_scatter::make_tiling(K, channels, pooled_h * pooled_w);
+      roi_scatter::dispatch_index(roi_scatter::fits_int32({grad.numel(), grad_nhwc.numel()}), [&](auto index_tag) {
+        using index_t = decltype(index_tag);
+        roi_scatter::dispatch_bool(max_mode, [&](auto max_tag) {
+          constexpr bool kMax = decltype(max_tag)::value;
+          roi_align_backward_atomic_kernel<kMax, scalar_t, acc_t, index_t>
+              <<<roi_scatter::grid_for_tiles(tiling), kThreads, 0, stream>>>(
+                  tiling, grad.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(),
+                  kMax ? argmax.data_ptr<int32_t>() : nullptr, batch_size, static_cast<index_t>(channels),
+                  static_cast<int>(height), static_cast<int>(width), ph, pw, scale, sr, aligned,
+                  grad_nhwc.data_ptr<acc_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      });
       return;
     }
     const int64_t kbins = K * pooled_h * pooled_w;

@@ -1,9 +1,12 @@
-// CUDA RoIPool: channels-last reads (warp lanes = consecutive channels of one pixel); backward through the
-// channels-last float buffer of roi_scatter.cuh (coalesced atomics, or the deterministic segment sum).
+// CUDA RoIPool. Forward: NCHW features are read in place by one thread per output with the bin fastest; channels_last
+// features by warps of consecutive channels, the tile written out through shared memory. Backward: each output adds
+// its gradient to its arg-max pixel, directly in the NCHW gradient (float32 buffer for fp16/bf16); under
+// torch.use_deterministic_algorithms(True) the sort-based segment sum of roi_scatter.cuh instead.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cfloat>
+#include <climits>
 
 #include "ops/cuda/roi_scatter.cuh"
 #include "ops/roi_common.h"
@@ -11,58 +14,111 @@
 namespace lss {
 namespace {
 
-template <typename scalar_t, typename acc_t>
-__global__ void roi_pool_forward_kernel(int64_t total, const scalar_t* __restrict__ input_nhwc,
-                                        const acc_t* __restrict__ rois, int64_t N, int64_t C, int64_t H, int64_t W,
-                                        int pooled_h, int pooled_w, acc_t spatial_scale,
-                                        scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = idx % C;
-    int64_t t = idx / C;
-    const int pw = static_cast<int>(t % pooled_w);
-    t /= pooled_w;
-    const int ph = static_cast<int>(t % pooled_h);
-    const int64_t k = t / pooled_h;
-    const auto p = roi::pool_bin<acc_t>(rois + k * 5, N, spatial_scale, pooled_h, pooled_w, H, W, ph, pw);
-    const bool empty = p.batch < 0 || p.h1 <= p.h0 || p.w1 <= p.w0;
-    // torchvision's rule: an empty bin is 0; otherwise the first pixel strictly above -FLT_MAX so far.
-    acc_t best = empty ? acc_t(0) : static_cast<acc_t>(-FLT_MAX);
-    int32_t best_i = -1;
-    if (!empty) {
-      const scalar_t* base = input_nhwc + p.batch * H * W * C + c;
-      for (int64_t h = p.h0; h < p.h1; ++h) {
-        for (int64_t w = p.w0; w < p.w1; ++w) {
-          const acc_t v = static_cast<acc_t>(base[(h * W + w) * C]);
-          if (v > best) {
-            best = v;
-            best_i = static_cast<int32_t>(h * W + w);
-          }
-        }
+using roi_scatter::kTileSmem;
+using roi_scatter::Tile;
+using roi_scatter::Tiling;
+
+// Max over the bin's pixel window of one channel: base points at the channel's (0, 0) pixel, consecutive pixels
+// `stride` elements apart. torchvision's rule: an empty bin is 0 (arg -1); otherwise the first pixel strictly above
+// -FLT_MAX so far.
+template <typename scalar_t, typename acc_t, typename index_t>
+__device__ __forceinline__ acc_t pool_window(const roi::PoolBin& p, const scalar_t* __restrict__ base, index_t stride,
+                                             int W, int32_t& arg) {
+  arg = -1;
+  if (p.batch < 0 || p.h1 <= p.h0 || p.w1 <= p.w0) return acc_t(0);
+  acc_t best = static_cast<acc_t>(-FLT_MAX);
+  const int h0 = static_cast<int>(p.h0), h1 = static_cast<int>(p.h1);
+  const int w0 = static_cast<int>(p.w0), w1 = static_cast<int>(p.w1);
+  for (int h = h0; h < h1; ++h) {
+    for (int w = w0; w < w1; ++w) {
+      const int pixel = h * W + w;
+      const acc_t v = static_cast<acc_t>(base[static_cast<index_t>(pixel) * stride]);
+      if (v > best) {
+        best = v;
+        arg = pixel;
       }
     }
-    const int64_t out_i = ((k * C + c) * pooled_h + ph) * pooled_w + pw;
-    output[out_i] = static_cast<scalar_t>(best);
-    argmax[out_i] = best_i;
+  }
+  return best;
+}
+
+// NCHW input: one thread per output, index = output index (pw fastest).
+template <typename scalar_t, typename acc_t, typename index_t>
+__global__ void roi_pool_forward_nchw_kernel(index_t total, const scalar_t* __restrict__ input,
+                                             const acc_t* __restrict__ rois, int64_t N, index_t C, int H, int W,
+                                             int pooled_h, int pooled_w, acc_t spatial_scale,
+                                             scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
+  const index_t plane = static_cast<index_t>(H) * W;
+  for (index_t idx = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<index_t>(gridDim.x) * blockDim.x) {
+    const int pw = static_cast<int>(idx % pooled_w);
+    index_t t = idx / pooled_w;
+    const int ph = static_cast<int>(t % pooled_h);
+    t /= pooled_h;
+    const index_t c = t % C, k = t / C;
+    const auto p = roi::pool_bin<acc_t>(rois + k * 5, N, spatial_scale, pooled_h, pooled_w, H, W, ph, pw);
+    const index_t image = p.batch >= 0 ? static_cast<index_t>(p.batch) : index_t(0);
+    int32_t arg;
+    const acc_t v = pool_window<scalar_t, acc_t, index_t>(p, input + (image * C + c) * plane, index_t(1), W, arg);
+    output[idx] = static_cast<scalar_t>(v);
+    argmax[idx] = arg;
   }
 }
 
-template <typename scalar_t, typename acc_t>
-__global__ void roi_pool_backward_atomic_kernel(int64_t total, const scalar_t* __restrict__ grad,
+// Channels-last input: a block per tile (roi, channel chunk, bin tile); lanes read consecutive channels, the tile is
+// staged in shared memory and written as runs of consecutive output addresses.
+template <typename scalar_t, typename acc_t, typename index_t>
+__global__ void __launch_bounds__(kThreads) roi_pool_forward_nhwc_kernel(
+    Tiling tiling, const scalar_t* __restrict__ input_nhwc, const acc_t* __restrict__ rois, int64_t N, index_t C,
+    int H, int W, int pooled_h, int pooled_w, acc_t spatial_scale, scalar_t* __restrict__ output,
+    int32_t* __restrict__ argmax) {
+  __shared__ acc_t s_val[kTileSmem];
+  __shared__ int32_t s_arg[kTileSmem];
+  const index_t bins = static_cast<index_t>(pooled_h) * pooled_w;
+  const index_t image = static_cast<index_t>(H) * W * C;
+  for (int64_t tile = blockIdx.x; tile < tiling.num_tiles; tile += gridDim.x) {
+    const Tile t(tiling, tile, C, bins);
+    if (t.lane_c < t.nc) {
+      const index_t c = static_cast<index_t>(t.c0) + t.lane_c;
+      for (int b = t.first_b; b < t.nb; b += t.step_b) {
+        const index_t bin = static_cast<index_t>(t.b0) + b;
+        const auto p = roi::pool_bin<acc_t>(rois + t.k * 5, N, spatial_scale, pooled_h, pooled_w, H, W,
+                                            static_cast<int>(bin / pooled_w), static_cast<int>(bin % pooled_w));
+        const index_t img = p.batch >= 0 ? static_cast<index_t>(p.batch) : index_t(0);
+        int32_t arg;
+        s_val[t.lane_c * t.row + b] =
+            pool_window<scalar_t, acc_t, index_t>(p, input_nhwc + img * image + c, C, W, arg);
+        s_arg[t.lane_c * t.row + b] = arg;
+      }
+    }
+    __syncthreads();
+    const index_t out0 = (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
+    for (int i = threadIdx.x; i < t.nc * t.nb; i += blockDim.x) {
+      const int cl = i / t.nb, b = i - cl * t.nb;
+      const index_t o = out0 + static_cast<index_t>(cl) * bins + b;
+      output[o] = static_cast<scalar_t>(s_val[cl * t.row + b]);
+      argmax[o] = s_arg[cl * t.row + b];
+    }
+    __syncthreads();
+  }
+}
+
+// Backward atomics straight into the N x C x H x W gradient: consecutive threads read consecutive grad and argmax
+// entries and add to pixels of one plane.
+template <typename scalar_t, typename acc_t, typename index_t>
+__global__ void roi_pool_backward_atomic_kernel(index_t total, const scalar_t* __restrict__ grad,
                                                 const acc_t* __restrict__ rois, const int32_t* __restrict__ argmax,
-                                                int64_t N, int64_t C, int64_t HW, int64_t bins,
-                                                acc_t* __restrict__ grad_nhwc) {
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = idx % C;
-    const int64_t kb = idx / C;
-    const int64_t k = kb / bins;
+                                                int64_t N, index_t C, index_t HW, index_t bins,
+                                                acc_t* __restrict__ grad_input) {
+  for (index_t idx = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<index_t>(gridDim.x) * blockDim.x) {
+    const int32_t a = argmax[idx];
+    if (a < 0 || a >= HW) continue;
+    const index_t kc = idx / bins;
+    const index_t k = kc / C, c = kc - k * C;
     const acc_t b = rois[k * 5];
     if (!(b >= acc_t(0) && b < static_cast<acc_t>(N))) continue;
-    const int64_t g_i = (k * C + c) * bins + kb % bins;
-    const int32_t a = argmax[g_i];
-    if (a < 0 || a >= HW) continue;
-    atomicAdd(grad_nhwc + (static_cast<int64_t>(b) * HW + a) * C + c, static_cast<acc_t>(grad[g_i]));
+    atomicAdd(grad_input + (static_cast<index_t>(b) * C + c) * HW + a, static_cast<acc_t>(grad[idx]));
   }
 }
 
@@ -107,22 +163,40 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input
                                                          double spatial_scale, int64_t pooled_h, int64_t pooled_w) {
   roi::check_roi_args("roi_pool", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_pool: input");
+  LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX, "roi_pool: output size must fit in 32 bits, got " +
+                                                            std::to_string(pooled_h) + " x " + std::to_string(pooled_w));
   c10::cuda::CUDAGuard guard(input_.device());
   const auto rois = roi::rois_in_acc_type(rois_, input_);
   const int64_t K = rois.size(0), N = input_.size(0), C = input_.size(1), H = input_.size(2), W = input_.size(3);
   auto output = at::empty({K, C, pooled_h, pooled_w}, input_.options());
   auto argmax = at::empty({K, C, pooled_h, pooled_w}, input_.options().dtype(at::kInt));
   if (output.numel() == 0) return {output, argmax};
-  const auto input = input_.contiguous(at::MemoryFormat::ChannelsLast);
+  // Channels-last features are read in place by the channel-fastest kernel; everything else as NCHW.
+  const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+  const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
   const int64_t total = output.numel();
+  const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
+  auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_pool_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    roi_pool_forward_kernel<scalar_t, acc_t>
-        <<<roi_scatter::grid_for(total), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            total, input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N, C, H, W, static_cast<int>(pooled_h),
-            static_cast<int>(pooled_w), static_cast<acc_t>(spatial_scale), output.data_ptr<scalar_t>(),
+    const acc_t scale = static_cast<acc_t>(spatial_scale);
+    roi_scatter::dispatch_index(roi_scatter::fits_int32({total, input.numel()}), [&](auto index_tag) {
+      using index_t = decltype(index_tag);
+      if (nhwc) {
+        const auto tiling = roi_scatter::make_tiling(K, C, pooled_h * pooled_w);
+        roi_pool_forward_nhwc_kernel<scalar_t, acc_t, index_t><<<roi_scatter::grid_for_tiles(tiling), kThreads, 0,
+                                                                  stream>>>(
+            tiling, input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N, static_cast<index_t>(C),
+            static_cast<int>(H), static_cast<int>(W), ph, pw, scale, output.data_ptr<scalar_t>(),
             argmax.data_ptr<int32_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+      } else {
+        roi_pool_forward_nchw_kernel<scalar_t, acc_t, index_t><<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
+            static_cast<index_t>(total), input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N,
+            static_cast<index_t>(C), static_cast<int>(H), static_cast<int>(W), ph, pw, scale,
+            output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return {output, argmax};
 }
@@ -137,23 +211,35 @@ at::Tensor roi_pool_backward_cuda(const at::Tensor& grad_, const at::Tensor& roi
   const auto acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto rois = rois_.to(acc).contiguous();
   const auto argmax = argmax_.to(at::kInt).contiguous();
-  auto grad_nhwc = at::zeros({batch_size, height, width, channels}, grad.options().dtype(acc));
-  if (grad.numel() == 0 || grad_nhwc.numel() == 0) return roi_scatter::nhwc_to_nchw(grad_nhwc, grad.scalar_type());
   const int64_t K = rois.size(0), bins = pooled_h * pooled_w;
-  const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   auto stream = c10::cuda::getCurrentCUDAStream();
+  if (!deterministic) {
+    // Accumulates in the gradient itself for float32/float64, else in a float32 NCHW buffer cast at the end.
+    auto grad_input = at::zeros({batch_size, channels, height, width}, grad.options().dtype(acc));
+    if (grad.numel() > 0 && grad_input.numel() > 0) {
+      const int64_t total = grad.numel();
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        roi_scatter::dispatch_index(roi_scatter::fits_int32({total, grad_input.numel()}), [&](auto index_tag) {
+          using index_t = decltype(index_tag);
+          roi_pool_backward_atomic_kernel<scalar_t, acc_t, index_t>
+              <<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
+                  static_cast<index_t>(total), grad.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(),
+                  argmax.data_ptr<int32_t>(), batch_size, static_cast<index_t>(channels),
+                  static_cast<index_t>(height * width), static_cast<index_t>(bins), grad_input.data_ptr<acc_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      });
+    }
+    return grad_input.scalar_type() == grad.scalar_type() ? grad_input : grad_input.to(grad.scalar_type());
+  }
+  auto grad_nhwc = at::zeros({batch_size, height, width, channels}, grad.options().dtype(acc));
+  if (grad.numel() == 0 || grad_nhwc.numel() == 0) return roi_scatter::nhwc_to_nchw(grad_nhwc, grad.scalar_type());
+  const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);
-    if (!deterministic) {
-      const int64_t total = grad.numel();
-      roi_pool_backward_atomic_kernel<scalar_t, acc_t><<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
-          total, grad.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), argmax.data_ptr<int32_t>(), batch_size,
-          channels, height * width, bins, grad_nhwc.data_ptr<acc_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
-    }
     const int64_t kbins = K * bins;
     auto counts = at::empty({kbins}, grad.options().dtype(at::kLong));
     roi_pool_count_kernel<acc_t><<<roi_scatter::grid_for(kbins), kThreads, 0, stream>>>(

@@ -1,4 +1,5 @@
-// Gradient scatter of roi_align / roi_pool into a channels-last (N x H x W x C) float accumulator.
+// Launch helpers of roi_align / roi_pool: 32-bit index selection and the (roi, channel chunk, bin tile) tiling of
+// the channels-last kernels. Gradient scatter into a channels-last (N x H x W x C) float accumulator.
 // Fast path: atomics, coalesced over channels. Deterministic path (torch.use_deterministic_algorithms): every
 // (roi, bin) lists the pixels it touches as channel-independent entries (pixel key, bin, sample id, weight); a
 // stable sort by pixel makes each pixel's entries one segment, summed by a single thread per (pixel, channel) in
@@ -8,6 +9,10 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <type_traits>
 
 #include "ops/common.h"
 
@@ -41,6 +46,88 @@ Entries alloc_entries(int64_t total, const at::Tensor& like, at::ScalarType acc)
 int grid_for(int64_t items) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(items, kThreads), int64_t(1) << 20)));
 }
+
+// 32-bit indices suffice when every index is below 2^30: grid-stride steps (at most 2^28) then cannot overflow.
+bool fits_int32(std::initializer_list<int64_t> sizes) {
+  for (const int64_t n : sizes) {
+    if (n >= (int64_t(1) << 30)) return false;
+  }
+  return true;
+}
+
+// Calls f(int32_t{}) or f(int64_t{}) so the kernel is instantiated with the index type.
+template <typename F>
+void dispatch_index(bool use_int32, F&& f) {
+  if (use_int32) {
+    f(int32_t{});
+  } else {
+    f(int64_t{});
+  }
+}
+
+// Calls f(std::true_type{}) or f(std::false_type{}) so max mode is a compile-time branch of the kernel.
+template <typename F>
+void dispatch_bool(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// Tiles of the channels-last kernels: a block takes (roi, chunk of 2^lanes_log2 channels, up to kTileBins bins).
+// A warp's lanes are consecutive channels of one bin (or of 32 >> lanes_log2 bins when C < 32), so feature reads
+// and gradient atomics of a warp hit consecutive addresses; the tile goes through shared memory so that the K x C x
+// PH x PW side is read or written by consecutive threads at consecutive addresses.
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileBins = 64;
+constexpr int kTileSmem = 32 * (kTileBins + 1);  // the largest lanes * row_stride over lanes_log2 = 0..5
+
+struct Tiling {
+  int lanes_log2;
+  int64_t c_tiles, bin_tiles, num_tiles;
+};
+
+Tiling make_tiling(int64_t K, int64_t C, int64_t bins) {
+  Tiling t;
+  t.lanes_log2 = 0;
+  while (t.lanes_log2 < 5 && (int64_t(1) << t.lanes_log2) < C) ++t.lanes_log2;
+  t.c_tiles = ceil_div(C, int64_t(1) << t.lanes_log2);
+  t.bin_tiles = ceil_div(bins, kTileBins);
+  t.num_tiles = K * t.c_tiles * t.bin_tiles;
+  return t;
+}
+
+int grid_for_tiles(const Tiling& t) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(t.num_tiles, int64_t(1) << 20)));
+}
+
+// One block's tile and this thread's place in it. Shared memory holds the tile as rows of `row` values per channel;
+// row = kTileBins + bins per warp keeps the 32 lanes of a warp on 32 different banks.
+struct Tile {
+  int64_t k, c0, b0;
+  int nc, nb;       // channels and bins in this tile
+  int lane_c;       // this thread's channel in the tile
+  int first_b, step_b;  // this thread's bins in the tile: first_b, first_b + step_b, ...
+  int row;
+
+  __device__ Tile(const Tiling& t, int64_t tile, int64_t C, int64_t bins) {
+    const int lanes = 1 << t.lanes_log2;
+    const int bins_per_warp = 32 >> t.lanes_log2;
+    const int64_t bt = tile % t.bin_tiles;
+    const int64_t rest = tile / t.bin_tiles;
+    k = rest / t.c_tiles;
+    c0 = (rest % t.c_tiles) * lanes;
+    b0 = bt * kTileBins;
+    nc = static_cast<int>(C - c0 < lanes ? C - c0 : lanes);
+    nb = static_cast<int>(bins - b0 < kTileBins ? bins - b0 : kTileBins);
+    const int lane = threadIdx.x & 31;
+    lane_c = lane & (lanes - 1);
+    first_b = (threadIdx.x >> 5) * bins_per_warp + (lane >> t.lanes_log2);
+    step_b = kWarps * bins_per_warp;
+    row = kTileBins + bins_per_warp;
+  }
+};
 
 template <typename scalar_t, typename acc_t>
 __global__ void segment_sum_kernel(int64_t num_items, int64_t C, int64_t bins, int64_t sentinel,
