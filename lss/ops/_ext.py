@@ -30,7 +30,7 @@ _HAS_CUDA = _C is not None and bool(_C.has_cuda())  # read once: torch.compile c
 
 def has_cuda_ops() -> bool:
     """Whether the CUDA kernels were compiled into the loaded extension."""
-    return _HAS_CUDA
+    return _C is not None and _HAS_CUDA
 
 
 def cuda_archs() -> str:
