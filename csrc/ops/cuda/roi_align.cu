@@ -142,8 +142,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_forward_nhwc_kernel(
       }
     }
     __syncthreads();
-    const index_t out0 =
-        (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
+    const index_t out0 = (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
     for (int i = threadIdx.x; i < t.nc * t.nb; i += blockDim.x) {
       const int cl = i / t.nb, b = i - cl * t.nb;
       const index_t o = out0 + static_cast<index_t>(cl) * bins + b;
@@ -171,8 +170,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_backward_atomic_kernel(
                                          aligned);
     // Uniform over the block (r depends on the roi only), so no thread skips a barrier another one waits at.
     if (r.batch < 0) continue;
-    const index_t g0 =
-        (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
+    const index_t g0 = (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
     for (int i = threadIdx.x; i < t.nc * t.nb; i += blockDim.x) {
       const int cl = i / t.nb, b = i - cl * t.nb;
       const index_t g = g0 + static_cast<index_t>(cl) * bins + b;
@@ -283,8 +281,7 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
   const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
   const int64_t total = output.numel();
-  const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
-  const int sr = sampling_ratio > 0 ? static_cast<int>(sampling_ratio) : 0;  // <= 0: adaptive
+  const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w), sr = static_cast<int>(sampling_ratio);
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_align_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -333,8 +330,7 @@ at::Tensor roi_align_backward_cuda(const at::Tensor& grad_, const at::Tensor& ro
   auto grad_nhwc = at::zeros({batch_size, height, width, channels}, grad.options().dtype(acc));
   if (grad.numel() == 0 || grad_nhwc.numel() == 0) return roi_scatter::nhwc_to_nchw(grad_nhwc, grad.scalar_type());
   const int64_t K = rois.size(0);
-  const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
-  const int sr = sampling_ratio > 0 ? static_cast<int>(sampling_ratio) : 0;  // <= 0: adaptive
+  const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w), sr = static_cast<int>(sampling_ratio);
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_align_backward_cuda", [&] {

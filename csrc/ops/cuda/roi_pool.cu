@@ -92,8 +92,7 @@ __global__ void __launch_bounds__(kThreads) roi_pool_forward_nhwc_kernel(
       }
     }
     __syncthreads();
-    const index_t out0 =
-        (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
+    const index_t out0 = (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
     for (int i = threadIdx.x; i < t.nc * t.nb; i += blockDim.x) {
       const int cl = i / t.nb, b = i - cl * t.nb;
       const index_t o = out0 + static_cast<index_t>(cl) * bins + b;
@@ -164,9 +163,8 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input
                                                          double spatial_scale, int64_t pooled_h, int64_t pooled_w) {
   roi::check_roi_args("roi_pool", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_pool: input");
-  LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX,
-            "roi_pool: output size must fit in 32 bits, got " + std::to_string(pooled_h) + " x " +
-                std::to_string(pooled_w));
+  LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX, "roi_pool: output size must fit in 32 bits, got " +
+                                                            std::to_string(pooled_h) + " x " + std::to_string(pooled_w));
   c10::cuda::CUDAGuard guard(input_.device());
   const auto rois = roi::rois_in_acc_type(rois_, input_);
   const int64_t K = rois.size(0), N = input_.size(0), C = input_.size(1), H = input_.size(2), W = input_.size(3);
