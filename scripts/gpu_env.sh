@@ -1,5 +1,6 @@
-# Sourced by the GPU scripts: wheels the GPU machine lacks (.whl/, made by ../shared/tools/device_wheels.sh) and
-# the in-place build of lss._C for sm_90 (skipped when an up-to-date build is already there).
+# Sourced by the GPU scripts: installs the wheels the GPU machine lacks (.whl/, made by
+# ../shared/tools/device_wheels.sh) and sets the environment for the in-place sm_90 build of lss._C that each script
+# runs (or skips when lss/_C*.so is already there).
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} FORCE_CUDA=1
 OUT=${OUT:-/tmp/lss-gpu}
 mkdir -p "$OUT"

@@ -24,7 +24,6 @@ from PIL import Image
 
 from lss.config import Config
 from lss.data import NuScenesBEV, collate
-from lss.data.loader import _worker_init
 from lss.data.transforms import crop_flip_rotate_affine, sample_augmentation
 
 BATCH = 4
@@ -104,7 +103,7 @@ def _loader_rate(ds: NuScenesBEV, workers: int, min_s: float, max_s: float) -> t
     `min_s` seconds and 2 x workers batches, at most `max_s` seconds."""
     sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=1_000_000)
     loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=workers,
-                                         collate_fn=collate, worker_init_fn=_worker_init, drop_last=True,
+                                         collate_fn=collate, drop_last=True,
                                          timeout=STALL_S, persistent_workers=False)
     t_start = time.perf_counter()
     it = iter(loader)

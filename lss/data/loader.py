@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import cv2
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -33,11 +32,6 @@ def collate(items: Sequence[dict]) -> dict:
         else:
             batch[key] = values
     return batch
-
-
-def _worker_init(_worker_id: int) -> None:
-    # Each worker decodes on one core; OpenCV's own thread pool would oversubscribe the machine.
-    cv2.setNumThreads(1)
 
 
 def ensure_dataset(config: Config) -> None:
@@ -70,5 +64,5 @@ def build_dataloader(config: Config, split: str, is_train: bool, distributed: bo
     workers = config.data.workers
     return DataLoader(dataset, batch_size=batch_size, shuffle=is_train and sampler is None, sampler=sampler,
                       num_workers=workers, collate_fn=collate, pin_memory=torch.cuda.is_available(),
-                      drop_last=is_train, persistent_workers=workers > 0, worker_init_fn=_worker_init,
+                      drop_last=is_train, persistent_workers=workers > 0,
                       prefetch_factor=4 if workers > 0 else None)

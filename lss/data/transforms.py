@@ -20,9 +20,10 @@ import cv2
 import numpy as np
 from PIL import Image
 
-# One OpenCV thread per process: parallelism comes from loader workers, and a thread pool started in the parent
-# before DataLoader forks its workers can deadlock them (seen on a 16-core machine).
+# One OpenCV thread per process (forked loader workers inherit it): parallelism comes from the workers, and a
+# thread pool started in the parent before DataLoader forks them can deadlock them (seen on a 16-core machine).
 cv2.setNumThreads(1)
+
 
 @dataclass(frozen=True)
 class ImageAugmentation:

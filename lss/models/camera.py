@@ -90,6 +90,5 @@ class CameraEncoder(nn.Module):
         out = self.head(self.fuse(stride32, stride16))
         logits = out[:, : self.depth_bins]
         context = out[:, self.depth_bins:]
-        if return_logits:
-            return logits.softmax(dim=1), context, logits
-        return logits.softmax(dim=1), context
+        depth = logits.softmax(dim=1)
+        return (depth, context, logits) if return_logits else (depth, context)
