@@ -109,6 +109,19 @@ def _check_rig(name: str, t: torch.Tensor, tail: tuple, B: int, N: int) -> None:
         raise ValueError(f"frustum_to_ego: {name} must be {want} (B={B}, N={N} from intrinsics), got {tuple(t.shape)}")
 
 
+def inverse_3x3(m: torch.Tensor) -> torch.Tensor:
+    """... x 3 x 3 -> ... x 3 x 3 inverses from the adjugate: a few elementwise kernels, no solver library, no
+    host sync, safe inside a CUDA-graph capture (a singular matrix gives inf/NaN, which drops its points)."""
+    a, b, c = m[..., 0, 0], m[..., 0, 1], m[..., 0, 2]
+    d, e, f = m[..., 1, 0], m[..., 1, 1], m[..., 1, 2]
+    g, h, i = m[..., 2, 0], m[..., 2, 1], m[..., 2, 2]
+    cofactors = torch.stack([e * i - f * h, c * h - b * i, b * f - c * e,
+                             f * g - d * i, a * i - c * g, c * d - a * f,
+                             d * h - e * g, b * g - a * h, a * e - b * d], dim=-1)
+    det = a * cofactors[..., 0] + b * cofactors[..., 3] + c * cofactors[..., 6]
+    return (cofactors / det.unsqueeze(-1)).unflatten(-1, (3, 3))
+
+
 def frustum_to_ego(frustum: torch.Tensor, intrinsics: torch.Tensor, sensor2ego_rot: torch.Tensor,
                    sensor2ego_trans: torch.Tensor, post_rot: torch.Tensor, post_trans: torch.Tensor) -> torch.Tensor:
     """Ego-frame points of every frustum point: undo the augmentation, unproject at depth d, camera -> ego.
@@ -133,10 +146,10 @@ def frustum_to_ego(frustum: torch.Tensor, intrinsics: torch.Tensor, sensor2ego_r
         D, fH, fW, _ = pts.shape
         # undo the image augmentation: pixel = post_rot^-1 (pixel_aug - post_trans)
         pts = pts.view(1, 1, D * fH * fW, 3) - ptrans.view(B, N, 1, 3)
-        pts = pts @ torch.linalg.inv_ex(prot).inverse.transpose(-1, -2)
+        pts = pts @ inverse_3x3(prot).transpose(-1, -2)
         # (u, v, d) -> (u d, v d, d), then camera -> ego through rot @ K^-1
         pts = torch.cat([pts[..., :2] * pts[..., 2:3], pts[..., 2:3]], dim=-1)
-        cam_to_ego = rot @ torch.linalg.inv_ex(K).inverse  # inv_ex: no error check, no host sync
+        cam_to_ego = rot @ inverse_3x3(K)
         pts = pts @ cam_to_ego.transpose(-1, -2) + trans.view(B, N, 1, 3)
         return pts.view(B, N, D, fH, fW, 3)
 
@@ -260,7 +273,8 @@ class FrustumLUT:
 
     @classmethod
     def build(cls, points: torch.Tensor, grid: BevGrid) -> "FrustumLUT":
-        """From ego points B x N x D x fH x fW x 3 (metres) and the grid, on the points' device, without a host sync."""
+        """From ego points B x N x D x fH x fW x 3 (metres) and the grid, on the points' device, without a host sync
+        or host-to-device copy (capturable in a CUDA graph)."""
         if points.dim() != 6 or points.shape[-1] != 3:
             raise ValueError(f"FrustumLUT.build: points must be B x N x D x fH x fW x 3, got {tuple(points.shape)}")
         B, N, D, fH, fW, _ = points.shape
@@ -269,12 +283,13 @@ class FrustumLUT:
         idx_dtype = _index_dtype(P, cells + 1)
         device = points.device
         with torch.autocast(device_type=device.type, enabled=False):
-            lower = torch.tensor(grid.lower, dtype=torch.float32, device=device)
-            size = torch.tensor(grid.cell_size, dtype=torch.float32, device=device)
-            n = torch.tensor([nx, ny, nz], dtype=torch.float32, device=device)
-            # floor (not truncation) so points just below min fall outside; NaN compares false and is dropped
-            cell_f = torch.floor((points.reshape(B, -1, 3).float() - lower) / size)
-            kept = ((cell_f >= 0) & (cell_f < n)).all(dim=-1)
+            pts = points.reshape(B, -1, 3).float()
+            # floor (not truncation) so points just below min fall outside; NaN compares false and is dropped.
+            # Per axis with Python scalars: no host-to-device copy, so the build can be captured in a CUDA graph.
+            cell_f = torch.stack([torch.floor((pts[..., a] - grid.lower[a]) / grid.cell_size[a]) for a in range(3)],
+                                 dim=-1)
+            kept = (cell_f[..., 0] >= 0) & (cell_f[..., 0] < nx) & (cell_f[..., 1] >= 0) & (cell_f[..., 1] < ny) \
+                & (cell_f[..., 2] >= 0) & (cell_f[..., 2] < nz)
             ijk = torch.where(kept.unsqueeze(-1), cell_f, 0.0).to(idx_dtype)
             batch = torch.arange(B, dtype=idx_dtype, device=device).view(B, 1)
             cell = ((batch * nz + ijk[..., 2]) * nx + ijk[..., 0]) * ny + ijk[..., 1]

@@ -18,6 +18,7 @@ LSS_CONFIG = ["data.classes=[vehicle]", "loss.type=bce"]  # the defaults are the
 QUICK_CONFIG = LSS_CONFIG + ["data.final_dim=[32, 96]", "grid.xbound=[-8.0, 8.0, 1.0]",
                              "grid.ybound=[-8.0, 8.0, 1.0]", "grid.dbound=[4.0, 12.0, 2.0]"]
 IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last, torch.compile mode of the encoders or None)
+    "lss_cuda_graph": ("bev_pool", torch.bfloat16, True, None),  # the whole step as one CUDA graph (train.cuda_graph)
     "lss": ("bev_pool", torch.bfloat16, True, None),
     "lss_compiled": ("bev_pool", torch.bfloat16, True, "default"),
     "lss_cudagraphs": ("bev_pool", torch.bfloat16, True, "reduce-overhead"),
@@ -93,6 +94,32 @@ def make_train_step(cfg: Config, model, loss_fn, autocast, batches: list[dict]):
     return train_step, optimizer
 
 
+def make_graphed_train_step(cfg: Config, model, loss_fn, batches: list[dict]):
+    """As make_train_step, with the whole step captured once as a CUDA graph (what `train.cuda_graph: true` runs);
+    the first call captures. Also returns a function describing the memory the captured step holds."""
+    from lss.engine.graph_step import GraphedTrainStep
+
+    optimizer = build_optimizer(cfg, model)
+    step = GraphedTrainStep(model, loss_fn, optimizer, torch.bfloat16, cfg.optim.grad_clip)
+    counter = [0]
+
+    def train_step():
+        step(batches[counter[0] % len(batches)])
+        counter[0] += 1
+
+    def memory() -> str:
+        device = next(model.parameters()).device
+        torch.cuda.synchronize(device)
+        pool = tuple(step.graph.pool())
+        graph_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                          if tuple(seg.get("segment_pool_id", ())) == pool)
+        return (f"{torch.cuda.memory_reserved(device) / 1e9:.2f} GB reserved in all after the capture (graph pool "
+                f"{graph_bytes / 1e9:.2f} GB, parameters, optimizer state, inputs), "
+                f"{torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated between steps")
+
+    return train_step, optimizer, memory
+
+
 def _peak_memory(device: torch.device, fn) -> str:
     """Peak allocated device memory during one call of `fn`, as text for the notes."""
     if device.type != "cuda":
@@ -116,23 +143,34 @@ def run(ctx) -> list[dict]:
     if unknown:
         raise ValueError(f"LSS_TRAIN_STEP_IMPLS names {unknown}; choose from {', '.join(IMPLS)}")
     for impl in chosen.split(",") if chosen else IMPLS:
-        if IMPLS[impl][3] is not None and (ctx.quick or device.type != "cuda"):
-            continue  # compilation takes minutes on CPU
+        graphed = impl == "lss_cuda_graph"
+        if (IMPLS[impl][3] is not None and (ctx.quick or device.type != "cuda")) or (graphed and device.type != "cuda"):
+            continue  # compilation takes minutes on CPU; CUDA graphs need a GPU
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
         cfg = load_config(None, overrides)
         model, loss_fn, autocast = _build(cfg, impl, device)
         batches = random_batches(cfg, 1 if ctx.quick else 4, device)
-        train_step, optimizer = make_train_step(cfg, model, loss_fn, autocast, batches)
+        if graphed:
+            train_step, optimizer, memory = make_graphed_train_step(cfg, model, loss_fn, batches)
+        else:
+            train_step, optimizer = make_train_step(cfg, model, loss_fn, autocast, batches)
         model.train()
-        for _ in range(1 if ctx.quick else 3):  # compilation and cuDNN autotuning happen outside the timing
+        for _ in range(1 if ctx.quick else 3):  # compilation, capture and cuDNN autotuning happen outside the timing
             train_step()
         ms = ctx.time(train_step, warmup=5, reps=20)
-        peak = _peak_memory(device, train_step)
+        peak = memory() if graphed else _peak_memory(device, train_step)
         b, n, _, h, w = batches[0]["images"].shape
         nx, ny = _grid_shape(cfg)
         desc = shape.format(b=b, h=h, w=w, d=model.splat.depth_bins, nx=nx, ny=ny)
         rows.append({"case": "train_step_B4" if not ctx.quick else "train_step_quick", "impl": impl, "ms": ms,
                      "floor_ms": None, "notes": f"{desc}; {peak}; fwd+bwd+Adam, LUT rebuilt per step"})
 
+        if graphed:  # its inference is the eager `lss` row's
+            del model, optimizer, batches, train_step
+            torch.cuda.empty_cache()
+            continue
         model.eval()
         one = {k: v[:1] for k, v in batches[0].items()}
 

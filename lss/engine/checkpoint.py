@@ -56,12 +56,30 @@ def save_checkpoint(path: Union[str, Path], model: nn.Module, step: int, config:
         "step": int(step),
         "config": config_to_dict(config),
         "model": unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": _portable_optimizer(optimizer.state_dict()) if optimizer is not None else None,
+        "scheduler": _portable_scheduler(scheduler.state_dict()) if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": extra or {},
     }
     atomic_save(state, path)
+
+
+def _plain(value):
+    return float(value) if torch.is_tensor(value) else value
+
+
+def _portable_optimizer(state: dict) -> dict:
+    """A captured training step (train.cuda_graph) keeps the learning rate as a device tensor and the optimizer
+    capturable; the checkpoint stores the plain form, which either kind of run resumes from."""
+    groups = [{**g, "lr": _plain(g["lr"]), **({"capturable": False} if "capturable" in g else {})}
+              for g in state["param_groups"]]
+    return {**state, "param_groups": groups}
+
+
+def _portable_scheduler(state: dict) -> dict:
+    if "_last_lr" in state:
+        state = {**state, "_last_lr": [_plain(v) for v in state["_last_lr"]]}
+    return state
 
 
 def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> dict:

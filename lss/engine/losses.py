@@ -35,6 +35,8 @@ class SegmentationLoss(nn.Module):
             raise ConfigError(f"loss.class_weights has {len(weights)} values but data.classes has "
                               f"{len(self.classes)} ({list(self.classes)})")
         self.register_buffer("class_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
+        # a buffer, not a tensor made per call: no host-to-device copy inside a captured training step
+        self.register_buffer("pos_weight_tensor", torch.tensor(float(self.pos_weight)), persistent=False)
 
     def forward(self, outputs: dict, batch: dict) -> dict:
         logits = outputs["segmentation"].float()
@@ -54,8 +56,8 @@ class SegmentationLoss(nn.Module):
 
     def _elementwise(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.type == "bce":
-            pos_weight = torch.tensor(self.pos_weight, device=logits.device)
-            return F.binary_cross_entropy_with_logits(logits, targets, pos_weight=pos_weight, reduction="none")
+            return F.binary_cross_entropy_with_logits(logits, targets, pos_weight=self.pos_weight_tensor,
+                                                      reduction="none")
         return sigmoid_focal_loss(logits, targets, alpha=self.alpha, gamma=self.gamma, reduction="none")
 
 
@@ -86,16 +88,22 @@ def depth_loss(outputs: dict, targets: torch.Tensor) -> torch.Tensor:
                          "and grid.dbound must be the same for the data and the model")
     if targets.dtype != torch.int64:
         raise ValueError(f"depth_targets must be int64 bin indices, got {targets.dtype}")
-    bins = scores.shape[2]
     targets = targets.to(scores.device)
-    if bool(((targets < -1) | (targets >= bins)).any()):
-        raise ValueError(f"depth_targets hold values outside [-1, {bins}) for {bins} depth bins; the targets and "
-                         "the model must use the same grid.dbound")
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        check_depth_targets(targets, scores.shape[2])  # a captured step checks its CPU batch before each replay
     with torch.autocast(device_type=scores.device.type, enabled=False):
         scores = scores.float().flatten(0, 1)  # B*N x D x fH x fW
         log_prob = scores.log_softmax(dim=1) if from_logits else scores.clamp_min(1e-12).log()
         total = F.nll_loss(log_prob, targets.flatten(0, 1), ignore_index=-1, reduction="sum")
         return total / (targets >= 0).sum().clamp(min=1)
+
+
+def check_depth_targets(targets: torch.Tensor, bins: int) -> None:
+    """Raise unless every depth target is a bin index in [0, bins) or -1 (no lidar return); syncs with the device
+    when the targets live there."""
+    if bool(((targets < -1) | (targets >= bins)).any()):
+        raise ValueError(f"depth_targets hold values outside [-1, {bins}) for {bins} depth bins; the targets and "
+                         "the model must use the same grid.dbound")
 
 
 def check_depth_config(config: Config) -> None:

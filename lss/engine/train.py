@@ -22,7 +22,8 @@ from lss.config import Config, ConfigError, config_to_dict, save_config
 from lss.engine import checkpoint as ckpt_io
 from lss.engine.distributed import DistInfo, EpochSampler, barrier, init_distributed, shutdown
 from lss.engine.eval import evaluate
-from lss.engine.losses import TotalLoss
+from lss.engine.graph_step import GraphedTrainStep, check_graph_config
+from lss.engine.losses import TotalLoss, check_depth_targets
 
 ModelFn = Callable[[Config], nn.Module]
 DatasetFn = Callable[[Config, str, bool], Dataset]
@@ -201,6 +202,11 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         if t.compile:
             compile_encoders(self.model, t.compile_mode)
+        self.graph_step: Optional[GraphedTrainStep] = None
+        if t.cuda_graph:
+            check_graph_config(cfg, device, dist_info.enabled)
+            self.graph_step = GraphedTrainStep(self.model, self.loss_fn, self.optimizer, self.amp_dtype,
+                                               cfg.optim.grad_clip, check_batch=self._check_batch)
         self.net = self.model
         if dist_info.enabled:
             ids = [device.index] if device.type == "cuda" else None
@@ -241,9 +247,17 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
+    def _check_batch(self, batch: dict) -> None:
+        """Host-side checks of a batch for the captured step (which cannot sync inside)."""
+        splat = getattr(self.model, "splat", None)
+        if "depth_targets" in batch and splat is not None:
+            check_depth_targets(batch["depth_targets"], splat.depth_bins)
+
     def run_step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over `micro_batches` (gradient accumulation); returns the mean loss terms."""
         self.net.train()
+        if self.graph_step is not None:
+            return self._run_graph_step(micro_batches[0])
         totals: dict = {}
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -278,6 +292,18 @@ class Trainer:
         out["grad_norm"] = float(grad_norm)
         return out
 
+    def _run_graph_step(self, batch: dict) -> dict:
+        values = self.graph_step(batch)
+        names = sorted(values)
+        out = dict(zip(names, torch.stack([values[k].float() for k in names]).tolist()))  # the one sync per step
+        if not math.isfinite(out["loss"]):
+            raise FloatingPointError(f"loss is {out['loss']} at step {self.step + 1} (train.cuda_graph: this step's "
+                                     "update was applied; the checkpoints on disk predate it); lower optim.lr, "
+                                     "check the data, or resume from the last good checkpoint")
+        self.scheduler.step()
+        self.step += 1
+        return out
+
     def fit(self) -> dict:
         t = self.cfg.train
         stream = self.batches()
@@ -289,7 +315,7 @@ class Trainer:
                 logs = self.run_step([next(stream) for _ in range(t.grad_accum)])
                 logs["step_time"] = time.perf_counter() - start
                 logs["samples_per_s"] = t.batch_size * t.grad_accum * self.dist.world_size / logs["step_time"]
-                logs["lr"] = self.scheduler.get_last_lr()[0]
+                logs["lr"] = float(self.scheduler.get_last_lr()[0])  # a device tensor with train.cuda_graph
                 bar.update(1)
                 bar.set_postfix(epoch=self.epoch, loss=f"{logs['loss']:.4f}")
                 for hook in self.hooks:

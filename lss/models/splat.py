@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lss.geometry import BevGrid, FrustumLUT, FrustumLUTCache, frustum
+from lss.geometry import BevGrid, FrustumLUT, FrustumLUTCache, frustum, frustum_to_ego
 from lss.ops import bev_pool, bev_pool_reference
 
 SPLAT_IMPLS = ("bev_pool", "reference")
@@ -36,6 +36,10 @@ class Splat(nn.Module):
         names = ("intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")
         rig = [batch[k].to(device=self.frustum.device, dtype=torch.float32) for k in names]
         with torch.autocast(device_type=self.frustum.device.type, enabled=False):
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # inside a captured training step (train.cuda_graph) the rig changes every replay and the cache's
+                # comparison would need a host sync: build every time
+                return FrustumLUT.build(frustum_to_ego(self.frustum.contiguous(), *rig), self.grid)
             return self.lut_cache.get(self.frustum.contiguous(), *rig, self.grid)
 
     def forward(self, depth: torch.Tensor, context: torch.Tensor, lut: FrustumLUT) -> torch.Tensor:

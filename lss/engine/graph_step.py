@@ -1,0 +1,178 @@
+"""`train.cuda_graph`: the whole training step (lookup-table build, forward, loss, backward, gradient clipping,
+optimizer update) captured once as one CUDA graph and replayed on static input buffers.
+
+The eager step launches about 2,000 small kernels (EfficientNet-B0 has many small layers), so it is bound by the
+host; a replay is one launch. The graph's private memory pool reuses freed blocks within the step as the eager
+step does, so the step needs about the eager step's memory (per-module CUDA graphs, `train.compile_mode:
+reduce-overhead`, keep forward and backward memory apart and need about twice that).
+
+Requirements, checked by `check_graph_config`: one CUDA process, gradient accumulation 1, bf16 or no autocast (fp16
+needs a GradScaler and its host-side skip logic), Adam/AdamW, the segmentation model without the detection head
+(its decoding has data-dependent sizes), and batches of one fixed set of shapes (the train loader drops the last
+partial batch).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from lss.config import Config, ConfigError
+
+
+def check_graph_config(cfg: Config, device: torch.device, distributed: bool) -> None:
+    """Raise a ConfigError naming the setting to change when `train.cuda_graph` cannot be used."""
+    t = cfg.train
+    problems = []
+    if device.type != "cuda":
+        problems.append(f"it needs a CUDA device (training runs on {device})")
+    if distributed:
+        problems.append("it runs in one process only (use train.compile_mode: reduce-overhead with torchrun)")
+    if t.grad_accum != 1:
+        problems.append(f"it needs train.grad_accum: 1 (got {t.grad_accum})")
+    if t.amp == "fp16":
+        problems.append("it needs train.amp: bf16 or none (fp16 needs a loss scaler)")
+    if t.compile and t.compile_mode == "reduce-overhead":
+        problems.append("train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the other")
+    if "detection" in cfg.model.heads:
+        problems.append("the detection head's decoding has data-dependent sizes")
+    if problems:
+        raise ConfigError("train.cuda_graph: true cannot be used here: " + "; ".join(problems) +
+                          ". Set train.cuda_graph: false")
+
+
+class GraphedTrainStep:
+    """step(batch) -> {"loss": ..., "loss/<class>": ..., "grad_norm": ...} (0-dim device tensors, valid until the
+    next call) for one optimizer step on `batch`, under autocast to `amp_dtype` (None: no autocast).
+
+    The first call copies the batch into static buffers, runs `warmup` eager steps on a side stream (cuDNN
+    autotuning, optimizer state allocation), puts the parameters, buffers, optimizer state and RNG back as they
+    were, and captures one step; every call then copies its batch into the buffers and replays. The result is the
+    same parameter trajectory as eager steps. `capture=False` runs the same step eagerly on the static buffers
+    (for CPU tests of everything but the capture).
+
+    `check_batch(batch)` runs on every incoming batch before it is copied (host-side validation that the captured
+    step cannot do without a sync). The optimizer's learning rate becomes a device tensor (the scheduler fills it in
+    place; the graph reads it at every replay).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
+                 amp_dtype: Optional[torch.dtype], grad_clip: float, warmup: int = 2, capture: bool = True,
+                 check_batch: Optional[Callable[[dict], None]] = None):
+        if warmup < 1:
+            raise ValueError(f"GraphedTrainStep: warmup must be >= 1 (the optimizer state must exist before the "
+                             f"capture), got {warmup}")
+        self.model, self.loss_fn, self.optimizer, self.amp_dtype = model, loss_fn, optimizer, amp_dtype
+        self.grad_clip = grad_clip if grad_clip > 0 else float("inf")
+        self.warmup, self.capture = warmup, capture
+        self.check_batch = check_batch
+        self.static: Optional[dict] = None
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.outputs: Optional[dict] = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def __call__(self, batch: dict) -> dict:
+        if self.check_batch is not None:
+            self.check_batch(batch)
+        if self.static is None:
+            self._setup(batch)
+        else:
+            self._load(batch)
+        if self.graph is not None:
+            self.graph.replay()  # the captured backward writes (not adds to) the gradients
+            return self.outputs
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._step()
+
+    # -- static inputs
+    def _load(self, batch: dict) -> None:
+        tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+        if tensors.keys() != self.static.keys():
+            raise ValueError(f"train.cuda_graph: the batch holds tensors {sorted(tensors)} but the captured step was "
+                             f"built for {sorted(self.static)}; every batch must hold the same entries")
+        for k, v in tensors.items():
+            buf = self.static[k]
+            if v.shape != buf.shape or v.dtype != buf.dtype:
+                raise ValueError(f"train.cuda_graph: batch[{k!r}] is {tuple(v.shape)} {v.dtype} but the captured "
+                                 f"step was built for {tuple(buf.shape)} {buf.dtype}; every batch must have the same "
+                                 "shapes (fixed image size, drop_last) or set train.cuda_graph: false")
+            buf.copy_(v, non_blocking=True)
+
+    def _setup(self, batch: dict) -> None:
+        device = self.device
+        self.static = {k: v.to(device).clone() for k, v in batch.items() if torch.is_tensor(v)}
+        if self.capture:
+            for group in self.optimizer.param_groups:
+                if not torch.is_tensor(group["lr"]):
+                    group["lr"] = torch.tensor(float(group["lr"]), device=device)
+                group["capturable"] = True
+        snapshot = _Snapshot(self.model, self.optimizer)
+        side = torch.cuda.Stream(device) if self.capture else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for _ in range(self.warmup):
+                self.optimizer.zero_grad(set_to_none=True)
+                self._step()
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+        snapshot.restore()
+        self.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in its pool
+        if not self.capture:
+            return
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.outputs = self._step()
+        torch.cuda.empty_cache()  # the warm-up's cached blocks; the graph's pool keeps what the step needs
+
+    def autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        # no cast cache: cached casts would outlive the capture that allocated them
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=False)
+
+    def _step(self) -> dict:
+        with self.autocast():
+            outputs = self.model(self.static)
+        losses = self.loss_fn(outputs, self.static)
+        losses["loss"].backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+        self.optimizer.step()
+        out = {k: v.detach() for k, v in losses.items()}
+        out["grad_norm"] = grad_norm.detach()
+        return out
+
+
+class _Snapshot:
+    """Parameters, buffers, optimizer state and RNG as they were, to undo the warm-up steps in place (the graph
+    binds the tensors' addresses, so the same tensors get their old values back)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.tensors = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+        self.optimizer_state = {id(p): {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                                for p, s in optimizer.state.items()}
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            v.detach().copy_(self.tensors[k])
+        for p, state in self.optimizer.state.items():
+            old = self.optimizer_state.get(id(p))
+            for k, v in state.items():
+                if not torch.is_tensor(v):
+                    continue
+                if old is None:
+                    v.zero_()  # Adam's fresh state: step 0 and zero moments
+                else:
+                    v.copy_(old[k])
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
