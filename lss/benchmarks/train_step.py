@@ -19,6 +19,7 @@ QUICK_CONFIG = LSS_CONFIG + ["data.final_dim=[32, 96]", "grid.xbound=[-8.0, 8.0,
                              "grid.ybound=[-8.0, 8.0, 1.0]", "grid.dbound=[4.0, 12.0, 2.0]"]
 IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last, torch.compile mode of the encoders or None)
     "lss_cuda_graph": ("bev_pool", torch.bfloat16, True, None),  # the whole step as one CUDA graph (train.cuda_graph)
+    "lss_cuda_graph_compiled": ("bev_pool", torch.bfloat16, True, "default"),  # ... with train.compile: true
     "lss": ("bev_pool", torch.bfloat16, True, None),
     "lss_compiled": ("bev_pool", torch.bfloat16, True, "default"),
     "lss_cudagraphs": ("bev_pool", torch.bfloat16, True, "reduce-overhead"),
@@ -143,7 +144,7 @@ def run(ctx) -> list[dict]:
     if unknown:
         raise ValueError(f"LSS_TRAIN_STEP_IMPLS names {unknown}; choose from {', '.join(IMPLS)}")
     for impl in chosen.split(",") if chosen else IMPLS:
-        graphed = impl == "lss_cuda_graph"
+        graphed = impl.startswith("lss_cuda_graph")
         if (IMPLS[impl][3] is not None and (ctx.quick or device.type != "cuda")) or (graphed and device.type != "cuda"):
             continue  # compilation takes minutes on CPU; CUDA graphs need a GPU
         if device.type == "cuda":
@@ -167,8 +168,10 @@ def run(ctx) -> list[dict]:
         rows.append({"case": "train_step_B4" if not ctx.quick else "train_step_quick", "impl": impl, "ms": ms,
                      "floor_ms": None, "notes": f"{desc}; {peak}; fwd+bwd+Adam, LUT rebuilt per step"})
 
-        if graphed:  # its inference is the eager `lss` row's
+        if graphed:  # its inference is the eager `lss` (or `lss_compiled`) row's
             del model, optimizer, batches, train_step
+            if IMPLS[impl][3] is not None:
+                torch._dynamo.reset()
             torch.cuda.empty_cache()
             continue
         model.eval()
