@@ -113,6 +113,7 @@ class TrainConfig:
     channels_last: bool = True
     compile: bool = False
     compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune..."
+    compile_memory_budget: float = 1.0  # with compile: < 1 recomputes activations in the backward (less memory)
     cuda_graph: bool = False  # capture the whole step (LUT, forward, loss, backward, optimizer) as one CUDA graph
     seed: int = 0
     deterministic: bool = False

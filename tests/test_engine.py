@@ -456,5 +456,12 @@ def test_compile_encoders_wraps_trainable_children_and_rejects_unknown_modes():
     model.frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ConfigError, match="train.compile_mode='fast'.*reduce-overhead"):
         compile_encoders(model, "fast")
-    compile_encoders(model, "reduce-overhead")
+    with pytest.raises(ConfigError, match=r"train.compile_memory_budget=1.5: expected a fraction in \(0, 1\]"):
+        compile_encoders(model, "default", 1.5)
+    import torch._functorch.config as functorch_config
+
+    compile_encoders(model, "reduce-overhead", 0.5)
     assert model.encoder._compiled_call_impl is not None and model.frozen._compiled_call_impl is None
+    assert functorch_config.activation_memory_budget == 0.5
+    compile_encoders(nn.Module(), "default")
+    assert functorch_config.activation_memory_budget == 1.0

@@ -20,6 +20,7 @@ QUICK_CONFIG = LSS_CONFIG + ["data.final_dim=[32, 96]", "grid.xbound=[-8.0, 8.0,
 IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last, torch.compile mode of the encoders or None)
     "lss_cuda_graph": ("bev_pool", torch.bfloat16, True, None),  # the whole step as one CUDA graph (train.cuda_graph)
     "lss_cuda_graph_compiled": ("bev_pool", torch.bfloat16, True, "default"),  # ... with train.compile: true
+    "lss_cuda_graph_compiled_budget": ("bev_pool", torch.bfloat16, True, "default"),  # ... and a memory budget
     "lss": ("bev_pool", torch.bfloat16, True, None),
     "lss_compiled": ("bev_pool", torch.bfloat16, True, "default"),
     "lss_cudagraphs": ("bev_pool", torch.bfloat16, True, "reduce-overhead"),
@@ -27,6 +28,7 @@ IMPLS = {  # name -> (model.splat, autocast dtype on CUDA, channels_last, torch.
     "reference_splat_fp32": ("reference", None, False, None),
 }
 AUG_VARIANTS = 4
+MEMORY_BUDGET = 0.5  # train.compile_memory_budget of the *_budget rows
 
 
 def random_batches(cfg: Config, batch_size: int, device: torch.device, variants: int = AUG_VARIANTS) -> list[dict]:
@@ -66,7 +68,7 @@ def _build(cfg: Config, impl: str, device: torch.device):
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if compile_mode is not None:  # as `train.compile: true` with `train.compile_mode` does
-        compile_encoders(model, compile_mode)
+        compile_encoders(model, compile_mode, MEMORY_BUDGET if impl.endswith("_budget") else 1.0)
     use_amp = dtype is not None and device.type == "cuda"
 
     def autocast():
@@ -114,7 +116,8 @@ def make_graphed_train_step(cfg: Config, model, loss_fn, batches: list[dict]):
         pool = tuple(step.graph.pool())
         graph_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                           if tuple(seg.get("segment_pool_id", ())) == pool)
-        return (f"{torch.cuda.memory_reserved(device) / 1e9:.2f} GB reserved in all after the capture (graph pool "
+        return (f"peak {step.peak_bytes / 1e9:.2f} GB allocated (measured over the capture), "
+                f"{torch.cuda.memory_reserved(device) / 1e9:.2f} GB reserved in all after the capture (graph pool "
                 f"{graph_bytes / 1e9:.2f} GB, parameters, optimizer state, inputs), "
                 f"{torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated between steps")
 

@@ -50,7 +50,8 @@ class GraphedTrainStep:
     The first call copies the batch into static buffers, runs `warmup` eager steps on a side stream (cuDNN
     autotuning, optimizer state allocation), puts the parameters, buffers, optimizer state and RNG back as they
     were, and captures one step; every call then copies its batch into the buffers and replays. The result is the
-    same parameter trajectory as eager steps. `capture=False` runs the same step eagerly on the static buffers
+    same parameter trajectory as eager steps. The capture resets the CUDA peak-memory statistics and records the
+    step's peak in `peak_bytes`. `capture=False` runs the same step eagerly on the static buffers
     (for CPU tests of everything but the capture).
 
     `check_batch(batch)` runs on every incoming batch before it is copied (host-side validation that the captured
@@ -71,6 +72,7 @@ class GraphedTrainStep:
         self.static: Optional[dict] = None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.outputs: Optional[dict] = None
+        self.peak_bytes: Optional[int] = None  # peak allocated device memory of a step (CUDA, after the capture)
 
     @property
     def device(self) -> torch.device:
@@ -126,8 +128,12 @@ class GraphedTrainStep:
         if not self.capture:
             return
         self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = self._step()
+        # the capture allocates and frees as a replay does, so its peak is the step's peak
+        self.peak_bytes = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()  # the warm-up's cached blocks; the graph's pool keeps what the step needs
 
     def autocast(self):

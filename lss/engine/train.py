@@ -80,12 +80,19 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def compile_encoders(model: nn.Module, mode: str = "default") -> None:
-    """torch.compile every trainable submodule (camera and BEV encoders, heads) in place; the LUT build stays eager
-    (its sizes depend on the calibration). "reduce-overhead" replays them as CUDA graphs, which removes the host
-    cost of launching their kernels one by one."""
+def compile_encoders(model: nn.Module, mode: str = "default", memory_budget: float = 1.0) -> None:
+    """torch.compile every trainable submodule (camera and BEV encoders, heads) in place; the LUT build stays eager.
+    "reduce-overhead" replays them as CUDA graphs, which removes the host cost of launching their kernels one by
+    one. memory_budget < 1 lets the compiler recompute activations in the backward instead of keeping them, down to
+    that fraction of the activation memory (process-wide: torch._functorch's activation_memory_budget)."""
     if mode not in COMPILE_MODES:
         raise ConfigError(f"train.compile_mode={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    if not 0.0 < memory_budget <= 1.0:
+        raise ConfigError(f"train.compile_memory_budget={memory_budget}: expected a fraction in (0, 1] (1 keeps "
+                          "what the compiler's default partition keeps)")
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = memory_budget
     for module in model.children():
         if any(p.requires_grad for p in module.parameters()):
             module.compile(mode=mode)
@@ -201,7 +208,7 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         if t.compile:
-            compile_encoders(self.model, t.compile_mode)
+            compile_encoders(self.model, t.compile_mode, t.compile_memory_budget)
         self.graph_step: Optional[GraphedTrainStep] = None
         if t.cuda_graph:
             check_graph_config(cfg, device, dist_info.enabled)
