@@ -3,7 +3,8 @@
 // warps of consecutive channels and the tile is written out through shared memory. Backward accumulates into a
 // channels-last float buffer (the sample geometry does not depend on the channel, so a warp's atomics hit
 // consecutive addresses): coalesced atomics by default, a sort-based segment sum when
-// torch.use_deterministic_algorithms(True) is on.
+// torch.use_deterministic_algorithms(True) is on. The forward kernels also validate the rois (roi::roi_ok): a bad roi
+// pools to zeros and sets an error flag that the host reads once after the kernel to raise a clear error.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 

@@ -1,7 +1,8 @@
 // CUDA RoIPool. Forward: NCHW features are read in place by one thread per output with the bin fastest; channels_last
 // features by warps of consecutive channels, the tile written out through shared memory. Backward: each output adds
 // its gradient to its arg-max pixel, directly in the NCHW gradient (float32 buffer for fp16/bf16); under
-// torch.use_deterministic_algorithms(True) the sort-based segment sum of roi_scatter.cuh instead.
+// torch.use_deterministic_algorithms(True) the sort-based segment sum of roi_scatter.cuh instead. The forward kernels
+// validate the rois (roi::roi_ok): a bad roi pools to zeros and sets an error flag read once after the kernel.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
