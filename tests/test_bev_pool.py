@@ -8,6 +8,7 @@ from lss.ops import bev_pool, bev_pool_reference, has_ext
 
 needs_ext = pytest.mark.skipif(not has_ext(), reason="lss._C not built")
 LSS_GRID = ((-50.0, 50.0, 0.5), (-50.0, 50.0, 0.5), (-10.0, 10.0, 20.0))
+TWO_LEVEL_GRID = ((-50.0, 50.0, 0.5), (-50.0, 50.0, 0.5), (-10.0, 10.0, 10.0))  # nz = 2: z-major output channels
 
 
 def random_lut(B=2, N=6, final_dim=(64, 176), downsample=16, dbound=(4.0, 45.0, 4.0), grid=LSS_GRID, device="cpu",
@@ -34,6 +35,12 @@ def inputs(lut, C, dtype=torch.float32, device="cpu", seed=0):
     depth = torch.rand(lut.B, lut.N, lut.D, lut.fH, lut.fW, generator=g).softmax(2)
     feat = torch.randn(lut.B, lut.N, C, lut.fH, lut.fW, generator=g)
     return depth.to(device, dtype), feat.to(device, dtype)
+
+
+def channels_last_feat(feat):
+    """feat B x N x C x fH x fW as the model produces it: a channels-last camera feature map viewed as 5-D."""
+    B, N, C, fH, fW = feat.shape
+    return feat.reshape(B * N, C, fH, fW).contiguous(memory_format=torch.channels_last).view(B, N, C, fH, fW)
 
 
 def float64_reference(depth, feat, lut):
@@ -94,9 +101,12 @@ def test_gradcheck_float64(device):
 
 @needs_ext
 @pytest.mark.parametrize("device", devices())
-def test_opcheck(device):
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_opcheck(device, layout):
     lut = random_lut(B=1, N=2, dbound=(4.0, 45.0, 10.0), device=device)
     depth, feat = inputs(lut, 4, torch.float32, device)
+    if layout == "channels_last":
+        feat = channels_last_feat(feat)
     depth.requires_grad_()
     feat.requires_grad_()
     args = (depth, feat, lut.sorted_points, lut.cell_start, lut.point_cell, lut.nz, lut.nx, lut.ny)
@@ -113,7 +123,53 @@ def test_channels_last_and_strided_inputs(device):
     # a channels-last camera feature map viewed as B x N x C x fH x fW, as the model produces it
     feat_cl = feat.reshape(B * N, C, fH, fW).contiguous(memory_format=torch.channels_last).view(B, N, C, fH, fW)
     depth_strided = depth.transpose(3, 4).contiguous().transpose(3, 4)
-    torch.testing.assert_close(bev_pool(depth_strided, feat_cl, lut), want, rtol=0, atol=0)
+    torch.testing.assert_close(bev_pool(depth_strided, feat_cl, lut), want, rtol=1e-6, atol=1e-6)
+    feat_strided = feat.transpose(3, 4).contiguous().transpose(3, 4)  # neither layout: NCHW output
+    out = bev_pool(depth, feat_strided, lut)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("C", [1, 3, 64, 130])
+def test_output_layout_follows_feat(device, dtype, C):
+    lut = random_lut(B=2, N=3, grid=TWO_LEVEL_GRID, device=device, seed=8)
+    assert lut.nz == 2
+    depth, feat = inputs(lut, C, dtype, device, seed=8)
+    out = bev_pool(depth, channels_last_feat(feat), lut)
+    assert out.shape == (2, 2 * C, 200, 200) and out.dtype == dtype
+    assert out.is_contiguous(memory_format=torch.channels_last) == (C > 1)
+    assert out.is_contiguous() == (C == 1)
+    want = float64_reference(depth, feat, lut)
+    assert bool(want[:, :C].any()) and bool(want[:, C:].any())  # points in both height levels
+    torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out, bev_pool(depth, feat, lut), atol=TOL[dtype], rtol=TOL[dtype])
+    assert bev_pool(depth, feat, lut).is_contiguous()
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("grad_layout", ["contiguous", "channels_last"])
+def test_channels_last_output_gradients(device, dtype, grad_layout):
+    lut = random_lut(B=2, N=3, grid=TWO_LEVEL_GRID, device=device, seed=9)
+    depth, feat = inputs(lut, 24, dtype, device, seed=9)
+    B, N, C, fH, fW = feat.shape
+    depth.requires_grad_()
+    feat_leaf = feat.reshape(B * N, C, fH, fW).contiguous(memory_format=torch.channels_last).requires_grad_()
+    out = bev_pool(depth, feat_leaf.view(B, N, C, fH, fW), lut)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    if grad_layout == "channels_last":
+        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+    grad_depth, grad_feat = torch.autograd.grad(out, (depth, feat_leaf), grad_out)
+    d64, f64 = depth.detach().double().requires_grad_(), feat.detach().double().requires_grad_()
+    want = torch.autograd.grad(bev_pool_reference(d64, f64, lut), (d64, f64), grad_out.double())
+    tol = 10 * TOL[dtype]
+    torch.testing.assert_close(grad_depth.double(), want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_feat.double().view(B, N, C, fH, fW), want[1], atol=tol, rtol=tol)
 
 
 @needs_ext
@@ -215,9 +271,12 @@ def test_wrong_device_is_reported():
 
 
 @pytest.mark.cuda
-def test_cuda_matches_cpu_and_is_deterministic():
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_cuda_matches_cpu_and_is_deterministic(layout):
     lut = random_lut(B=2, N=6, dbound=(4.0, 45.0, 1.0), seed=5)
     depth, feat = inputs(lut, 64, torch.float32, seed=5)
+    if layout == "channels_last":
+        feat = channels_last_feat(feat)
     depth.requires_grad_()
     feat.requires_grad_()
     out = bev_pool(depth, feat, lut)
@@ -233,6 +292,36 @@ def test_cuda_matches_cpu_and_is_deterministic():
     torch.testing.assert_close(runs[0][0].cpu(), out, atol=1e-5, rtol=1e-5)
     for got, want in zip(runs[0][1:], grads):
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,C", [(torch.float32, 3), (torch.float32, 64), (torch.float32, 128),
+                                     (torch.float32, 130), (torch.float32, 300), (torch.bfloat16, 64),
+                                     (torch.bfloat16, 256), (torch.float16, 96), (torch.float64, 64)])
+def test_cuda_channels_last_forward_vector_widths(dtype, C):
+    # C picks 1, 2 or 4 channels per vector and one or several passes of the warp over a cell's points
+    lut = random_lut(B=2, N=3, grid=TWO_LEVEL_GRID, device="cuda", seed=10)
+    depth, feat = inputs(lut, C, dtype, "cuda", seed=10)
+    out = bev_pool(depth, channels_last_feat(feat), lut)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out.double(), float64_reference(depth, feat, lut), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.cuda
+def test_cuda_channels_last_misaligned_feat_and_int64_lut():
+    lut = random_lut(B=2, N=3, grid=TWO_LEVEL_GRID, device="cuda", seed=11)
+    depth, feat = inputs(lut, 64, torch.float32, "cuda", seed=11)
+    B, N, C, fH, fW = feat.shape
+    # channels-last strides at an odd element offset: vector loads are not allowed, one channel per lane
+    flat = torch.empty(feat.numel() + 1, device="cuda")
+    shifted = flat[1:].as_strided((B, N, C, fH, fW), (N * fH * fW * C, fH * fW * C, 1, fW * C, C))
+    shifted.copy_(feat)
+    want = float64_reference(depth, feat, lut)
+    out = bev_pool(depth, shifted, lut)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    lut64 = FrustumLUT(**{k: (v.long() if isinstance(v, torch.Tensor) else v) for k, v in vars(lut).items()})
+    torch.testing.assert_close(bev_pool(depth, channels_last_feat(feat), lut64), out, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.cuda

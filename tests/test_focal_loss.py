@@ -391,3 +391,93 @@ def test_cuda_reduction_is_deterministic():
     rows = torch.randn(5000, 80, device="cuda")
     labels = torch.randint(-1, 80, (5000,), device="cuda")
     assert torch.equal(softmax_focal_loss(rows, labels), softmax_focal_loss(rows, labels))
+
+
+def value_and_grad_of_view(fn, flat_logits, offset, shape, *args, **kwargs):
+    """value_and_grad for logits that are a view at `offset` elements into a buffer (value_and_grad's clone would
+    realign them): the op sees the view's data pointer."""
+    flat = flat_logits.detach().clone().requires_grad_(True)
+    n = math.prod(shape)
+    loss = fn(flat[offset:offset + n].view(shape), *args, **kwargs)
+    seed = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).to(loss.dtype).view(loss.shape)
+    (grad,) = torch.autograd.grad((loss * seed).sum(), flat)
+    return loss.detach(), grad[offset:offset + n].view(shape)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,target_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                                (torch.float64, torch.float64)])
+@pytest.mark.parametrize("offsets", [(0, 0), (0, 4), (1, 0)])
+@pytest.mark.parametrize("gamma,alpha", [(2.0, 0.25), (0.5, -1.0)])
+def test_cuda_dense_unrolled_paths_match_cpu(dtype, target_dtype, offsets, gamma, alpha):
+    # More elements than one resident wave covers in one loop step, so the unrolled loop runs several steps and
+    # ends part-way through one; numel % 8 = 7 leaves an element-wise tail. Offsets (logits, targets) in elements,
+    # taken on the device: (0, 4) leaves 16-bit logits aligned but their float targets off a 32-byte vector,
+    # (1, 0) misaligns the logits (and the mask).
+    shape = (3, 5, 301, 293)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(10)
+    ox, ot = offsets
+    flat_x = (torch.randn(n + 8, generator=g, dtype=torch.float64) * 4).to(dtype)
+    flat_t = torch.rand(n + 8, generator=g, dtype=torch.float64).to(target_dtype)
+    flat_m = torch.rand(n + 8, generator=g) > 0.1
+    w = torch.rand(5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-2)
+    for reduction in REDUCTIONS:
+        for with_extras in (False, True):
+            results = []
+            for device in ("cpu", "cuda"):
+                t = flat_t.to(device)[ot:ot + n].view(shape)
+                weight = w.to(device) if with_extras else None
+                mask = flat_m.to(device)[ox:ox + n].view(shape) if with_extras else None
+                results.append(value_and_grad_of_view(sigmoid_focal_loss, flat_x.to(device), ox, shape, t, alpha,
+                                                      gamma, weight, reduction, mask))
+            cpu, cuda = results
+            assert_close_scaled(cuda[0].cpu(), cpu[0], tol)
+            assert_close_scaled(cuda[1].cpu(), cpu[1], tol)
+
+
+@needs_ext
+@pytest.mark.cuda
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_cuda_grad_scale_written_for_every_reduction(reduction):
+    # grad_scale is not pre-filled on CUDA: the kernels write 1 ("none", "sum") or 1 / count ("mean"). Freed
+    # blocks full of 123 before each call make a missing write visible.
+    def call(op, *args):
+        junk = [torch.full((64,), 123.0, device="cuda") for _ in range(8)]
+        del junk
+        return op(*args)[2].item()
+
+    x = torch.randn(2, 3, 37, 5, device="cuda")
+    t = torch.rand(2, 3, 37, 5, device="cuda")
+    mask = torch.rand(2, 3, 37, 5, device="cuda") > 0.5
+    op = torch.ops.lss.sigmoid_focal_loss
+    for m in (None, mask):
+        count = x.numel() if m is None else int(m.sum())
+        expected = 1.0 / count if reduction == "mean" else 1.0
+        assert call(op, x, t, None, m, 0.25, 2.0, reduction, True) == pytest.approx(expected, rel=1e-6)
+    assert call(op, x[:0], t[:0], None, None, 0.25, 2.0, reduction, True) == (0.0 if reduction == "mean" else 1.0)
+    rows = torch.randn(6, 4, device="cuda")
+    labels = torch.tensor([0, 1, 2, 3, -1, 0], device="cuda")
+    op = torch.ops.lss.softmax_focal_loss
+    expected = 1.0 / 6 if reduction == "mean" else 1.0
+    assert call(op, rows, labels, None, 0.25, 2.0, reduction, True) == pytest.approx(expected, rel=1e-6)
+    assert call(op, rows[:0], labels[:0], None, 0.25, 2.0, reduction, True) == (0.0 if reduction == "mean" else 1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0, 2.0])
+@pytest.mark.parametrize("alpha", [0.25, -1.0])
+def test_cuda_float32_fast_math_close_to_float64(gamma, alpha):
+    # The float32 CUDA kernel uses approximate exp / log1p / reciprocals: check it over the whole logit range
+    # against float64, for binary, half and soft targets.
+    x = torch.linspace(-110, 110, 20001)
+    soft = torch.rand(x.numel(), generator=torch.Generator().manual_seed(11))
+    for t in (torch.zeros_like(x), torch.ones_like(x), torch.full_like(x, 0.5), soft):
+        loss, grad = value_and_grad(sigmoid_focal_loss, x.cuda(), t.cuda(), alpha, gamma, reduction="none")
+        ref_loss, ref_grad = value_and_grad(sigmoid_focal_loss_reference, x.double(), t.double(), alpha, gamma,
+                                            reduction="none")
+        assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+        for ours, ref in ((loss, ref_loss), (grad, ref_grad)):
+            torch.testing.assert_close(ours.cpu().double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())

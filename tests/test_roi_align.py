@@ -265,6 +265,58 @@ def test_raw_op_rejects_bad_rois_without_reading_out_of_bounds():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_cuda_bad_rois_raise_clear_errors(channels_last, mode):
+    # the CUDA forward checks the rois on the device; the messages are those of the CPU check
+    x = features(2, 3, 8, 8, device="cuda").requires_grad_(True)
+    if channels_last:
+        x = x.detach().to(memory_format=torch.channels_last).requires_grad_(True)
+    good = make_rois(4, 2, 8, 8)
+    bad = good.clone()
+    bad[2, 0] = 2.0
+    with pytest.raises(ValueError, match="roi 2 has batch index 2.0, expected an integer in \\[0, 2\\)"):
+        roi_align(x, bad.cuda(), 2, mode=mode)
+    bad = good.clone()
+    bad[1, 0] = 0.5
+    with pytest.raises(ValueError, match="roi 1 has batch index 0.5, expected an integer"):
+        roi_align(x, bad.cuda(), 2, mode=mode)
+    bad[3, 2] = float("nan")  # non-finite coordinates are reported before bad batch indices, as on the CPU
+    with pytest.raises(ValueError, match="rois must be finite; roi 3 is \\[.*nan.*\\]"):
+        roi_align(x, bad.cuda(), 2, mode=mode)
+    with pytest.raises(ValueError, match="must be finite"):
+        roi_align(x, [good[:2, 1:].cuda(), torch.tensor([[0.0, 0, float("inf"), 4]], device="cuda")], 2, mode=mode)
+    # a valid call right after a failed one
+    out, grad = fwd_bwd(roi_align, x, good.cuda(), 2, 1.0, 2, True, mode)
+    out_cpu, grad_cpu = fwd_bwd(roi_align, x.detach().cpu(), good, 2, 1.0, 2, True, mode)
+    torch.testing.assert_close(out.cpu(), out_cpu, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.cpu(), grad_cpu, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_graph_capture_pools_bad_rois_to_zeros(channels_last):
+    # no error flag read while capturing: bad rois pool to zeros (and are never read out of bounds)
+    x = features(2, 33, 6, 6, device="cuda")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    nan = float("nan")
+    rois = torch.tensor([[1.0, 0, 0, 3, 3], [7.0, 0, 0, 3, 3], [0.0, nan, 0, 3, 3], [0.5, 0, 0, 3, 3],
+                         [-1.0, 1, 1, 4, 4]], device="cuda")
+    expected = roi_align(x, rois[:1], 2, 1.0, 2, True)  # also loads the kernel before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = roi_align(x, rois, 2, 1.0, 2, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out[:1], expected, atol=0, rtol=0)
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+    with pytest.raises(ValueError, match="must be finite; roi 2 is"):
+        roi_align(x, rois, 2, 1.0, 2, True)
+
+
 def test_module_repr_and_forward():
     m = RoIAlign((7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True)
     assert repr(m) == "RoIAlign(output_size=(7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True, mode='avg')"

@@ -186,6 +186,51 @@ def test_errors():
         roi_pool(x.long(), torch.tensor([[0.0, 0, 0, 4, 4]]), 2)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_bad_rois_raise_clear_errors(channels_last):
+    # the CUDA forward checks the rois on the device; the messages are those of the CPU check
+    x = features(2, 3, 8, 8, device="cuda").requires_grad_(True)
+    if channels_last:
+        x = x.detach().to(memory_format=torch.channels_last).requires_grad_(True)
+    good = make_rois(4, 2, 8, 8)
+    bad = good.clone()
+    bad[3, 0] = -1.0
+    with pytest.raises(ValueError, match="roi 3 has batch index -1.0, expected an integer in \\[0, 2\\)"):
+        roi_pool(x, bad.cuda(), 2)
+    bad[0, 1] = float("-inf")
+    with pytest.raises(ValueError, match="rois must be finite; roi 0 is \\[.*-inf.*\\]"):
+        roi_pool(x, bad.cuda(), 2)
+    # a valid call right after a failed one
+    out, grad = fwd_bwd(roi_pool, x, good.cuda(), 2)
+    out_cpu, grad_cpu = fwd_bwd(roi_pool, x.detach().cpu(), good, 2)
+    torch.testing.assert_close(out.cpu(), out_cpu, atol=0, rtol=0)
+    torch.testing.assert_close(grad.cpu(), grad_cpu, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_graph_capture_pools_bad_rois_to_zeros(channels_last):
+    # no error flag read while capturing: bad rois pool to zeros (and are never read out of bounds)
+    x = features(2, 33, 6, 6, device="cuda")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    nan = float("nan")
+    rois = torch.tensor([[1.0, 0, 0, 3, 3], [7.0, 0, 0, 3, 3], [0.0, nan, 0, 3, 3], [0.5, 0, 0, 3, 3],
+                         [-1.0, 1, 1, 4, 4]], device="cuda")
+    expected = roi_pool(x, rois[:1], 2)  # also loads the kernel before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = roi_pool(x, rois, 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out[:1], expected, atol=0, rtol=0)
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+    with pytest.raises(ValueError, match="must be finite; roi 2 is"):
+        roi_pool(x, rois, 2)
+
+
 def test_module_repr():
     m = RoIPool(7, spatial_scale=0.0625)
     assert repr(m) == "RoIPool(output_size=(7, 7), spatial_scale=0.0625)"

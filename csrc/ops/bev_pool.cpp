@@ -63,6 +63,13 @@ void check_grad_out(const at::Tensor& grad_out, const at::Tensor& depth, const S
   check_same_device(grad_out, depth, "bev_pool backward: grad_out", "depth");
 }
 
+bool output_channels_last(const at::Tensor& feat) { return feat.size(2) > 1 && feat.stride(2) == 1; }
+
+at::Tensor empty_output(const at::Tensor& depth, const at::Tensor& feat, const Shape& s) {
+  const auto format = output_channels_last(feat) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  return at::empty({s.B, s.nz * s.C, s.nx, s.ny}, depth.options().memory_format(format));
+}
+
 at::Tensor feat_channels_last(const at::Tensor& feat) { return feat.permute({0, 1, 3, 4, 2}).contiguous(); }
 
 bool grad_is_channels_last(const at::Tensor& grad_out) {

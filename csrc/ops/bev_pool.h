@@ -2,7 +2,10 @@
 //
 // Points p index depth B x N x D x fH x fW flattened; the feature pixel of p is (b, n, h, w), read from feat in
 // channels-last order (B x N x fH x fW x C) so that the C values of a pixel are contiguous. Cells c index
-// ((b * nz + z) * nx + i) * ny + j; output element (b, z*C + ch, i, j) lives at ((b*nz + z)*C + ch)*nx*ny + i*ny + j.
+// ((b * nz + z) * nx + i) * ny + j. The output B x (nz*C) x nx x ny follows feat's layout (output_channels_last):
+//  - channels-last: element (b, z*C + ch, i, j) lives at ((b*nx + i)*ny + j)*nz*C + z*C + ch (a cell's C values
+//    are contiguous);
+//  - otherwise NCHW-contiguous: element (b, z*C + ch, i, j) lives at ((b*nz + z)*C + ch)*nx*ny + i*ny + j.
 #pragma once
 
 #include <tuple>
@@ -29,6 +32,13 @@ Shape check_args(const at::Tensor& depth, const at::Tensor& feat, const at::Tens
                  const at::Tensor& cell_start, const at::Tensor& point_cell, int64_t nz, int64_t nx, int64_t ny);
 
 void check_grad_out(const at::Tensor& grad_out, const at::Tensor& depth, const Shape& s);
+
+// Whether the output is channels-last: feat B x N x C x fH x fW is channels-last (its C values per pixel are
+// contiguous) and C > 1. lss/ops/bev_pool.py (_output_channels_last) mirrors this for the fake kernel.
+bool output_channels_last(const at::Tensor& feat);
+
+// The empty B x (nz*C) x nx x ny output in the layout output_channels_last picks.
+at::Tensor empty_output(const at::Tensor& depth, const at::Tensor& feat, const Shape& s);
 
 // feat B x N x C x fH x fW (any strides) as a contiguous B x N x fH x fW x C tensor: free for channels-last input.
 at::Tensor feat_channels_last(const at::Tensor& feat);

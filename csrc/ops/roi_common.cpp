@@ -1,6 +1,10 @@
 // Host-compiled argument checks of roi_align and roi_pool (declared in roi_common.h).
 #include "ops/roi_common.h"
 
+#include <charconv>
+#include <cmath>
+#include <string>
+
 namespace lss {
 namespace roi {
 
@@ -39,6 +43,44 @@ void check_roi_grad(const char* op, const at::Tensor& grad, const at::Tensor& ro
 at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input) {
   const auto acc = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return rois.to(acc).contiguous();
+}
+
+namespace {
+
+// A float as Python prints it: shortest round-trip digits, "2.0" rather than "2", nan / inf / -inf.
+std::string py_float(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto res = std::to_chars(buf, buf + sizeof(buf), v);
+  std::string s(buf, res.ptr);
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
+}  // namespace
+
+void raise_bad_rois(const char* op, const at::Tensor& rois, int64_t batch_size) {
+  if (rois.size(0) == 0) return;
+  const auto finite = at::isfinite(rois).all(1);
+  const auto bad_finite = at::logical_not(finite).nonzero();
+  if (bad_finite.size(0) > 0) {
+    const int64_t row = bad_finite[0][0].item<int64_t>();
+    const auto values = rois[row].to(at::kCPU, at::kDouble).contiguous();
+    const double* v = values.data_ptr<double>();
+    std::string list = "[";
+    for (int64_t i = 0; i < values.numel(); ++i) list += (i ? ", " : "") + py_float(v[i]);
+    list += "]";
+    TORCH_CHECK_VALUE(false, "lss.ops.", op, ": rois must be finite; roi ", row, " is ", list,
+                      ". Filter out boxes with NaN/inf coordinates first");
+  }
+  const auto index = rois.select(1, 0);
+  const auto bad_index = (index < 0).logical_or_(index >= batch_size).logical_or_(index != index.floor()).nonzero();
+  if (bad_index.size(0) > 0) {
+    const int64_t row = bad_index[0][0].item<int64_t>();
+    TORCH_CHECK_VALUE(false, "lss.ops.", op, ": roi ", row, " has batch index ", py_float(index[row].item<double>()),
+                      ", expected an integer in [0, ", batch_size, ") (the input batch size)");
+  }
 }
 
 }  // namespace roi

@@ -22,6 +22,16 @@ C10_HOST_DEVICE inline bool is_finite(T v) {
   return v == v && v - v == T(0);
 }
 
+// Whether a roi can be pooled at all: finite coordinates and an integer batch index in [0, batch_size). The
+// forward kernels report failures through an error flag; every kernel pools such a roi to zeros.
+template <typename T>
+C10_HOST_DEVICE inline bool roi_ok(const T* roi, int64_t batch_size) {
+  for (int i = 0; i < 5; ++i) {
+    if (!is_finite(roi[i])) return false;
+  }
+  return roi[0] >= T(0) && roi[0] < static_cast<T>(batch_size) && roi[0] == ::floor(roi[0]);
+}
+
 // One RoIAlign roi: image index (-1 when the roi is unusable), bin origin and size, samples per bin.
 template <typename T>
 struct AlignRoi {
@@ -38,8 +48,8 @@ struct AlignRoi {
   }
 };
 
-// torchvision's RoIAlign geometry; rois that slipped past the Python checks (bad batch index, non-finite or
-// absurdly large coordinates) get batch -1 and produce zeros instead of reading out of bounds or looping forever.
+// torchvision's RoIAlign geometry; rois that fail roi_ok or have absurdly large coordinates get batch -1 and
+// produce zeros instead of reading out of bounds or looping forever.
 template <typename T>
 C10_HOST_DEVICE inline AlignRoi<T> align_roi(const T* roi, int64_t batch_size, T spatial_scale, int pooled_h,
                                              int pooled_w, int sampling_ratio, bool aligned) {
@@ -48,10 +58,7 @@ C10_HOST_DEVICE inline AlignRoi<T> align_roi(const T* roi, int64_t batch_size, T
   r.start_h = r.start_w = r.bin_h = r.bin_w = T(0);
   r.grid_h = r.grid_w = 0;
   r.count = T(1);
-  for (int i = 0; i < 5; ++i) {
-    if (!is_finite(roi[i])) return r;
-  }
-  if (roi[0] < T(0) || roi[0] >= static_cast<T>(batch_size)) return r;
+  if (!roi_ok(roi, batch_size)) return r;
   const T offset = aligned ? T(0.5) : T(0);
   r.start_w = roi[1] * spatial_scale - offset;
   r.start_h = roi[2] * spatial_scale - offset;
@@ -145,10 +152,7 @@ template <typename T>
 C10_HOST_DEVICE inline PoolBin pool_bin(const T* roi, int64_t batch_size, T spatial_scale, int pooled_h,
                                         int pooled_w, int64_t height, int64_t width, int ph, int pw) {
   PoolBin p{-1, 0, 0, 0, 0};
-  for (int i = 0; i < 5; ++i) {
-    if (!is_finite(roi[i])) return p;
-  }
-  if (roi[0] < T(0) || roi[0] >= static_cast<T>(batch_size)) return p;
+  if (!roi_ok(roi, batch_size)) return p;
   // Clamping to +-2^30 keeps the integer arithmetic below from overflowing for absurd coordinates.
   const int64_t start_w = clamp_i64(::round(roi[1] * spatial_scale), -(1 << 30), 1 << 30);
   const int64_t start_h = clamp_i64(::round(roi[2] * spatial_scale), -(1 << 30), 1 << 30);
@@ -180,6 +184,10 @@ void check_roi_grad(const char* op, const at::Tensor& grad, const at::Tensor& ro
 
 // Rois in the accumulation type of the features (float, or double for double features), contiguous.
 at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input);
+
+// Raises ValueError naming the first roi that fails roi_ok (non-finite coordinates are reported before bad batch
+// indices), with the messages of the Python checks; returns when every roi passes. Runs a few small device ops.
+void raise_bad_rois(const char* op, const at::Tensor& rois, int64_t batch_size);
 
 }  // namespace roi
 }  // namespace lss

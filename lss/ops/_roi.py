@@ -48,23 +48,28 @@ def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
     if len(rois) > input.shape[0]:
         raise ValueError(f"lss.ops.{op}: got boxes for {len(rois)} images but the input batch has "
                          f"{input.shape[0]}")
-    parts = []
     for i, boxes in enumerate(rois):
         if not isinstance(boxes, torch.Tensor) or boxes.dim() != 2 or boxes.shape[1] != 4:
             shape = tuple(boxes.shape) if isinstance(boxes, torch.Tensor) else type(boxes).__name__
             raise ValueError(f"lss.ops.{op}: rois[{i}] must be an L x 4 tensor (x1, y1, x2, y2), got {shape}")
         if boxes.device != input.device:
             raise ValueError(f"lss.ops.{op}: rois[{i}] is on {boxes.device} but input is on {input.device}")
-        index = torch.full((boxes.shape[0], 1), float(i), dtype=dtype, device=input.device)
-        parts.append(torch.cat([index, boxes.to(dtype)], dim=1))
-    if not parts:
-        return torch.zeros(0, 5, dtype=dtype, device=input.device)
-    return torch.cat(parts, dim=0)
+    # One copy per image into a preallocated K x 5 tensor and one fill per image for its index column.
+    out = torch.empty(sum(b.shape[0] for b in rois), 5, dtype=dtype, device=input.device)
+    start = 0
+    for i, boxes in enumerate(rois):
+        end = start + boxes.shape[0]
+        if end > start:
+            out[start:end, 0].fill_(i)
+            out[start:end, 1:].copy_(boxes)
+        start = end
+    return out
 
 
 def check_roi_values(rois: torch.Tensor, batch_size: int, op: str) -> None:
     """Raise on non-finite coordinates or batch indices that are not integers in [0, batch_size).
-    One device sync; skipped while tracing (torch.compile), where the kernels zero such rois instead."""
+    Used for CPU rois and the reference; the CUDA forward kernels run the same check on the device and raise the
+    same errors. Skipped while tracing (torch.compile), where the kernels zero such rois instead."""
     if rois.shape[0] == 0 or torch.compiler.is_compiling():
         return
     index = rois[:, 0]

@@ -2,6 +2,10 @@
 without materialising the B x N x D x fH x fW x C frustum tensor.
 
 out[b, z*C + c, i, j] = sum over kept points (n, d, h, w) in cell (i, j, z) of depth[b,n,d,h,w] * feat[b,n,c,h,w].
+
+The output's memory layout follows feat's (`output_channels_last`): channels-last feat (as a channels-last camera
+feature map viewed as B x N x C x fH x fW) gives a torch.channels_last output, written so directly by the kernel,
+which a channels-last BEV encoder consumes without a copy and whose gradient the backward reads in place.
 """
 from __future__ import annotations
 
@@ -11,7 +15,13 @@ from torch import Tensor
 from lss.geometry import FrustumLUT
 from lss.ops import _ext
 
-__all__ = ["bev_pool", "bev_pool_reference"]
+__all__ = ["bev_pool", "bev_pool_reference", "output_channels_last"]
+
+
+def output_channels_last(feat: Tensor) -> bool:
+    """Whether bev_pool returns its output in torch.channels_last memory format: feat B x N x C x fH x fW has its C
+    values per pixel contiguous (stride 1 along C) and C > 1. The kernels use the same rule (csrc/ops/bev_pool.h)."""
+    return feat.shape[2] > 1 and feat.stride(2) == 1
 
 
 def _check_inputs(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> None:
@@ -53,21 +63,24 @@ def bev_pool(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
 
     depth B x N x D x fH x fW (a distribution over the D bins), feat B x N x C x fH x fW (any strides, e.g. a
     channels-last camera feature map viewed as B x N x C x fH x fW), lut from `FrustumLUT.build`.
-    Returns B x (nz*C) x nx x ny (row i = ego x, column j = ego y), accumulated in float32, in the inputs' dtype.
+    Returns B x (nz*C) x nx x ny (row i = ego x, column j = ego y), accumulated in float32, in the inputs' dtype;
+    torch.channels_last in memory when feat is channels-last (see `output_channels_last`), contiguous otherwise.
     Differentiable in depth and feat; cells without points are 0.
     """
     _check_inputs(depth, feat, lut)
     depth, feat = _common_dtype(depth, feat)
     if _ext.use_reference("bev_pool"):
-        return bev_pool_reference(depth, feat, lut)
+        out = bev_pool_reference(depth, feat, lut)
+        return out.contiguous(memory_format=torch.channels_last) if output_channels_last(feat) else out
     _ext.check_device("bev_pool", depth, feat)
     return torch.ops.lss.bev_pool(depth, feat, lut.sorted_points, lut.cell_start, lut.point_cell,
                                   lut.nz, lut.nx, lut.ny)
 
 
 def bev_pool_reference(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
-    """Pure-PyTorch bev_pool (index_add over the LUT's point cells; materialises P x C). Same contract as bev_pool,
-    differentiable through autograd; accumulates half types in float32."""
+    """Pure-PyTorch bev_pool (index_add over the LUT's point cells; materialises P x C). Same values as bev_pool,
+    differentiable through autograd; accumulates half types in float32. Always returns a contiguous (NCHW) tensor,
+    whatever feat's layout."""
     _check_inputs(depth, feat, lut)
     depth, feat = _common_dtype(depth, feat)
     B, N, C, fH, fW = feat.shape
@@ -99,7 +112,8 @@ if _ext.has_ext():
     @torch.library.register_fake("lss::bev_pool")
     def _bev_pool_fake(depth, feat, sorted_points, cell_start, point_cell, nz, nx, ny):
         B, N, C, fH, fW = feat.shape
-        return depth.new_empty((B, nz * C, nx, ny))
+        layout = torch.channels_last if output_channels_last(feat) else torch.contiguous_format
+        return torch.empty((B, nz * C, nx, ny), dtype=depth.dtype, device=depth.device, memory_format=layout)
 
     @torch.library.register_fake("lss::_bev_pool_backward")
     def _bev_pool_backward_fake(grad_out, depth, feat, cell_start, point_cell, nz, nx, ny):

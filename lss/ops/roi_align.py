@@ -26,10 +26,11 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
         raise ValueError(f"lss.ops.roi_align: mode must be one of {_MODES}, got {mode!r}")
     pooled_h, pooled_w = _roi.output_hw(output_size, "roi_align")
     rois = _roi.roi_tensor(rois, input, "roi_align")
-    _roi.check_roi_values(rois, input.shape[0], "roi_align")
     if _ext.use_reference("roi_align"):
         return roi_align_reference(input, rois, output_size, spatial_scale, sampling_ratio, aligned, mode)
     _ext.check_device("roi_align", input, rois)
+    if not rois.is_cuda:  # the CUDA forward checks the rois on the device and raises the same errors
+        _roi.check_roi_values(rois, input.shape[0], "roi_align")
     output, _ = torch.ops.lss.roi_align(input, rois, float(spatial_scale), pooled_h, pooled_w, int(sampling_ratio),
                                         bool(aligned), mode == "max")
     return output

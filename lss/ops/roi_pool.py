@@ -18,10 +18,11 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
     _roi.check_input(input, "roi_pool")
     pooled_h, pooled_w = _roi.output_hw(output_size, "roi_pool")
     rois = _roi.roi_tensor(rois, input, "roi_pool")
-    _roi.check_roi_values(rois, input.shape[0], "roi_pool")
     if _ext.use_reference("roi_pool"):
         return roi_pool_reference(input, rois, output_size, spatial_scale)
     _ext.check_device("roi_pool", input, rois)
+    if not rois.is_cuda:  # the CUDA forward checks the rois on the device and raises the same errors
+        _roi.check_roi_values(rois, input.shape[0], "roi_pool")
     output, _ = torch.ops.lss.roi_pool(input, rois, float(spatial_scale), pooled_h, pooled_w)
     return output
 

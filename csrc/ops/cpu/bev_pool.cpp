@@ -1,5 +1,6 @@
-// bev_pool CPU kernels: a tile of consecutive cells per task for the forward (every output element written once),
-// a gather per feature pixel for the backward (no atomics: deterministic).
+// bev_pool CPU kernels: a tile of consecutive cells per task for the forward (every output element written once,
+// in the output layout that feat's picks: see bev_pool.h), a gather per feature pixel for the backward (no atomics:
+// deterministic).
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -39,6 +40,30 @@ void forward_kernel(const scalar_t* depth, const scalar_t* feat, const index_t* 
       }
       for (int64_t c = 0; c < C; ++c)
         for (int64_t t = 0; t < count; ++t) out[base[t] + c * nxy] = static_cast<scalar_t>(acc[t * C + c]);
+    }
+  });
+}
+
+// Channels-last output: a cell's C values are one contiguous run of its output row (B x nx x ny x nz*C in memory).
+template <typename scalar_t, typename index_t>
+void forward_channels_last_kernel(const scalar_t* depth, const scalar_t* feat, const index_t* sorted_points,
+                                  const index_t* cell_start, scalar_t* out, const Shape& s) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = s.C, cells = s.cells(), nxy = s.nxy(), nz = s.nz;
+  const index_t dhw = static_cast<index_t>(s.dhw()), hw = static_cast<index_t>(s.hw());
+  at::parallel_for(0, ceil_div(cells, kTile), 1, [&](int64_t tile_begin, int64_t tile_end) {
+    std::vector<acc_t> acc(C);
+    for (int64_t cell = tile_begin * kTile; cell < std::min(tile_end * kTile, cells); ++cell) {
+      const int64_t plane = cell / nxy, b = plane / nz, z = plane - b * nz;
+      scalar_t* dst = out + (b * nxy + cell - plane * nxy) * nz * C + z * C;
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (index_t k = cell_start[cell]; k < cell_start[cell + 1]; ++k) {
+        const index_t p = sorted_points[k];
+        const acc_t w = static_cast<acc_t>(depth[p]);
+        const scalar_t* row = feat + (static_cast<int64_t>(p / dhw) * hw + p % hw) * C;
+        for (int64_t c = 0; c < C; ++c) acc[c] += w * static_cast<acc_t>(row[c]);
+      }
+      for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<scalar_t>(acc[c]);
     }
   });
 }
@@ -100,15 +125,16 @@ at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feat_in, c
                         int64_t ny) {
   check_cpu_tensor(depth_in, "bev_pool: depth");
   const Shape s = bev_pool::check_args(depth_in, feat_in, &sorted_points, cell_start, point_cell, nz, nx, ny);
-  auto out = at::empty({s.B, s.nz * s.C, s.nx, s.ny}, depth_in.options());
+  auto out = bev_pool::empty_output(depth_in, feat_in, s);
   if (out.numel() == 0) return out;
+  const bool channels_last = bev_pool::output_channels_last(feat_in);
   const auto depth = depth_in.contiguous();
   const auto feat = bev_pool::feat_channels_last(feat_in);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_cpu_index", [&] {
-      forward_kernel<scalar_t, index_t>(depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(),
-                                        sorted_points.contiguous().data_ptr<index_t>(),
-                                        cell_start.contiguous().data_ptr<index_t>(), out.data_ptr<scalar_t>(), s);
+      auto kernel = channels_last ? forward_channels_last_kernel<scalar_t, index_t> : forward_kernel<scalar_t, index_t>;
+      kernel(depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(), sorted_points.contiguous().data_ptr<index_t>(),
+             cell_start.contiguous().data_ptr<index_t>(), out.data_ptr<scalar_t>(), s);
     });
   });
   return out;

@@ -1,16 +1,24 @@
 // bev_pool CUDA kernels.
 //
-// Forward: one block per tile of kTile consecutive cells (consecutive along ny). Each warp sums the depth-weighted
-// feature rows of its cells' points (lanes over channels, reads of a pixel's C values coalesced) into shared
-// memory; the block then writes the tile channel by channel, kTile consecutive output elements per channel.
-// Every output element is written once (empty cells write 0): no memset, no atomics. A tile without points writes
-// its zeros straight away. The lanes of a warp first fetch up to 32 of a cell's point indices and depths at once,
-// then broadcast them, so that the feature-row loads of a cell's points are independent and overlap.
-// Output offsets are computed once per cell (no 64-bit division per element).
+// The output layout follows feat's (bev_pool::output_channels_last, see bev_pool.h): channels-last feat gives a
+// channels-last output (B x nx x ny x nz*C in memory), any other feat an NCHW-contiguous one. Either way every
+// output element is written once by the forward (empty cells write 0): no memset, no atomics, no permute after.
+//
+// Forward, channels-last output: one warp per cell, kCellWarps consecutive cells per block. Lanes over channels,
+// V consecutive channels per lane (vector loads and stores when C and the pointers allow): the warp sums the
+// depth-weighted feature rows of its cell's points in registers and writes the cell's C-value slice of its output
+// row directly. The lanes first fetch up to 32 of the cell's point indices and depths at once, then broadcast them,
+// so that the feature-row loads of a cell's points are independent and overlap.
+//
+// Forward, NCHW output: one block per tile of kTile consecutive cells (consecutive along ny). Each warp sums its
+// cells' rows the same way into shared memory; the block then writes the tile channel by channel, kTile consecutive
+// output elements per channel. A tile without points writes its zeros straight away. Output offsets are computed
+// once per cell (no 64-bit division per element).
 //
 // Backward, gather-style without atomics (deterministic):
 //  1. stage: grad_out rows of the non-empty cells are copied to a cells x C buffer (coalesced reads along ny,
-//     coalesced writes along C); skipped when grad_out is already channels-last.
+//     coalesced writes along C); skipped when grad_out is channels-last (as it is downstream of a channels-last
+//     output): its rows are read in place.
 //  2. one block per feature pixel: its warps share the pixel's D points; each warp fetches its points' cells and
 //     depths at once, then for point p in cell c: grad_depth[p] = dot(feat[pixel], G[c]) and
 //     grad_feat[pixel] = sum_p depth[p] * G[c].
@@ -35,6 +43,16 @@ constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / 32;
 constexpr int kMaxPixelWarps = 8;    // warps sharing one pixel's D points in the backward
 constexpr size_t kMaxSharedBytes = 48 * 1024;
+constexpr int kCellWarps = 8;        // cells per block of the channels-last forward, one warp each
+constexpr int kCellThreads = kCellWarps * 32;
+constexpr int kLaneVectors = 2;      // vectors per lane per pass over a cell's points (channels-last forward)
+constexpr size_t kMaxVectorBytes = 16;
+
+// V consecutive channels moved as one load or store.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
@@ -116,6 +134,101 @@ __global__ void __launch_bounds__(kTileThreads)
     }
     __syncthreads();
   }
+}
+
+// Channels-last output: the warp of cell (b, z, i, j) writes out[((b*nx + i)*ny + j)*nz*C + z*C + ch], ch < C.
+// feat, out and C are aligned to V elements (vector_width).
+template <typename scalar_t, typename index_t, int V>
+__global__ void __launch_bounds__(kCellThreads)
+    bev_pool_forward_channels_last_kernel(const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
+                                          const index_t* __restrict__ sorted_points,
+                                          const index_t* __restrict__ cell_start, scalar_t* __restrict__ out,
+                                          int64_t cells, int64_t nxy, int64_t nz, int64_t C, index_t dhw,
+                                          index_t hw) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using vec_t = Vec<scalar_t, V>;
+  constexpr int kPass = 32 * V * kLaneVectors;  // channels per pass over the cell's points
+  __shared__ index_t start[kCellWarps + 1];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kCellWarps;
+  if (threadIdx.x <= kCellWarps) {
+    start[threadIdx.x] = cell_start[first + threadIdx.x < cells ? first + threadIdx.x : cells];
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t cell = first + warp;
+  if (cell >= cells) return;  // the whole warp: no shuffles or barriers follow for it
+  const int64_t plane = cell / nxy, b = plane / nz;  // plane = b * nz + z
+  scalar_t* dst = out + (b * nxy + (cell - plane * nxy)) * nz * C + (plane - b * nz) * C;
+  const index_t begin = start[warp], end = start[warp + 1];
+  for (int64_t c0 = 0; c0 < C; c0 += kPass) {
+    acc_t acc[kLaneVectors][V];
+#pragma unroll
+    for (int g = 0; g < kLaneVectors; ++g)
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[g][v] = acc_t(0);
+    for (index_t k0 = begin; k0 < end; k0 += 32) {
+      const int n = static_cast<int>(end - k0 < 32 ? end - k0 : 32);
+      acc_t my_w = acc_t(0);
+      int64_t my_row = 0;
+      if (lane < n) {  // one round trip for up to 32 points: indices, depths and row offsets
+        const index_t p = sorted_points[k0 + lane];
+        my_w = static_cast<acc_t>(depth[p]);
+        my_row = static_cast<int64_t>((p / dhw) * hw + p % hw) * C + c0;
+      }
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const acc_t w = __shfl_sync(0xffffffffu, my_w, j);
+        const scalar_t* row = feat + __shfl_sync(0xffffffffu, my_row, j);
+#pragma unroll
+        for (int g = 0; g < kLaneVectors; ++g) {
+          const int c = (lane + 32 * g) * V;
+          if (c0 + c < C) {
+            const vec_t x = *reinterpret_cast<const vec_t*>(row + c);
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[g][v] += w * static_cast<acc_t>(x.v[v]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kLaneVectors; ++g) {
+      const int c = (lane + 32 * g) * V;
+      if (c0 + c < C) {
+        vec_t y;
+#pragma unroll
+        for (int v = 0; v < V; ++v) y.v[v] = static_cast<scalar_t>(acc[g][v]);
+        *reinterpret_cast<vec_t*>(dst + c0 + c) = y;
+      }
+    }
+  }
+}
+
+// Channels per vector for the channels-last forward: the widest of 4, 2, 1 that divides C, fits kMaxVectorBytes,
+// matches the alignment of feat and out, and still gives every lane of a warp a vector (32 * V <= C).
+template <typename scalar_t>
+int vector_width(int64_t C, const void* feat, const void* out) {
+  for (int v : {4, 2}) {
+    const size_t bytes = v * sizeof(scalar_t);
+    if (bytes <= kMaxVectorBytes && C % v == 0 && 32 * v <= C && reinterpret_cast<uintptr_t>(feat) % bytes == 0 &&
+        reinterpret_cast<uintptr_t>(out) % bytes == 0) {
+      return v;
+    }
+  }
+  return 1;
+}
+
+template <typename scalar_t, typename index_t, int V>
+void launch_forward_channels_last(const scalar_t* depth, const scalar_t* feat, const index_t* sorted_points,
+                                  const index_t* cell_start, scalar_t* out, const Shape& s, cudaStream_t stream) {
+  const int64_t blocks = ceil_div(s.cells(), kCellWarps);
+  LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
+            "bev_pool: " + std::to_string(s.cells()) +
+                " cells exceed the CUDA grid limit; use a smaller batch or grid");
+  bev_pool_forward_channels_last_kernel<scalar_t, index_t, V>
+      <<<static_cast<unsigned>(blocks), kCellThreads, 0, stream>>>(
+          depth, feat, sorted_points, cell_start, out, s.cells(), s.nxy(), s.nz, s.C,
+          static_cast<index_t>(s.dhw()), static_cast<index_t>(s.hw()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, typename index_t>
@@ -213,19 +326,31 @@ at::Tensor bev_pool_cuda(const at::Tensor& depth_in, const at::Tensor& feat_in, 
   check_cuda_tensor(depth_in, "bev_pool: depth");
   const Shape s = bev_pool::check_args(depth_in, feat_in, &sorted_points_in, cell_start_in, point_cell, nz, nx, ny);
   c10::cuda::CUDAGuard guard(depth_in.device());
-  auto out = at::empty({s.B, s.nz * s.C, s.nx, s.ny}, depth_in.options());
+  auto out = bev_pool::empty_output(depth_in, feat_in, s);
   if (out.numel() == 0) return out;
+  const bool channels_last = bev_pool::output_channels_last(feat_in);
   const auto depth = depth_in.contiguous();
   const auto feat = bev_pool::feat_channels_last(feat_in);
   const auto sorted_points = sorted_points_in.contiguous();
   const auto cell_start = cell_start_in.contiguous();
-  const int64_t blocks = ceil_div(s.cells(), kTile);
-  LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
-            "bev_pool: " + std::to_string(s.cells()) +
-                " cells exceed the CUDA grid limit; use a smaller batch or grid");
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_cuda_index", [&] {
+      if (channels_last) {
+        const scalar_t* feat_ptr = feat.data_ptr<scalar_t>();
+        scalar_t* out_ptr = out.data_ptr<scalar_t>();
+        const int width = vector_width<scalar_t>(s.C, feat_ptr, out_ptr);
+        auto launch = width == 4   ? launch_forward_channels_last<scalar_t, index_t, 4>
+                      : width == 2 ? launch_forward_channels_last<scalar_t, index_t, 2>
+                                   : launch_forward_channels_last<scalar_t, index_t, 1>;
+        launch(depth.data_ptr<scalar_t>(), feat_ptr, sorted_points.data_ptr<index_t>(),
+               cell_start.data_ptr<index_t>(), out_ptr, s, stream);
+        return;
+      }
+      const int64_t blocks = ceil_div(s.cells(), kTile);
+      LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
+                "bev_pool: " + std::to_string(s.cells()) +
+                    " cells exceed the CUDA grid limit; use a smaller batch or grid");
       bev_pool_forward_kernel<scalar_t, index_t><<<static_cast<unsigned>(blocks), kTileThreads, 0, stream>>>(
           depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(), sorted_points.data_ptr<index_t>(),
           cell_start.data_ptr<index_t>(), out.data_ptr<scalar_t>(), s.cells(), s.nxy(), s.C,

@@ -3,7 +3,8 @@
 // warps of consecutive channels and the tile is written out through shared memory. Backward accumulates into a
 // channels-last float buffer (the sample geometry does not depend on the channel, so a warp's atomics hit
 // consecutive addresses): coalesced atomics by default, a sort-based segment sum when
-// torch.use_deterministic_algorithms(True) is on.
+// torch.use_deterministic_algorithms(True) is on. The forward kernels also validate the rois (roi::roi_ok): a bad roi
+// pools to zeros and sets an error flag that the host reads once after the kernel to raise a clear error.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -90,7 +91,7 @@ __global__ void roi_align_forward_nchw_kernel(index_t total, const scalar_t* __r
                                               const acc_t* __restrict__ rois, int64_t N, index_t C, int H, int W,
                                               int pooled_h, int pooled_w, acc_t spatial_scale, int sampling_ratio,
                                               bool aligned, scalar_t* __restrict__ output,
-                                              int32_t* __restrict__ argmax) {
+                                              int32_t* __restrict__ argmax, int32_t* __restrict__ error) {
   const index_t plane = static_cast<index_t>(H) * W;
   for (index_t idx = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<index_t>(gridDim.x) * blockDim.x) {
@@ -105,6 +106,8 @@ __global__ void roi_align_forward_nchw_kernel(index_t total, const scalar_t* __r
     if (r.batch >= 0) {
       const scalar_t* base = input + (static_cast<index_t>(r.batch) * C + c) * plane;
       v = align_bin<kMax, scalar_t, acc_t, index_t>(r, base, index_t(1), H, W, ph, pw, arg);
+    } else if (c == 0 && ph == 0 && pw == 0 && !roi::roi_ok(rois + k * 5, N)) {
+      *error = 1;  // one thread per roi reports it
     }
     output[idx] = static_cast<scalar_t>(v);
     if (kMax) argmax[idx] = arg;
@@ -117,7 +120,7 @@ template <bool kMax, typename scalar_t, typename acc_t, typename index_t>
 __global__ void __launch_bounds__(kThreads) roi_align_forward_nhwc_kernel(
     Tiling tiling, const scalar_t* __restrict__ input_nhwc, const acc_t* __restrict__ rois, int64_t N, index_t C,
     int H, int W, int pooled_h, int pooled_w, acc_t spatial_scale, int sampling_ratio, bool aligned,
-    scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
+    scalar_t* __restrict__ output, int32_t* __restrict__ argmax, int32_t* __restrict__ error) {
   __shared__ acc_t s_val[kTileSmem];
   __shared__ int32_t s_arg[kMax ? kTileSmem : 1];
   const index_t bins = static_cast<index_t>(pooled_h) * pooled_w;
@@ -126,6 +129,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_forward_nhwc_kernel(
     const Tile t(tiling, tile, C, bins);
     const auto r = roi::align_roi<acc_t>(rois + t.k * 5, N, spatial_scale, pooled_h, pooled_w, sampling_ratio,
                                          aligned);
+    if (r.batch < 0 && t.c0 == 0 && t.b0 == 0 && threadIdx.x == 0 && !roi::roi_ok(rois + t.k * 5, N)) *error = 1;
     if (t.lane_c < t.nc) {
       const index_t c = static_cast<index_t>(t.c0) + t.lane_c;
       const scalar_t* base = r.batch >= 0 ? input_nhwc + static_cast<index_t>(r.batch) * image + c : nullptr;
@@ -283,6 +287,7 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
   const int64_t total = output.numel();
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w), sr = static_cast<int>(sampling_ratio);
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto error = roi_scatter::error_flag(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_align_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);
@@ -299,17 +304,18 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
           roi_align_forward_nhwc_kernel<kMax, scalar_t, acc_t, index_t>
               <<<roi_scatter::grid_for_tiles(tiling), kThreads, 0, stream>>>(
                   tiling, in, roi_data, N, static_cast<index_t>(C), static_cast<int>(H), static_cast<int>(W), ph, pw,
-                  scale, sr, aligned, out, arg);
+                  scale, sr, aligned, out, arg, error.data_ptr<int32_t>());
         } else {
           roi_align_forward_nchw_kernel<kMax, scalar_t, acc_t, index_t>
               <<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
                   static_cast<index_t>(total), in, roi_data, N, static_cast<index_t>(C), static_cast<int>(H),
-                  static_cast<int>(W), ph, pw, scale, sr, aligned, out, arg);
+                  static_cast<int>(W), ph, pw, scale, sr, aligned, out, arg, error.data_ptr<int32_t>());
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
   });
+  roi_scatter::raise_if_bad_rois(error, rois, N, "roi_align");
   return {output, argmax};
 }
 

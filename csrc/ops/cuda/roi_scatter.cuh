@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -15,6 +16,7 @@
 #include <type_traits>
 
 #include "ops/common.h"
+#include "ops/roi_common.h"
 
 namespace lss {
 namespace roi_scatter {
@@ -28,6 +30,22 @@ struct Entries {
   at::Tensor sample;  // int32: the sample id (roi_align) or pixel (roi_pool) the argmax must equal in max mode
   at::Tensor weight;  // acc_t
 };
+
+// Zeroed int32 error flag for a forward kernel (a memset, no kernel launch): a kernel sets it to 1 when it meets a
+// roi that fails roi::roi_ok.
+at::Tensor error_flag(const at::Tensor& like) {
+  auto flag = at::empty({1}, like.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(flag.data_ptr<int32_t>(), 0, sizeof(int32_t), c10::cuda::getCurrentCUDAStream()));
+  return flag;
+}
+
+// Reads the forward kernel's error flag (one 4-byte copy, which waits for the kernel) and raises the clear error
+// for a bad roi. Skipped while a CUDA graph is being captured: there bad rois just pool to zeros.
+void raise_if_bad_rois(const at::Tensor& flag, const at::Tensor& rois, int64_t batch_size, const char* op) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
+  if (flag.item<int32_t>() == 0) return;
+  roi::raise_bad_rois(op, rois, batch_size);
+}
 
 // Per-bin entry counts -> exclusive offsets and the total (one host sync, deterministic path only).
 std::pair<at::Tensor, int64_t> exclusive_offsets(const at::Tensor& counts) {

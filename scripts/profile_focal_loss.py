@@ -1,0 +1,67 @@
+"""GPU kernel time of the dense sigmoid focal loss fwd+bwd, per kernel (torch.profiler), at the benchmark's size.
+
+    python scripts/profile_focal_loss.py [--shape 16 10 512 512] [--iters 50]
+
+Prints, for float32 and bfloat16 logits (float32 targets, reduction "mean", as in lss/benchmarks/focal_loss.py),
+every CUDA kernel launched by one fwd+bwd with its mean device time and the total, then the step time measured the
+way the benchmark does (CUDA events around one synchronized step): the difference is host-side overhead."""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lss.ops import sigmoid_focal_loss
+
+
+def event_ms(step, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", type=int, nargs="+", default=[16, 10, 512, 512])
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    shape = tuple(args.shape)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_(True)
+        targets = (torch.rand(shape, device=device) > 0.9).float()
+
+        def step():
+            return torch.autograd.grad(sigmoid_focal_loss(logits, targets), logits)
+
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                step()
+            torch.cuda.synchronize()
+        total = 0.0
+        name = str(dtype).replace("torch.", "")
+        print(f"{'x'.join(map(str, shape))} {name} logits: mean device time per fwd+bwd, by kernel")
+        for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+            if ev.device_time_total <= 0:
+                continue
+            us = ev.device_time_total / args.iters
+            total += us
+            print(f"  {us:9.2f} us  x{ev.count / args.iters:.0f}  {ev.key[:110]}")
+        print(f"  {total:9.2f} us  total GPU time per fwd+bwd")
+        print(f"  {event_ms(step, args.iters) * 1e3:9.2f} us  step time (CUDA events around a synchronized step)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""GPU time per kernel of roi_align / roi_pool / nms, ours against torchvision, at the roi benchmark's cases.
+
+    python scripts/profile_roi.py [--iters 20] [--nms-iters 3]
+
+For each case and implementation prints every CUDA kernel (and memset / memcpy) of one call with its mean device
+time, their sum (GPU busy time) and the eager time of the call between CUDA events, as `python -m lss bench` measures
+it. eager - busy is what host work (launches, syncs, Python) adds on the GPU's timeline."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torchvision
+from torch.profiler import ProfilerActivity, profile
+
+from lss.benchmarks.roi import _boxes, _roi_cases, _rois
+from lss.ops import nms, roi_align, roi_pool
+
+
+def eager_ms(step, iters: int) -> float:
+    """Mean ms per call between CUDA events (host overhead included)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernel_table(step, iters: int) -> list[tuple[float, float, str]]:
+    """(mean us per call, launches per call, name) of every device activity of `step`, largest first."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = [(ev.device_time_total / iters, ev.count / iters, ev.key) for ev in prof.key_averages()
+            if ev.device_time_total > 0]
+    return sorted(rows, reverse=True)
+
+
+def report(case: str, impl: str, step, iters: int, warmup: int = 3) -> None:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    rows = kernel_table(step, iters)
+    busy = sum(us for us, _, _ in rows)
+    eager = eager_ms(step, iters) * 1e3
+    print(f"{case} | {impl}: eager {eager:8.1f} us, GPU busy {busy:8.1f} us, gap {eager - busy:7.1f} us")
+    for us, count, name in rows:
+        print(f"    {us:8.1f} us  x{count:<4.3g} {name[:100]}")
+
+
+def fwd_bwd(fn, x, grad_out):
+    def step():
+        x.grad = None
+        fn(x).backward(grad_out)
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--nms-iters", type=int, default=3)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    for case, shape, k, scale, sr, lo, hi, img_h, img_w in _roi_cases(quick=False):
+        name = case.split(",")[0]
+        torch.manual_seed(0)
+        x = torch.randn(shape, device=dev, requires_grad=True)
+        x_cl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+        rois = _rois(k, shape[0], img_h, img_w, lo, hi, dev)
+        grad_out = torch.randn(k, shape[1], 7, 7, device=dev)
+        align = [("lss", lambda t: roi_align(t, rois, 7, scale, sr, True)),
+                 ("torchvision", lambda t: torchvision.ops.roi_align(t, rois, 7, scale, sr, True))]
+        layouts = [("NCHW", x), ("channels_last", x_cl)] if "BEV" in case else [("NCHW", x)]
+        for layout, inp in layouts:
+            for impl, fn in align:
+                if "BEV" in case:
+                    with torch.no_grad():
+                        report(f"{name} {layout} fwd", impl, lambda: fn(inp), args.iters)
+                report(f"{name} {layout} fwd+bwd", impl, fwd_bwd(fn, inp, grad_out), args.iters)
+        if "FPN" in case:
+            pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
+                    ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]
+            for impl, fn in pool:
+                report(f"{name.replace('roi_align', 'roi_pool')} NCHW fwd+bwd", impl, fwd_bwd(fn, x, grad_out), args.iters)
+        del x, x_cl, grad_out
+    boxes, scores = _boxes(100000, dev)
+    for impl, fn in [("lss", nms), ("torchvision", torchvision.ops.nms)]:
+        report("nms 100000 boxes, IoU 0.5", impl, lambda: fn(boxes, scores, 0.5), args.nms_iters, warmup=1)
+
+
+if __name__ == "__main__":
+    main()
