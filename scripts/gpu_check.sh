@@ -20,12 +20,37 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has build; then
   step build build.log python3 setup.py build_ext --inplace || { tail -n 40 "$OUT/build.log"; exit 1; }
 fi
-has tests && step cuda-tests cuda_tests.log timeout ${TEST_SECONDS:-300} python3 -m pytest -q -m cuda tests ${LSS_TEST_ARGS:-}
+cuda_tests() {  # one pytest process per file: a crash in one file does not hide the others' results
+  local rc=0 f
+  for f in tests/test_*.py; do
+    timeout ${TEST_SECONDS:-300} python3 -m pytest -q -m cuda -p no:cacheprovider "$f" ${LSS_TEST_ARGS:-} > "$OUT/t.log" 2>&1
+    local r=$?
+    cat "$OUT/t.log"; rm -f "$OUT/t.log"
+    [ $r -eq 5 ] && continue  # no CUDA tests in this file
+    [ $r -ne 0 ] && { rc=$r; echo "FILE FAILED: $f (rc=$r)"; }
+  done
+  echo "cuda tests: rc=$rc"
+  return $rc
+}
+has tests && step cuda-tests cuda_tests.log cuda_tests
 has sanitizer && step sanitizer sanitizer.log timeout ${SANITIZER_SECONDS:-300} \
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_ops.py
 has profile && step profile profile.log timeout 120 python3 scripts/profile_bev_pool.py
-has bench && step bench bench.log timeout ${BENCH_SECONDS:-400} python3 -m lss bench --out "$OUT" ${LSS_BENCH_ARGS:-}
-grep -sE "failed|FAILED|Error" "$OUT/cuda_tests.log" | tail -n 30
+# the compiled train-step variants take minutes to compile; name them in LSS_TRAIN_STEP_IMPLS to include them
+export LSS_TRAIN_STEP_IMPLS=${LSS_TRAIN_STEP_IMPLS:-lss_cuda_graph,lss,lss_fp32,reference_splat_fp32}
+bench_suites() {  # one process and time limit per suite; bench.md collects every suite's table
+  local rc=0 suite
+  for suite in ${BENCH_SUITES:-$(python3 -c "from lss.bench import available_suites as a; print(*a())")}; do
+    timeout ${BENCH_SECONDS:-300} python3 -m lss bench --suite "$suite" --out "$OUT/bench_$suite" ${LSS_BENCH_ARGS:-} \
+      || { rc=1; echo "SUITE FAILED: $suite"; }
+    cat "$OUT/bench_$suite/bench.md" >> "$OUT/bench.md" 2>/dev/null
+    cat "$OUT/bench_$suite/bench.json" >> "$OUT/bench.json" 2>/dev/null
+    rm -rf "$OUT/bench_$suite"
+  done
+  return $rc
+}
+has bench && step bench bench.log bench_suites
+grep -sE "failed|FAILED|Error|passed" "$OUT/cuda_tests.log" | tail -n 40
 grep -sE "ERROR SUMMARY|Invalid" "$OUT/sanitizer.log" | head -n 20
 cat "$OUT/profile.log" 2>/dev/null
 cat "$OUT/bench.md" 2>/dev/null

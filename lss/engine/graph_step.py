@@ -124,6 +124,7 @@ class GraphedTrainStep:
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
         snapshot.restore()
+        del snapshot  # its copies of the parameters and optimizer state must not count in the captured step's peak
         self.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in its pool
         if not self.capture:
             return
