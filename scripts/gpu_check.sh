@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in one call on the GPU machine (see docs/gpu.md): install the wheels the machine lacks, build the
 # ops for sm_90, run the CUDA tests, run compute-sanitizer memcheck on every op's smoke test, run the benchmarks,
-# profile bev_pool's kernels, and write logs, bench.json and bench.md under $OUT. A summary is printed last.
+# profile bev_pool's kernels, and write logs, bench.jsonl and bench.md under $OUT. A summary is printed last.
 #   device run: bash scripts/gpu_check.sh            (carry .whl, made by ../shared/tools/device_wheels.sh .whl)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
