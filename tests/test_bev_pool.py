@@ -309,7 +309,7 @@ def test_cuda_matches_cpu_and_is_deterministic(layout):
                                      (torch.float32, 130), (torch.float32, 300), (torch.bfloat16, 64),
                                      (torch.bfloat16, 256), (torch.float16, 96), (torch.float64, 64)])
 def test_cuda_channels_last_forward_vector_widths(dtype, C):
-    # C picks 1, 2 or 4 channels per vector and one or several passes of the warp over a cell's points
+    # C picks the vector width (16 bytes, 8 bytes or one channel) and the 8-channel groups of a cell's threads
     lut = random_lut(B=2, N=3, grid=TWO_LEVEL_GRID, device="cuda", seed=10)
     depth, feat = inputs(lut, C, dtype, "cuda", seed=10)
     out = bev_pool(depth, channels_last_feat(feat), lut)
