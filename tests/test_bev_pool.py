@@ -50,6 +50,16 @@ def float64_reference(depth, feat, lut):
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
+def assert_grads_match_reference(depth, feat, lut, grad_out, tol):
+    """bev_pool's gradients for depth and feat (leaves; feat in any layout) against float64 reference autograd."""
+    grad_depth, grad_feat = torch.autograd.grad(bev_pool(depth, feat, lut), (depth, feat), grad_out)
+    d64, f64 = depth.detach().double().requires_grad_(), feat.detach().double().requires_grad_()
+    want = torch.autograd.grad(bev_pool_reference(d64, f64, lut), (d64, f64), grad_out.double())
+    torch.testing.assert_close(grad_depth.double(), want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_feat.double(), want[1], atol=tol, rtol=tol)
+    return grad_depth, grad_feat
+
+
 @needs_ext
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
@@ -299,7 +309,7 @@ def test_cuda_matches_cpu_and_is_deterministic(layout):
                                      (torch.float32, 130), (torch.float32, 300), (torch.bfloat16, 64),
                                      (torch.bfloat16, 256), (torch.float16, 96), (torch.float64, 64)])
 def test_cuda_channels_last_forward_vector_widths(dtype, C):
-    # C picks 1, 2 or 4 channels per vector and one or several passes of the warp over a cell's points
+    # C picks the vector width (16 bytes, 8 bytes or one channel) and the 8-channel groups of a cell's threads
     lut = random_lut(B=2, N=3, grid=TWO_LEVEL_GRID, device="cuda", seed=10)
     depth, feat = inputs(lut, C, dtype, "cuda", seed=10)
     out = bev_pool(depth, channels_last_feat(feat), lut)
@@ -346,3 +356,75 @@ def test_cuda_large_channels_and_int64_indices():
     grads64 = torch.autograd.grad(bev_pool(depth, feat, lut64), (depth, feat), torch.ones_like(out))
     for a, b in zip(grads, grads64):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+def test_grad_feat_follows_feat_layout(device, layout):
+    lut = random_lut(B=2, N=3, grid=TWO_LEVEL_GRID, device=device, seed=12)
+    depth, feat = inputs(lut, 16, torch.float32, device, seed=12)
+    if layout == "channels_last":
+        feat = channels_last_feat(feat)
+    elif layout == "strided":  # neither layout: read with its strides, gradient contiguous
+        feat = feat.transpose(3, 4).contiguous().transpose(3, 4)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    grad_out = torch.randn(2, 2 * 16, 200, 200, generator=torch.Generator().manual_seed(4)).to(device)
+    _, grad_feat = assert_grads_match_reference(depth, feat, lut, grad_out, 1e-4)
+    if layout == "channels_last":
+        assert grad_feat.stride() == feat.stride()
+    else:
+        assert grad_feat.is_contiguous()
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_opcheck_backward(device, layout):
+    lut = random_lut(B=1, N=2, dbound=(4.0, 45.0, 10.0), device=device)
+    depth, feat = inputs(lut, 4, torch.float32, device)
+    if layout == "channels_last":
+        feat = channels_last_feat(feat)
+    grad_out = torch.randn(1, 4, lut.nx, lut.ny, device=device)
+    args = (grad_out, depth, feat, lut.cell_start, lut.point_cell, lut.nz, lut.nx, lut.ny)
+    torch.library.opcheck(torch.ops.lss._bev_pool_backward.default, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,C", [(torch.float32, 1), (torch.float32, 3), (torch.float32, 12), (torch.float32, 64),
+                                     (torch.float32, 80), (torch.float32, 130), (torch.float32, 264),
+                                     (torch.bfloat16, 64), (torch.bfloat16, 264), (torch.float16, 96),
+                                     (torch.float64, 64)])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_cuda_gradients_channel_groups_and_vector_widths(dtype, C, layout):
+    # C picks the vector width, the lanes per pixel of the backward (1 to 32 channel groups of 8) and, past 256
+    # channels, several passes of the warp over the groups; the layout picks staged or in-place gradient rows
+    lut = random_lut(B=2, N=3, grid=TWO_LEVEL_GRID, device="cuda", seed=13)
+    depth, feat = inputs(lut, C, dtype, "cuda", seed=13)
+    if layout == "channels_last":
+        feat = channels_last_feat(feat)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    out = bev_pool(depth, feat, lut)
+    torch.testing.assert_close(out.double(), float64_reference(depth.detach(), feat.detach(), lut), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to("cuda", dtype)
+    if layout == "channels_last":
+        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+    assert_grads_match_reference(depth, feat, lut, grad_out, 10 * TOL[dtype])
+
+
+@pytest.mark.cuda
+def test_cuda_misaligned_channels_last_grad_out():
+    lut = random_lut(B=2, N=3, device="cuda", seed=14)
+    depth, feat = inputs(lut, 64, torch.float32, "cuda", seed=14)
+    depth.requires_grad_()
+    feat.requires_grad_()
+    want = torch.randn(2, 64, lut.nx, lut.ny, device="cuda").contiguous(memory_format=torch.channels_last)
+    # channels-last strides at an odd element offset: the rows are read in place one channel per load
+    flat = torch.empty(want.numel() + 1, device="cuda")
+    grad_out = flat[1:].as_strided(want.shape, want.stride())
+    grad_out.copy_(want)
+    assert grad_out.is_contiguous(memory_format=torch.channels_last)
+    assert_grads_match_reference(depth, feat, lut, grad_out, 1e-4)

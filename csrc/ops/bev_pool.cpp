@@ -80,9 +80,16 @@ GradRows channels_last_rows(const Shape& s) { return {s.nxy() * s.nz * s.C, s.C,
 
 GradRows staged_rows(const Shape& s) { return {s.nz * s.nxy() * s.C, s.nxy() * s.C, s.C}; }
 
+PixelStrides pixel_strides(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2), t.stride(3), t.stride(4)};
+}
+
 std::tuple<at::Tensor, at::Tensor> empty_grads(const at::Tensor& depth, const at::Tensor& feat, const Shape& s) {
   auto grad_depth = at::empty(depth.sizes(), depth.options().memory_format(at::MemoryFormat::Contiguous));
-  auto grad_feat = at::empty({s.B, s.N, s.fH, s.fW, s.C}, feat.options().memory_format(at::MemoryFormat::Contiguous));
+  const auto options = feat.options().memory_format(at::MemoryFormat::Contiguous);
+  auto grad_feat = output_channels_last(feat)
+                       ? at::empty({s.B, s.N, s.fH, s.fW, s.C}, options).permute({0, 1, 4, 2, 3})
+                       : at::empty({s.B, s.N, s.C, s.fH, s.fW}, options);
   return {grad_depth, grad_feat};
 }
 

@@ -57,7 +57,18 @@ GradRows channels_last_rows(const Shape& s);
 // The staged copy: a cells x C buffer, row c at c*C.
 GradRows staged_rows(const Shape& s);
 
-// grad_depth like depth (contiguous); grad_feat allocated channels-last (B x N x fH x fW x C).
+// Strides of a B x N x C x fH x fW tensor: element (b, n, c, h, w) at at(b, n, h, w) + c * channel.
+struct PixelStrides {
+  int64_t batch, camera, channel, row, col;
+  C10_HOST_DEVICE int64_t at(int64_t b, int64_t n, int64_t h, int64_t w) const {
+    return b * batch + n * camera + h * row + w * col;
+  }
+};
+
+PixelStrides pixel_strides(const at::Tensor& t);
+
+// grad_depth like depth (contiguous); grad_feat B x N x C x fH x fW in feat's layout (output_channels_last):
+// channels-last (B x N x fH x fW x C in memory) or contiguous.
 std::tuple<at::Tensor, at::Tensor> empty_grads(const at::Tensor& depth, const at::Tensor& feat, const Shape& s);
 
 }  // namespace bev_pool

@@ -83,9 +83,16 @@ def _peak_mb(device, fn) -> str:
     return f"; peak +{(torch.cuda.max_memory_allocated(device) - base) / 2**20:.0f} MB"
 
 
-def _graphed_row(ctx, case, fn, nbytes, shape) -> dict:
+def camera_feature_map(feat: torch.Tensor) -> torch.Tensor:
+    """feat B x N x C x fH x fW as a B*N x C x fH x fW channels-last camera feature map (what a channels-last model
+    produces), to be viewed back as B x N x C x fH x fW."""
+    B, N, C, fH, fW = feat.shape
+    return feat.reshape(B * N, C, fH, fW).contiguous(memory_format=torch.channels_last)
+
+
+def _graphed_row(ctx, case_name, fn, nbytes, shape) -> dict:
     """fwd+bwd replayed from a CUDA graph: the GPU time without the Python/launch overhead of the eager call."""
-    row = {"case": f"{case.name} fwd+bwd", "impl": "lss_cuda_graph", "floor_ms": ctx.floor_ms(nbytes), "notes": shape}
+    row = {"case": case_name, "impl": "lss_cuda_graph", "floor_ms": ctx.floor_ms(nbytes), "notes": shape}
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -146,8 +153,19 @@ def run(ctx) -> list[dict]:
                          "floor_ms": ctx.floor_ms(fwd_bytes), "notes": shape + _peak_mb(device, fwd_only)})
 
         if device.type == "cuda":
-            rows.append(_graphed_row(ctx, case, lambda: torch.autograd.grad(bev_pool(depth, feat, lut), (depth, feat),
-                                                                            grad_out), fwd_bytes + bwd_bytes, shape))
+            rows.append(_graphed_row(ctx, f"{case.name} fwd+bwd",
+                                     lambda: torch.autograd.grad(bev_pool(depth, feat, lut), (depth, feat), grad_out),
+                                     fwd_bytes + bwd_bytes, shape))
+            # as training runs: channels-last camera features in, channels-last BEV gradient back
+            feat_map = camera_feature_map(feat.detach()).requires_grad_()
+            grad_out_cl = grad_out.contiguous(memory_format=torch.channels_last)
+
+            def fwd_bwd_channels_last():
+                out = bev_pool(depth, feat_map.view(feat.shape), lut)
+                return torch.autograd.grad(out, (depth, feat_map), grad_out_cl)
+
+            rows.append(_graphed_row(ctx, f"{case.name} fwd+bwd, channels_last", fwd_bwd_channels_last,
+                                     fwd_bytes + bwd_bytes, shape + "; feat and grad_out channels-last"))
         build_bytes = lut.num_points * (3 * 4 + 2 * 4) + 4 * lut.num_cells
         rows.append({"case": f"{case.name} lut build", "impl": "lss_lut_build",
                      "ms": ctx.time(lambda: FrustumLUT.build(frustum_to_ego(*cam), case.grid)),

@@ -5,7 +5,8 @@ out[b, z*C + c, i, j] = sum over kept points (n, d, h, w) in cell (i, j, z) of d
 
 The output's memory layout follows feat's (`output_channels_last`): channels-last feat (as a channels-last camera
 feature map viewed as B x N x C x fH x fW) gives a torch.channels_last output, written so directly by the kernel,
-which a channels-last BEV encoder consumes without a copy and whose gradient the backward reads in place.
+which a channels-last BEV encoder consumes without a copy and whose gradient the backward reads in place. The
+gradient of feat comes back in the same layout (channels-last for channels-last feat, contiguous otherwise).
 """
 from __future__ import annotations
 
@@ -118,7 +119,9 @@ if _ext.has_ext():
     @torch.library.register_fake("lss::_bev_pool_backward")
     def _bev_pool_backward_fake(grad_out, depth, feat, cell_start, point_cell, nz, nx, ny):
         B, N, C, fH, fW = feat.shape
-        # grad_feat is produced channels-last (B x N x fH x fW x C in memory), viewed as B x N x C x fH x fW
-        return depth.new_empty(depth.shape), feat.new_empty((B, N, fH, fW, C)).permute(0, 1, 4, 2, 3)
+        # grad_feat in feat's layout: channels-last (B x N x fH x fW x C in memory) or contiguous
+        if output_channels_last(feat):
+            return depth.new_empty(depth.shape), feat.new_empty((B, N, fH, fW, C)).permute(0, 1, 4, 2, 3)
+        return depth.new_empty(depth.shape), feat.new_empty((B, N, C, fH, fW))
 
     torch.library.register_autograd("lss::bev_pool", _backward, setup_context=_setup_context)

@@ -1,6 +1,6 @@
 // bev_pool CPU kernels: a tile of consecutive cells per task for the forward (every output element written once,
 // in the output layout that feat's picks: see bev_pool.h), a gather per feature pixel for the backward (no atomics:
-// deterministic).
+// deterministic; grad_feat in feat's layout, as the CUDA kernels write it).
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -88,7 +88,8 @@ void stage_kernel(const scalar_t* grad_out, const index_t* cell_start, scalar_t*
 
 template <typename scalar_t, typename index_t>
 void backward_kernel(const scalar_t* grad_rows, bev_pool::GradRows rows, const scalar_t* depth, const scalar_t* feat,
-                     const index_t* point_cell, scalar_t* grad_depth, scalar_t* grad_feat, const Shape& s) {
+                     const index_t* point_cell, scalar_t* grad_depth, scalar_t* grad_feat,
+                     bev_pool::PixelStrides grad_feat_strides, const Shape& s) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t C = s.C, D = s.D, hw = s.hw(), nxy = s.nxy(), planes = s.nz * nxy;
   at::parallel_for(0, s.pixels(), 16, [&](int64_t pixel_begin, int64_t pixel_end) {
@@ -115,7 +116,9 @@ void backward_kernel(const scalar_t* grad_rows, bev_pool::GradRows rows, const s
         }
         grad_depth[p] = static_cast<scalar_t>(dot);
       }
-      for (int64_t c = 0; c < C; ++c) grad_feat[pixel * C + c] = static_cast<scalar_t>(acc[c]);
+      const int64_t b = bn / s.N, h = hwi / s.fW;
+      scalar_t* gf = grad_feat + grad_feat_strides.at(b, bn - b * s.N, h, hwi - h * s.fW);
+      for (int64_t c = 0; c < C; ++c) gf[c * grad_feat_strides.channel] = static_cast<scalar_t>(acc[c]);
     }
   });
 }
@@ -148,12 +151,11 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
   const Shape s = bev_pool::check_args(depth_in, feat_in, nullptr, cell_start_in, point_cell_in, nz, nx, ny);
   bev_pool::check_grad_out(grad_out_in, depth_in, s);
   auto [grad_depth, grad_feat] = bev_pool::empty_grads(depth_in, feat_in, s);
-  auto grad_feat_view = grad_feat.permute({0, 1, 4, 2, 3});
   if (s.C == 0) {
     grad_depth.zero_();
-    return {grad_depth, grad_feat_view};
+    return {grad_depth, grad_feat};
   }
-  if (s.pixels() == 0) return {grad_depth, grad_feat_view};
+  if (s.pixels() == 0) return {grad_depth, grad_feat};
   const auto depth = depth_in.contiguous();
   const auto feat = bev_pool::feat_channels_last(feat_in);
   const auto cell_start = cell_start_in.contiguous();
@@ -169,10 +171,11 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
                                         staged.data_ptr<scalar_t>(), s);
       backward_kernel<scalar_t, index_t>(staged.data_ptr<scalar_t>(), rows, depth.data_ptr<scalar_t>(),
                                          feat.data_ptr<scalar_t>(), point_cell.data_ptr<index_t>(),
-                                         grad_depth.data_ptr<scalar_t>(), grad_feat.data_ptr<scalar_t>(), s);
+                                         grad_depth.data_ptr<scalar_t>(), grad_feat.data_ptr<scalar_t>(),
+                                         bev_pool::pixel_strides(grad_feat), s);
     });
   });
-  return {grad_depth, grad_feat_view};
+  return {grad_depth, grad_feat};
 }
 
 }  // namespace

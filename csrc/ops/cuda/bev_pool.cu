@@ -4,24 +4,28 @@
 // channels-last output (B x nx x ny x nz*C in memory), any other feat an NCHW-contiguous one. Either way every
 // output element is written once by the forward (empty cells write 0): no memset, no atomics, no permute after.
 //
-// Forward, channels-last output: one warp per cell, kCellWarps consecutive cells per block. Lanes over channels,
-// V consecutive channels per lane (vector loads and stores when C and the pointers allow): the warp sums the
-// depth-weighted feature rows of its cell's points in registers and writes the cell's C-value slice of its output
-// row directly. The lanes first fetch up to 32 of the cell's point indices and depths at once, then broadcast them,
-// so that the feature-row loads of a cell's points are independent and overlap.
-//
 // Forward, NCHW output: one block per tile of kTile consecutive cells (consecutive along ny). Each warp sums its
-// cells' rows the same way into shared memory; the block then writes the tile channel by channel, kTile consecutive
-// output elements per channel. A tile without points writes its zeros straight away. Output offsets are computed
-// once per cell (no 64-bit division per element).
+// cells' rows in registers, lanes over channels (a point's feature row read as one coalesced run), into shared
+// memory; the block then writes the tile channel by channel, kTile consecutive output elements per channel. A tile
+// without points writes its zeros straight away. (The cell kernel's NCHW mapping measured slower: it splits rows.)
+//
+// The cell kernels (channels-last forward and stage) run one thread per (cell, group of kGroup consecutive
+// channels), with no shared memory and no barrier, so that many cells' loads are in flight on every SM:
+//  - channels-last forward: consecutive threads take consecutive groups of a cell, then the next cell, so that a
+//    warp reads whole feature rows and writes contiguous runs of output rows. A thread fetches the indices and
+//    depths of kPointUnroll of its cell's points at once, then their kGroup-channel feature slices (one 32-byte
+//    sector for float32), so that those loads overlap instead of forming a chain per point;
+//  - stage: consecutive threads take consecutive cells (the group comes from blockIdx.y), so each of a warp's
+//    kGroup channel loads covers 32 consecutive grad_out elements.
 //
 // Backward, gather-style without atomics (deterministic):
-//  1. stage: grad_out rows of the non-empty cells are copied to a cells x C buffer (coalesced reads along ny,
-//     coalesced writes along C); skipped when grad_out is channels-last (as it is downstream of a channels-last
-//     output): its rows are read in place.
-//  2. one block per feature pixel: its warps share the pixel's D points; each warp fetches its points' cells and
-//     depths at once, then for point p in cell c: grad_depth[p] = dot(feat[pixel], G[c]) and
-//     grad_feat[pixel] = sum_p depth[p] * G[c].
+//  1. stage: grad_out rows of the non-empty cells are copied to a cells x C buffer (cell kernel, NCHW mapping:
+//     coalesced reads along ny, one kGroup-channel slice of a row written per thread); skipped when grad_out is
+//     channels-last (as it is downstream of a channels-last output): its rows are read in place.
+//  2. one warp per feature pixel: lanes over (depth phase, channel group); a lane walks the pixel's points of its
+//     phase, kPointUnroll at a time: for point p in cell c, grad_depth[p] = dot(feat[pixel], G[c]) (reduced over
+//     the lanes of the phase) and grad_feat[pixel] += depth[p] * G[c] (reduced over the phases at the end).
+//     feat is read and grad_feat written with their own strides (grad_feat follows feat's layout): no copies.
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -34,18 +38,18 @@
 namespace lss {
 namespace {
 
+using bev_pool::PixelStrides;
 using bev_pool::Shape;
 
-constexpr int kTile = 32;            // consecutive cells per block
-constexpr int kChunk = 128;          // channels per pass over a tile
+constexpr int kTile = 32;           // consecutive cells per block of the NCHW forward
+constexpr int kChunk = 128;         // channels per pass over a tile
 constexpr int kPerLane = kChunk / 32;
 constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / 32;
-constexpr int kMaxPixelWarps = 8;    // warps sharing one pixel's D points in the backward
-constexpr size_t kMaxSharedBytes = 48 * 1024;
-constexpr int kCellWarps = 8;        // cells per block of the channels-last forward, one warp each
-constexpr int kCellThreads = kCellWarps * 32;
-constexpr int kLaneVectors = 2;      // vectors per lane per pass over a cell's points (channels-last forward)
+constexpr int kGroup = 8;           // channels per thread of the cell kernels: one 32-byte sector of float32
+constexpr int kCellThreads = 128;   // threads per block of the cell kernels
+constexpr int kPointUnroll = 4;     // points whose loads one thread has in flight at once
+constexpr int kPixelWarps = 4;      // pixels (one warp each) per block of the backward
 constexpr size_t kMaxVectorBytes = 16;
 
 // V consecutive channels moved as one load or store.
@@ -54,11 +58,42 @@ struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+
+// Pointers and sizes of the cell kernels' grid: cell and channel group of this thread, or false past the end.
+template <bool kChannelsLast>
+__device__ __forceinline__ bool cell_and_group(int64_t cells, int groups, int64_t* cell, int* group) {
+  if (kChannelsLast) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * kCellThreads + threadIdx.x;
+    *cell = t / groups;
+    *group = static_cast<int>(t - *cell * groups);
+  } else {
+    *cell = static_cast<int64_t>(blockIdx.x) * kCellThreads + threadIdx.x;
+    *group = static_cast<int>(blockIdx.y);
+  }
+  return *cell < cells;
+}
+
+template <bool kChannelsLast>
+dim3 cell_grid(int64_t cells, int groups) {
+  const int64_t blocks = kChannelsLast ? ceil_div(cells * groups, kCellThreads) : ceil_div(cells, kCellThreads);
+  LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max() && groups <= 65535,
+            "bev_pool: " + std::to_string(cells) + " cells x " + std::to_string(groups) +
+                " channel groups exceed the CUDA grid limit; use a smaller batch, grid or channel count");
+  return kChannelsLast ? dim3(static_cast<unsigned>(blocks)) : dim3(static_cast<unsigned>(blocks), groups);
+}
+
+// out[b, z*C + ch, i, j] for cell (b, z, i, j) = c: NCHW at ((b*nz + z)*C + ch)*nxy + ij, channels-last at
+// ((b*nxy + ij)*nz + z)*C + ch.
+template <bool kChannelsLast>
+__device__ __forceinline__ int64_t cell_offset(int64_t cell, int64_t nxy, int64_t nz, int64_t C) {
+  const int64_t plane = cell / nxy, ij = cell - plane * nxy;  // plane = b * nz + z
+  if (!kChannelsLast) return plane * C * nxy + ij;
+  const int64_t b = plane / nz;
+  return (b * nxy + ij) * nz * C + (plane - b * nz) * C;
 }
 
 // Per tile: the first point of each cell (kTile + 1 entries) and where channel 0 of each cell lives in the output
@@ -136,122 +171,137 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-// Channels-last output: the warp of cell (b, z, i, j) writes out[((b*nx + i)*ny + j)*nz*C + z*C + ch], ch < C.
-// feat, out and C are aligned to V elements (vector_width).
+// Channels-last output. feat is channels-last (B x N x fH x fW x C, contiguous); feat, out and C are aligned to V
+// elements when V > 1.
 template <typename scalar_t, typename index_t, int V>
 __global__ void __launch_bounds__(kCellThreads)
     bev_pool_forward_channels_last_kernel(const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
                                           const index_t* __restrict__ sorted_points,
                                           const index_t* __restrict__ cell_start, scalar_t* __restrict__ out,
-                                          int64_t cells, int64_t nxy, int64_t nz, int64_t C, index_t dhw,
+                                          int64_t cells, int groups, int64_t nxy, int64_t nz, int64_t C, index_t dhw,
                                           index_t hw) {
   using acc_t = at::opmath_type<scalar_t>;
   using vec_t = Vec<scalar_t, V>;
-  constexpr int kPass = 32 * V * kLaneVectors;  // channels per pass over the cell's points
-  __shared__ index_t start[kCellWarps + 1];
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kCellWarps;
-  if (threadIdx.x <= kCellWarps) {
-    start[threadIdx.x] = cell_start[first + threadIdx.x < cells ? first + threadIdx.x : cells];
-  }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t cell = first + warp;
-  if (cell >= cells) return;  // the whole warp: no shuffles or barriers follow for it
-  const int64_t plane = cell / nxy, b = plane / nz;  // plane = b * nz + z
-  scalar_t* dst = out + (b * nxy + (cell - plane * nxy)) * nz * C + (plane - b * nz) * C;
-  const index_t begin = start[warp], end = start[warp + 1];
-  for (int64_t c0 = 0; c0 < C; c0 += kPass) {
-    acc_t acc[kLaneVectors][V];
+  constexpr int kVectors = kGroup / V;
+  int64_t cell;
+  int group;
+  if (!cell_and_group<true>(cells, groups, &cell, &group)) return;
+  const int64_t c0 = static_cast<int64_t>(group) * kGroup;
+  acc_t acc[kGroup];
 #pragma unroll
-    for (int g = 0; g < kLaneVectors; ++g)
+  for (int r = 0; r < kGroup; ++r) acc[r] = acc_t(0);
+  const index_t begin = cell_start[cell], end = cell_start[cell + 1];
+  for (index_t k0 = begin; k0 < end; k0 += kPointUnroll) {
+    acc_t w[kPointUnroll];
+    const scalar_t* row[kPointUnroll];
 #pragma unroll
-      for (int v = 0; v < V; ++v) acc[g][v] = acc_t(0);
-    for (index_t k0 = begin; k0 < end; k0 += 32) {
-      const int n = static_cast<int>(end - k0 < 32 ? end - k0 : 32);
-      acc_t my_w = acc_t(0);
-      int64_t my_row = 0;
-      if (lane < n) {  // one round trip for up to 32 points: indices, depths and row offsets
-        const index_t p = sorted_points[k0 + lane];
-        my_w = static_cast<acc_t>(depth[p]);
-        my_row = static_cast<int64_t>((p / dhw) * hw + p % hw) * C + c0;
-      }
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const acc_t w = __shfl_sync(0xffffffffu, my_w, j);
-        const scalar_t* row = feat + __shfl_sync(0xffffffffu, my_row, j);
-#pragma unroll
-        for (int g = 0; g < kLaneVectors; ++g) {
-          const int c = (lane + 32 * g) * V;
-          if (c0 + c < C) {
-            const vec_t x = *reinterpret_cast<const vec_t*>(row + c);
-#pragma unroll
-            for (int v = 0; v < V; ++v) acc[g][v] += w * static_cast<acc_t>(x.v[v]);
-          }
-        }
+    for (int u = 0; u < kPointUnroll; ++u) {
+      w[u] = acc_t(0);
+      row[u] = feat;
+      if (k0 + u < end) {
+        const index_t p = sorted_points[k0 + u];
+        w[u] = static_cast<acc_t>(depth[p]);
+        row[u] = feat + static_cast<int64_t>((p / dhw) * hw + p % hw) * C + c0;
       }
     }
+    vec_t x[kPointUnroll][kVectors];
 #pragma unroll
-    for (int g = 0; g < kLaneVectors; ++g) {
-      const int c = (lane + 32 * g) * V;
-      if (c0 + c < C) {
-        vec_t y;
+    for (int u = 0; u < kPointUnroll; ++u)
 #pragma unroll
-        for (int v = 0; v < V; ++v) y.v[v] = static_cast<scalar_t>(acc[g][v]);
-        *reinterpret_cast<vec_t*>(dst + c0 + c) = y;
-      }
+      for (int i = 0; i < kVectors; ++i)
+        if (k0 + u < end && c0 + i * V < C) x[u][i] = load_vec<scalar_t, V>(row[u] + i * V);
+#pragma unroll
+    for (int u = 0; u < kPointUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < kVectors; ++i)
+        if (k0 + u < end && c0 + i * V < C)
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[i * V + v] += w[u] * static_cast<acc_t>(x[u][i].v[v]);
+  }
+  scalar_t* dst = out + cell_offset<true>(cell, nxy, nz, C);
+#pragma unroll
+  for (int i = 0; i < kVectors; ++i) {
+    if (c0 + i * V < C) {
+      vec_t y;
+#pragma unroll
+      for (int v = 0; v < V; ++v) y.v[v] = static_cast<scalar_t>(acc[i * V + v]);
+      *reinterpret_cast<vec_t*>(dst + c0 + i * V) = y;
     }
   }
 }
 
-// Channels per vector for the channels-last forward: the widest of 4, 2, 1 that divides C, fits kMaxVectorBytes,
-// matches the alignment of feat and out, and still gives every lane of a warp a vector (32 * V <= C).
+// Channels per vector: 16 or 8 bytes (2 to kGroup channels) where that divides C and matches the alignment of the
+// given pointers, else one channel.
 template <typename scalar_t>
-int vector_width(int64_t C, const void* feat, const void* out) {
-  for (int v : {4, 2}) {
-    const size_t bytes = v * sizeof(scalar_t);
-    if (bytes <= kMaxVectorBytes && C % v == 0 && 32 * v <= C && reinterpret_cast<uintptr_t>(feat) % bytes == 0 &&
-        reinterpret_cast<uintptr_t>(out) % bytes == 0) {
-      return v;
-    }
+int vector_width(int64_t C, std::initializer_list<const void*> pointers) {
+  for (size_t bytes = kMaxVectorBytes; bytes >= kMaxVectorBytes / 2; bytes /= 2) {
+    const int v = static_cast<int>(bytes / sizeof(scalar_t));
+    if (v < 2 || v > kGroup || C % v != 0) continue;
+    bool aligned = true;
+    for (const void* p : pointers) aligned = aligned && reinterpret_cast<uintptr_t>(p) % bytes == 0;
+    if (aligned) return v;
   }
   return 1;
 }
 
-template <typename scalar_t, typename index_t, int V>
-void launch_forward_channels_last(const scalar_t* depth, const scalar_t* feat, const index_t* sorted_points,
-                                  const index_t* cell_start, scalar_t* out, const Shape& s, cudaStream_t stream) {
-  const int64_t blocks = ceil_div(s.cells(), kCellWarps);
-  LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
-            "bev_pool: " + std::to_string(s.cells()) +
-                " cells exceed the CUDA grid limit; use a smaller batch or grid");
-  bev_pool_forward_channels_last_kernel<scalar_t, index_t, V>
-      <<<static_cast<unsigned>(blocks), kCellThreads, 0, stream>>>(
-          depth, feat, sorted_points, cell_start, out, s.cells(), s.nxy(), s.nz, s.C,
-          static_cast<index_t>(s.dhw()), static_cast<index_t>(s.hw()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// Calls f(std::integral_constant<int, V>) for the V that vector_width picked (the instantiated widths: 16 bytes,
+// 8 bytes and one channel).
+template <typename scalar_t, typename F>
+void with_vector_width(int width, F&& f) {
+  constexpr int kWide = kMaxVectorBytes / sizeof(scalar_t) < kGroup ? kMaxVectorBytes / sizeof(scalar_t) : kGroup;
+  constexpr int kHalf = kWide / 2 > 1 ? kWide / 2 : 1;
+  if (width == kWide) return f(std::integral_constant<int, kWide>());
+  if (width == kHalf) return f(std::integral_constant<int, kHalf>());
+  f(std::integral_constant<int, 1>());
 }
 
 template <typename scalar_t, typename index_t>
-__global__ void __launch_bounds__(kTileThreads)
+void launch_forward_channels_last(const scalar_t* depth, const scalar_t* feat, const index_t* sorted_points,
+                                  const index_t* cell_start, scalar_t* out, const Shape& s, cudaStream_t stream) {
+  const int groups = static_cast<int>(ceil_div(s.C, kGroup));
+  const dim3 grid = cell_grid<true>(s.cells(), groups);
+  with_vector_width<scalar_t>(vector_width<scalar_t>(s.C, {feat, out}), [&](auto v) {
+    bev_pool_forward_channels_last_kernel<scalar_t, index_t, decltype(v)::value><<<grid, kCellThreads, 0, stream>>>(
+        depth, feat, sorted_points, cell_start, out, s.cells(), groups, s.nxy(), s.nz, s.C,
+        static_cast<index_t>(s.dhw()), static_cast<index_t>(s.hw()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+template <typename scalar_t, typename index_t>
+void launch_forward(const scalar_t* depth, const scalar_t* feat, const index_t* sorted_points,
+                    const index_t* cell_start, scalar_t* out, const Shape& s, cudaStream_t stream) {
+  const int64_t blocks = ceil_div(s.cells(), kTile);
+  LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
+            "bev_pool: " + std::to_string(s.cells()) +
+                " cells exceed the CUDA grid limit; use a smaller batch or grid");
+  bev_pool_forward_kernel<scalar_t, index_t><<<static_cast<unsigned>(blocks), kTileThreads, 0, stream>>>(
+      depth, feat, sorted_points, cell_start, out, s.cells(), s.nxy(), s.C, static_cast<index_t>(s.dhw()),
+      static_cast<index_t>(s.hw()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// NCHW grad_out -> the rows of the non-empty cells in a cells x C buffer (row of cell c at c * C).
+template <typename scalar_t, typename index_t, int V>
+__global__ void __launch_bounds__(kCellThreads)
     bev_pool_stage_kernel(const scalar_t* __restrict__ grad_out, const index_t* __restrict__ cell_start,
-                          scalar_t* __restrict__ staged, int64_t cells, int64_t nxy, int64_t C) {
-  __shared__ scalar_t tile[kTile][kChunk + 1];
-  __shared__ index_t start[kTile + 1];
-  __shared__ int64_t base[kTile];
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTile;
-  if (!load_tile(cell_start, first, cells, nxy, C, start, base)) return;  // no points: rows never read
-  for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
-    const int channels = static_cast<int>(C - c0 < kChunk ? C - c0 : kChunk);
-    for (int e = threadIdx.x; e < channels * kTile; e += kTileThreads) {
-      const int t = e % kTile, ch = e / kTile;
-      if (start[t + 1] > start[t]) tile[t][ch] = grad_out[base[t] + (c0 + ch) * nxy];
+                          scalar_t* __restrict__ staged, int64_t cells, int groups, int64_t nxy, int64_t C) {
+  using vec_t = Vec<scalar_t, V>;
+  int64_t cell;
+  int group;
+  if (!cell_and_group<false>(cells, groups, &cell, &group)) return;
+  if (cell_start[cell] == cell_start[cell + 1]) return;  // no points: the row is never read
+  const int64_t c0 = static_cast<int64_t>(group) * kGroup;
+  const scalar_t* src = grad_out + cell_offset<false>(cell, nxy, 1, C) + c0 * nxy;
+  scalar_t* dst = staged + cell * C + c0;
+#pragma unroll
+  for (int i = 0; i < kGroup / V; ++i) {
+    if (c0 + i * V < C) {
+      vec_t y;
+#pragma unroll
+      for (int v = 0; v < V; ++v) y.v[v] = src[(i * V + v) * nxy];
+      *reinterpret_cast<vec_t*>(dst + i * V) = y;
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < channels * kTile; e += kTileThreads) {
-      const int ch = e % channels, t = e / channels;
-      if (start[t + 1] > start[t]) staged[(first + t) * C + c0 + ch] = tile[t][ch];
-    }
-    __syncthreads();
   }
 }
 
@@ -264,59 +314,98 @@ __device__ __forceinline__ int64_t grad_row(int64_t cell, const bev_pool::GradRo
   return b * rows.batch + z * rows.level + ij * rows.cell;
 }
 
-template <typename scalar_t, typename index_t, bool kPacked>
-__global__ void bev_pool_backward_kernel(const scalar_t* __restrict__ grad_rows, bev_pool::GradRows rows,
-                                         const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
-                                         const index_t* __restrict__ point_cell, scalar_t* __restrict__ grad_depth,
-                                         scalar_t* __restrict__ grad_feat, int64_t C, int64_t D, int64_t hw,
-                                         int64_t nxy, int64_t planes) {
+template <typename T>
+__device__ __forceinline__ T shfl_xor(T v, int offset) {
+  return __shfl_xor_sync(0xffffffffu, v, offset);
+}
+
+// Lanes of a pixel's warp: lane = phase * lanes + g with lanes = 1 << lane_bits (a power of two covering the
+// channel groups, at most 32); a lane takes channel group pass + g and the points of depth bins d = phase (mod
+// 32 / lanes). With more than 32 groups the warp makes several passes of 32 groups; dot_partial (one float per
+// point) then carries grad_depth's partial sums from pass to pass (the same lane handles a point in every pass).
+// grad_rows and C are aligned to V elements when V > 1.
+template <typename scalar_t, typename index_t, int V, bool kPacked>
+__global__ void __launch_bounds__(kPixelWarps * 32)
+    bev_pool_backward_kernel(const scalar_t* __restrict__ grad_rows, bev_pool::GradRows rows,
+                             const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
+                             PixelStrides feat_strides, const index_t* __restrict__ point_cell,
+                             scalar_t* __restrict__ grad_depth, scalar_t* __restrict__ grad_feat,
+                             PixelStrides grad_feat_strides, at::opmath_type<scalar_t>* __restrict__ dot_partial,
+                             int64_t pixels, int64_t N, int64_t fH, int64_t fW, int64_t D, int64_t C, int64_t nxy,
+                             int64_t planes, int lane_bits) {
   using acc_t = at::opmath_type<scalar_t>;
-  extern __shared__ __align__(16) unsigned char shared_raw[];
-  acc_t* feat_row = reinterpret_cast<acc_t*>(shared_raw);  // C values of this pixel
-  acc_t* acc = feat_row + C;                                // warps x C partial grad_feat
-  const int64_t pixel = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) feat_row[c] = static_cast<acc_t>(feat[pixel * C + c]);
-  for (int64_t c = lane; c < C; c += 32) acc[warp * C + c] = acc_t(0);
-  __syncthreads();
-  const int64_t bn = pixel / hw, hwi = pixel - bn * hw;
+  using vec_t = Vec<scalar_t, V>;
+  constexpr int kVectors = kGroup / V;
+  const int64_t pixel = static_cast<int64_t>(blockIdx.x) * kPixelWarps + threadIdx.x / 32;
+  if (pixel >= pixels) return;  // the whole warp: no shuffles follow for it
+  const int lane = threadIdx.x % 32, lanes = 1 << lane_bits, phases = 32 >> lane_bits;
+  const int g = lane & (lanes - 1), phase = lane >> lane_bits;
+  const int64_t hw = fH * fW, bn = pixel / hw, hwi = pixel - bn * hw, b = bn / N, n = bn - b * N;
+  const int64_t h = hwi / fW, w = hwi - h * fW;
+  const scalar_t* f_pixel = feat + feat_strides.at(b, n, h, w);
+  scalar_t* gf_pixel = grad_feat + grad_feat_strides.at(b, n, h, w);
   const int64_t first_point = bn * D * hw + hwi;  // point of depth bin d: first_point + d * hw
-  for (int64_t d0 = warp; d0 < D; d0 += 32 * warps) {
-    // one round trip for up to 32 of this warp's points: lane j holds bin d0 + j * warps
-    const int64_t my_d = d0 + static_cast<int64_t>(lane) * warps;
-    int64_t my_cell = -1;
-    acc_t my_w = acc_t(0);
-    if (my_d < D) {
-      const int64_t p = first_point + my_d * hw;
-      my_cell = point_cell[p];
-      my_w = static_cast<acc_t>(depth[p]);
+  const int groups = static_cast<int>(ceil_div(C, kGroup));
+  for (int pass = 0; pass < groups; pass += lanes) {
+    const int64_t c0 = static_cast<int64_t>(pass + g) * kGroup;
+    const bool first_pass = pass == 0, last_pass = pass + lanes >= groups;
+    acc_t f[kGroup], acc[kGroup];
+#pragma unroll
+    for (int r = 0; r < kGroup; ++r) {
+      f[r] = c0 + r < C ? static_cast<acc_t>(f_pixel[(c0 + r) * feat_strides.channel]) : acc_t(0);
+      acc[r] = acc_t(0);
     }
-    const int64_t n = (D - d0 + warps - 1) / warps < 32 ? (D - d0 + warps - 1) / warps : 32;
-#pragma unroll 2
-    for (int j = 0; j < n; ++j) {
-      const int64_t cell = __shfl_sync(0xffffffffu, my_cell, j);
-      const acc_t w = __shfl_sync(0xffffffffu, my_w, j);
-      const int64_t p = first_point + (d0 + static_cast<int64_t>(j) * warps) * hw;
-      if (cell < 0) {  // the same for every lane: the branch is warp-uniform
-        if (lane == 0) grad_depth[p] = scalar_t(0);
-        continue;
+    for (int64_t d0 = 0; d0 < D; d0 += static_cast<int64_t>(phases) * kPointUnroll) {
+      int64_t p[kPointUnroll], cell[kPointUnroll];
+      acc_t wt[kPointUnroll];
+#pragma unroll
+      for (int u = 0; u < kPointUnroll; ++u) {
+        const int64_t d = d0 + u * phases + phase;
+        p[u] = d < D ? first_point + d * hw : -1;
+        cell[u] = p[u] >= 0 ? static_cast<int64_t>(point_cell[p[u]]) : -1;
+        wt[u] = p[u] >= 0 ? static_cast<acc_t>(depth[p[u]]) : acc_t(0);
       }
-      const scalar_t* g = grad_rows + grad_row<kPacked>(cell, rows, nxy, planes);
-      acc_t dot = acc_t(0);
-      for (int64_t c = lane; c < C; c += 32) {
-        const acc_t gc = static_cast<acc_t>(g[c]);
-        dot += feat_row[c] * gc;
-        acc[warp * C + c] += w * gc;
+      vec_t x[kPointUnroll][kVectors];
+#pragma unroll
+      for (int u = 0; u < kPointUnroll; ++u) {
+        const scalar_t* row = grad_rows + (cell[u] >= 0 ? grad_row<kPacked>(cell[u], rows, nxy, planes) : 0) + c0;
+#pragma unroll
+        for (int i = 0; i < kVectors; ++i) {
+          if (cell[u] >= 0 && c0 + i * V < C) {
+            x[u][i] = load_vec<scalar_t, V>(row + i * V);
+          } else {
+#pragma unroll
+            for (int v = 0; v < V; ++v) x[u][i].v[v] = scalar_t(0);
+          }
+        }
       }
-      dot = warp_sum(dot);
-      if (lane == 0) grad_depth[p] = static_cast<scalar_t>(dot);
+#pragma unroll
+      for (int u = 0; u < kPointUnroll; ++u) {
+        acc_t dot = acc_t(0);
+#pragma unroll
+        for (int i = 0; i < kVectors; ++i)
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+            const acc_t gc = static_cast<acc_t>(x[u][i].v[v]);
+            dot += f[i * V + v] * gc;
+            acc[i * V + v] += wt[u] * gc;
+          }
+        for (int offset = lanes / 2; offset > 0; offset >>= 1) dot += shfl_xor(dot, offset);
+        if (g == 0 && p[u] >= 0) {
+          if (!first_pass) dot += dot_partial[p[u]];
+          if (last_pass) {
+            grad_depth[p[u]] = static_cast<scalar_t>(dot);
+          } else {
+            dot_partial[p[u]] = dot;
+          }
+        }
+      }
     }
-  }
-  __syncthreads();
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    acc_t sum = acc_t(0);
-    for (int w = 0; w < warps; ++w) sum += acc[w * C + c];
-    grad_feat[pixel * C + c] = static_cast<scalar_t>(sum);
+#pragma unroll
+    for (int r = 0; r < kGroup; ++r) {
+      for (int offset = lanes; offset < 32; offset <<= 1) acc[r] += shfl_xor(acc[r], offset);
+      if (phase == 0 && c0 + r < C) gf_pixel[(c0 + r) * grad_feat_strides.channel] = static_cast<scalar_t>(acc[r]);
+    }
   }
 }
 
@@ -336,88 +425,76 @@ at::Tensor bev_pool_cuda(const at::Tensor& depth_in, const at::Tensor& feat_in, 
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_cuda_index", [&] {
-      if (channels_last) {
-        const scalar_t* feat_ptr = feat.data_ptr<scalar_t>();
-        scalar_t* out_ptr = out.data_ptr<scalar_t>();
-        const int width = vector_width<scalar_t>(s.C, feat_ptr, out_ptr);
-        auto launch = width == 4   ? launch_forward_channels_last<scalar_t, index_t, 4>
-                      : width == 2 ? launch_forward_channels_last<scalar_t, index_t, 2>
-                                   : launch_forward_channels_last<scalar_t, index_t, 1>;
-        launch(depth.data_ptr<scalar_t>(), feat_ptr, sorted_points.data_ptr<index_t>(),
-               cell_start.data_ptr<index_t>(), out_ptr, s, stream);
-        return;
-      }
-      const int64_t blocks = ceil_div(s.cells(), kTile);
-      LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
-                "bev_pool: " + std::to_string(s.cells()) +
-                    " cells exceed the CUDA grid limit; use a smaller batch or grid");
-      bev_pool_forward_kernel<scalar_t, index_t><<<static_cast<unsigned>(blocks), kTileThreads, 0, stream>>>(
-          depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(), sorted_points.data_ptr<index_t>(),
-          cell_start.data_ptr<index_t>(), out.data_ptr<scalar_t>(), s.cells(), s.nxy(), s.C,
-          static_cast<index_t>(s.dhw()), static_cast<index_t>(s.hw()));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      auto launch = channels_last ? launch_forward_channels_last<scalar_t, index_t> : launch_forward<scalar_t, index_t>;
+      launch(depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(), sorted_points.data_ptr<index_t>(),
+             cell_start.data_ptr<index_t>(), out.data_ptr<scalar_t>(), s, stream);
     });
   });
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad_out_in, const at::Tensor& depth_in,
-                                                          const at::Tensor& feat_in, const at::Tensor& cell_start_in,
+                                                          const at::Tensor& feat, const at::Tensor& cell_start_in,
                                                           const at::Tensor& point_cell_in, int64_t nz, int64_t nx,
                                                           int64_t ny) {
   check_cuda_tensor(depth_in, "bev_pool: depth");
-  const Shape s = bev_pool::check_args(depth_in, feat_in, nullptr, cell_start_in, point_cell_in, nz, nx, ny);
+  const Shape s = bev_pool::check_args(depth_in, feat, nullptr, cell_start_in, point_cell_in, nz, nx, ny);
   bev_pool::check_grad_out(grad_out_in, depth_in, s);
   c10::cuda::CUDAGuard guard(depth_in.device());
-  auto [grad_depth, grad_feat] = bev_pool::empty_grads(depth_in, feat_in, s);
-  auto grad_feat_view = grad_feat.permute({0, 1, 4, 2, 3});
+  auto [grad_depth, grad_feat] = bev_pool::empty_grads(depth_in, feat, s);
   if (s.C == 0) {
     grad_depth.zero_();
-    return {grad_depth, grad_feat_view};
+    return {grad_depth, grad_feat};
   }
-  if (s.pixels() == 0) return {grad_depth, grad_feat_view};
-  LSS_CHECK(s.pixels() <= std::numeric_limits<int32_t>::max(),
+  if (s.pixels() == 0) return {grad_depth, grad_feat};
+  const int64_t blocks = ceil_div(s.pixels(), kPixelWarps);
+  LSS_CHECK(blocks <= std::numeric_limits<int32_t>::max(),
             "bev_pool: " + std::to_string(s.pixels()) +
                 " feature pixels exceed the CUDA grid limit; use a smaller batch");
   const auto depth = depth_in.contiguous();
-  const auto feat = bev_pool::feat_channels_last(feat_in);
   const auto cell_start = cell_start_in.contiguous();
   const auto point_cell = point_cell_in.contiguous();
   const bool in_place = bev_pool::grad_is_channels_last(grad_out_in);
   const auto grad_out = in_place ? grad_out_in : grad_out_in.contiguous();
   const auto rows = in_place ? bev_pool::channels_last_rows(s) : bev_pool::staged_rows(s);
   at::Tensor staged = in_place ? grad_out : at::empty({s.cells(), s.C}, grad_out.options());
+  const int groups = static_cast<int>(ceil_div(s.C, kGroup));
+  int lane_bits = 0;
+  while (lane_bits < 5 && (1 << lane_bits) < groups) ++lane_bits;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, depth.scalar_type(), "bev_pool_backward_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(cell_start.scalar_type(), "bev_pool_backward_cuda_index", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       if (!in_place) {
-        const int64_t blocks = ceil_div(s.cells(), kTile);
-        bev_pool_stage_kernel<scalar_t, index_t><<<static_cast<unsigned>(blocks), kTileThreads, 0, stream>>>(
-            grad_out.data_ptr<scalar_t>(), cell_start.data_ptr<index_t>(), staged.data_ptr<scalar_t>(), s.cells(),
-            s.nxy(), s.C);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const dim3 grid = cell_grid<false>(s.cells(), groups);
+        with_vector_width<scalar_t>(vector_width<scalar_t>(s.C, {staged.data_ptr()}), [&](auto v) {
+          bev_pool_stage_kernel<scalar_t, index_t, decltype(v)::value><<<grid, kCellThreads, 0, stream>>>(
+              grad_out.data_ptr<scalar_t>(), cell_start.data_ptr<index_t>(), staged.data_ptr<scalar_t>(),
+              s.cells(), groups, s.nxy(), s.C);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       }
-      const size_t row_bytes = static_cast<size_t>(s.C) * sizeof(acc_t);
-      LSS_CHECK(2 * row_bytes <= kMaxSharedBytes,
-                "bev_pool backward: C = " + std::to_string(s.C) + " channels do not fit in shared memory (at most " +
-                    std::to_string(kMaxSharedBytes / (2 * sizeof(acc_t))) +
-                    " for this dtype); split the channels into several bev_pool calls");
-      int warps = static_cast<int>(std::min<int64_t>(kMaxPixelWarps, std::max<int64_t>(1, s.D)));
-      while ((warps + 1) * row_bytes > kMaxSharedBytes) --warps;
+      // more than 32 channel groups: grad_depth's partial sums carried between the warp's passes over the groups
+      at::Tensor dot_partial;
+      if (groups > 32) dot_partial = at::empty({s.points()}, depth.options().dtype(c10::CppTypeToScalarType<acc_t>()));
       // staged rows, or channels-last grad_out with one height level: row of cell c at c * C
       const bool packed = rows.cell == s.C && rows.batch == s.nz * s.nxy() * s.C &&
                           (s.nz == 1 || rows.level == s.nxy() * s.C);
-      auto kernel = packed ? bev_pool_backward_kernel<scalar_t, index_t, true>
-                           : bev_pool_backward_kernel<scalar_t, index_t, false>;
-      kernel<<<static_cast<unsigned>(s.pixels()), warps * 32, (warps + 1) * row_bytes, stream>>>(
-          staged.data_ptr<scalar_t>(), rows, depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(),
-          point_cell.data_ptr<index_t>(), grad_depth.data_ptr<scalar_t>(), grad_feat.data_ptr<scalar_t>(), s.C, s.D,
-          s.hw(), s.nxy(), s.nz * s.nxy());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      with_vector_width<scalar_t>(vector_width<scalar_t>(s.C, {staged.data_ptr()}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        auto kernel = packed ? bev_pool_backward_kernel<scalar_t, index_t, V, true>
+                             : bev_pool_backward_kernel<scalar_t, index_t, V, false>;
+        kernel<<<static_cast<unsigned>(blocks), kPixelWarps * 32, 0, stream>>>(
+            staged.data_ptr<scalar_t>(), rows, depth.data_ptr<scalar_t>(), feat.data_ptr<scalar_t>(),
+            bev_pool::pixel_strides(feat), point_cell.data_ptr<index_t>(), grad_depth.data_ptr<scalar_t>(),
+            grad_feat.data_ptr<scalar_t>(), bev_pool::pixel_strides(grad_feat),
+            dot_partial.defined() ? dot_partial.data_ptr<acc_t>() : nullptr, s.pixels(), s.N, s.fH, s.fW, s.D, s.C,
+            s.nxy(), s.nz * s.nxy(), lane_bits);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
   });
-  return {grad_depth, grad_feat_view};
+  return {grad_depth, grad_feat};
 }
 
 }  // namespace
