@@ -5,9 +5,11 @@ soft labels: the value of torchvision.ops.sigmoid_focal_loss) or int64 class ind
 background, the mmdetection convention). `softmax_focal_loss` takes N x C logits and int64 class indices N.
 
 The kernels read logits and targets once, reduce "mean"/"sum" inside the kernel with deterministic per-block
-partial sums, and, when the logits need a gradient, write it in the same pass; the backward pass only scales it by
-grad_output. Everything is computed in float32 (float64 for float64 logits) from log-sigmoid / log-softmax forms,
-so logits of +-100 and gamma < 1 give neither NaN nor inf in any dtype. No gradient flows to targets, weight or mask.
+partial sums, and, when the logits need a gradient, write it in the same pass (with the reduction's 1 / N folded in
+where it is known on the host); the backward pass only scales it by grad_output, in place on the device, and skips
+even that when the factor is 1 (loss.backward() of the loss itself). Everything is computed in float32 (float64 for
+float64 logits) from log-sigmoid / log-softmax forms, so logits of +-100 and gamma < 1 give neither NaN nor inf in
+any dtype. No gradient flows to targets, weight or mask.
 """
 from __future__ import annotations
 
@@ -323,6 +325,18 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(grad, grad_scale)
 
 
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (retain_graph / create_graph); True outside a backward."""
+    return getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+
+
+def _can_scale_in_place(grad_loss: Tensor, grad: Tensor) -> bool:
+    """The saved gradient may become the result when this backward is its last use (the graph is freed after it,
+    nothing is being traced) and grad_output is one number of its dtype."""
+    return (grad_loss.numel() == 1 and grad_loss.dtype == grad.dtype and grad_loss.device == grad.device
+            and not torch.compiler.is_compiling() and not _keeps_graph())
+
+
 def _backward(ctx, grad_loss, *_):
     if not ctx.save_grad:
         raise RuntimeError(
@@ -332,7 +346,11 @@ def _backward(ctx, grad_loss, *_):
     grad, grad_scale = ctx.saved_tensors
     if ctx.reduction == "none" and ctx.loss_dim < grad.dim():
         grad_loss = grad_loss.unsqueeze(-1)  # softmax "none": one loss per row of N x C
-    grad_logits = torch.ops.lss._focal_loss_backward(grad_loss, grad, grad_scale)
+    if _can_scale_in_place(grad_loss, grad):
+        torch.ops.lss._focal_loss_backward_(grad, grad_loss, grad_scale)
+        grad_logits = grad
+    else:
+        grad_logits = torch.ops.lss._focal_loss_backward(grad_loss, grad, grad_scale)
     return (grad_logits,) + (None,) * (ctx.num_inputs - 1)
 
 
@@ -349,6 +367,10 @@ if _ext.has_ext():
     @torch.library.register_fake("lss::_focal_loss_backward")
     def _focal_loss_backward_fake(grad_output, grad, grad_scale):
         return torch.empty_like(grad)
+
+    @torch.library.register_fake("lss::_focal_loss_backward_")
+    def _focal_loss_backward_inplace_fake(grad, grad_output, grad_scale):
+        return None
 
     torch.library.register_autograd("lss::sigmoid_focal_loss", _backward, setup_context=_setup_context)
     torch.library.register_autograd("lss::softmax_focal_loss", _backward, setup_context=_setup_context)
