@@ -7,16 +7,18 @@
 // kernel counts the kept cells) and for float16 "mean", else 1. The backward returns grad_output * grad_scale *
 // grad: out of place (_focal_loss_backward), or in place on the saved gradient (_focal_loss_backward_, which does
 // nothing when the factor is 1), so forward + backward reads logits and targets once and, in the common case,
-// writes the gradient once.
+// writes the gradient once. The in-place form changes the op's grad output, so it is used only for calls made with
+// reuse_grad = true (lss.ops.sigmoid_focal_loss / softmax_focal_loss, which never hand grad out); the kernels
+// ignore reuse_grad, the autograd registration (lss/ops/focal_loss.py) reads it.
 #include "ops/focal_loss.h"
 
 TORCH_LIBRARY_FRAGMENT(lss, m) {
   m.def(
       "sigmoid_focal_loss(Tensor logits, Tensor targets, Tensor? weight, Tensor? mask, float alpha, float gamma, "
-      "str reduction, bool save_grad) -> (Tensor, Tensor, Tensor)");
+      "str reduction, bool save_grad, bool reuse_grad=False) -> (Tensor, Tensor, Tensor)");
   m.def(
       "softmax_focal_loss(Tensor logits, Tensor targets, Tensor? weight, float alpha, float gamma, "
-      "str reduction, bool save_grad) -> (Tensor, Tensor, Tensor)");
+      "str reduction, bool save_grad, bool reuse_grad=False) -> (Tensor, Tensor, Tensor)");
   m.def("_focal_loss_backward(Tensor grad_output, Tensor grad, Tensor grad_scale) -> Tensor");
   m.def("_focal_loss_backward_(Tensor(a!) grad, Tensor grad_output, Tensor grad_scale) -> ()");
 }

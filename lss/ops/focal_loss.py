@@ -152,8 +152,9 @@ def sigmoid_focal_loss(
         return sigmoid_focal_loss_reference(logits, targets, alpha, gamma, weight, reduction, mask)
     _ext.check_device("sigmoid_focal_loss", logits, targets, weight, mask)
     save_grad = torch.is_grad_enabled() and logits.requires_grad
+    # reuse_grad: the gradient output is not handed out, so the backward may scale it in place.
     loss, _, _ = torch.ops.lss.sigmoid_focal_loss(
-        logits, targets, weight, mask, float(alpha), float(gamma), reduction, save_grad
+        logits, targets, weight, mask, float(alpha), float(gamma), reduction, save_grad, True
     )
     return loss
 
@@ -195,7 +196,7 @@ def softmax_focal_loss(
     _ext.check_device(op, logits, targets, weight)
     save_grad = torch.is_grad_enabled() and logits.requires_grad
     loss, _, _ = torch.ops.lss.softmax_focal_loss(logits, targets, weight, float(alpha), float(gamma), reduction,
-                                                  save_grad)
+                                                  save_grad, True)
     return loss
 
 
@@ -317,8 +318,9 @@ def _fake_outputs(logits: Tensor, loss_shape, save_grad: bool):
 
 def _setup_context(ctx, inputs, output) -> None:
     _, grad, grad_scale = output
-    ctx.save_grad = inputs[-1]
-    ctx.reduction = inputs[-2]
+    ctx.reuse_grad = inputs[-1]
+    ctx.save_grad = inputs[-2]
+    ctx.reduction = inputs[-3]
     ctx.num_inputs = len(inputs)
     ctx.loss_dim = output[0].dim()
     ctx.mark_non_differentiable(grad, grad_scale)
@@ -331,10 +333,13 @@ def _keeps_graph() -> bool:
 
 
 def _can_scale_in_place(grad_loss: Tensor, grad: Tensor) -> bool:
-    """The saved gradient may become the result when this backward is its last use (the graph is freed after it,
-    nothing is being traced) and grad_output is one number of its dtype."""
-    return (grad_loss.numel() == 1 and grad_loss.dtype == grad.dtype and grad_loss.device == grad.device
-            and not torch.compiler.is_compiling() and not _keeps_graph())
+    """The saved gradient may become the result when this backward is its last use (the graph is freed after it)
+    in plain eager mode (no compiler, no tracing or other dispatch mode, no tensor subclass) and grad_output is one
+    number of its dtype."""
+    eager = (type(grad) is Tensor and not torch.compiler.is_compiling()
+             and torch._C._len_torch_dispatch_stack() == 0)
+    return (eager and grad_loss.numel() == 1 and grad_loss.dtype == grad.dtype and grad_loss.device == grad.device
+            and not _keeps_graph())
 
 
 def _backward(ctx, grad_loss, *_):
@@ -346,7 +351,7 @@ def _backward(ctx, grad_loss, *_):
     grad, grad_scale = ctx.saved_tensors
     if ctx.reduction == "none" and ctx.loss_dim < grad.dim():
         grad_loss = grad_loss.unsqueeze(-1)  # softmax "none": one loss per row of N x C
-    if _can_scale_in_place(grad_loss, grad):
+    if ctx.reuse_grad and _can_scale_in_place(grad_loss, grad):
         torch.ops.lss._focal_loss_backward_(grad, grad_loss, grad_scale)
         grad_logits = grad
     else:
@@ -357,11 +362,11 @@ def _backward(ctx, grad_loss, *_):
 if _ext.has_ext():
 
     @torch.library.register_fake("lss::sigmoid_focal_loss")
-    def _sigmoid_focal_loss_fake(logits, targets, weight, mask, alpha, gamma, reduction, save_grad):
+    def _sigmoid_focal_loss_fake(logits, targets, weight, mask, alpha, gamma, reduction, save_grad, reuse_grad=False):
         return _fake_outputs(logits, logits.shape if reduction == "none" else (), save_grad)
 
     @torch.library.register_fake("lss::softmax_focal_loss")
-    def _softmax_focal_loss_fake(logits, targets, weight, alpha, gamma, reduction, save_grad):
+    def _softmax_focal_loss_fake(logits, targets, weight, alpha, gamma, reduction, save_grad, reuse_grad=False):
         return _fake_outputs(logits, logits.shape[:1] if reduction == "none" else (), save_grad)
 
     @torch.library.register_fake("lss::_focal_loss_backward")

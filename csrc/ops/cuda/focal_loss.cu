@@ -460,7 +460,8 @@ void raise_if_bad_targets(const at::Tensor& bad_target, const at::Tensor& target
 
 Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets_in,
                                 const c10::optional<at::Tensor>& weight_in, const c10::optional<at::Tensor>& mask_in,
-                                double alpha, double gamma, c10::string_view reduction_name, bool save_grad) {
+                                double alpha, double gamma, c10::string_view reduction_name, bool save_grad,
+                                bool /*reuse_grad*/) {
   const SigmoidLayout s = check_sigmoid_args(logits_in, targets_in, weight_in, mask_in);
   check_cuda_tensor(logits_in, "sigmoid_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "sigmoid_focal_loss");
@@ -565,7 +566,7 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
 
 Outputs softmax_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets_in,
                                 const c10::optional<at::Tensor>& weight_in, double alpha, double gamma,
-                                c10::string_view reduction_name, bool save_grad) {
+                                c10::string_view reduction_name, bool save_grad, bool /*reuse_grad*/) {
   check_softmax_args(logits_in, targets_in, weight_in);
   check_cuda_tensor(logits_in, "softmax_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "softmax_focal_loss");
