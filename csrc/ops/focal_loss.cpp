@@ -105,15 +105,21 @@ at::Tensor scale_grad_broadcast(const at::Tensor& grad_output, const at::Tensor&
   return (grad.to(acc) * (grad_output.to(acc) * grad_scale)).to(grad.scalar_type());
 }
 
+// Messages are plain strings: this check runs in CUDA calls, where streaming sizes or dtypes into an error has
+// crashed the extension (see common.h).
 void check_backward_inplace_args(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale) {
   check_backward_args(grad_output, grad, grad_scale);
-  TORCH_CHECK(grad.is_contiguous(), "focal loss backward (in place): grad must be contiguous (the forward's saved "
-              "gradient), got strides ", grad.strides());
-  TORCH_CHECK(grad_output.numel() == 1 && grad_output.scalar_type() == grad.scalar_type(),
-              "focal loss backward (in place): grad_output must be one element of grad's dtype ", grad.scalar_type(),
-              ", got ", grad_output.scalar_type(), " ", grad_output.sizes(), "; use _focal_loss_backward otherwise");
-  TORCH_CHECK(grad_scale.scalar_type() == acc_dtype(grad), "focal loss backward (in place): grad_scale must be ",
-              acc_dtype(grad), ", got ", grad_scale.scalar_type());
+  const std::string op = "focal loss backward (in place): ";
+  if (!grad.is_contiguous()) raise_error(op + "grad must be contiguous (the forward's saved gradient)");
+  if (grad_output.numel() != 1 || grad_output.scalar_type() != grad.scalar_type()) {
+    raise_error(op + "grad_output must be one element of grad's dtype " + c10::toString(grad.scalar_type()) +
+                ", got " + std::to_string(grad_output.numel()) + " elements of " +
+                c10::toString(grad_output.scalar_type()) + "; use _focal_loss_backward otherwise");
+  }
+  if (grad_scale.scalar_type() != acc_dtype(grad)) {
+    raise_error(op + "grad_scale must be " + c10::toString(acc_dtype(grad)) + ", got " +
+                c10::toString(grad_scale.scalar_type()));
+  }
 }
 
 double host_denominator(Reduction reduction, const SigmoidLayout& s, bool has_mask) {

@@ -324,6 +324,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.num_inputs = len(inputs)
     ctx.loss_dim = output[0].dim()
     ctx.mark_non_differentiable(grad, grad_scale)
+    # The backward reads only the loss's grad_output: no zero-filled gradients for grad (logits-sized) and grad_scale.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad, grad_scale)
 
 
@@ -348,6 +350,8 @@ def _backward(ctx, grad_loss, *_):
             "lss focal loss: the forward ran with save_grad=False, so it kept no gradient; call the op with "
             "save_grad=True (lss.ops.sigmoid_focal_loss / softmax_focal_loss do this when the logits need a gradient)"
         )
+    if grad_loss is None:  # no gradient reached the loss (grads are not materialized)
+        return (None,) * ctx.num_inputs
     grad, grad_scale = ctx.saved_tensors
     if ctx.reduction == "none" and ctx.loss_dim < grad.dim():
         grad_loss = grad_loss.unsqueeze(-1)  # softmax "none": one loss per row of N x C
