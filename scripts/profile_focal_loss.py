@@ -4,7 +4,9 @@
 
 Prints, for float32 and bfloat16 logits (float32 targets, reduction "mean", as in lss/benchmarks/focal_loss.py),
 every CUDA kernel launched by one fwd+bwd with its mean device time and the total, then the step time measured the
-way the benchmark does (CUDA events around one synchronized step): the difference is host-side overhead."""
+way the benchmark does (CUDA events around one synchronized step): the difference is host-side overhead. Each dtype
+runs twice: the loss itself (grad_output 1, nothing left for the backward to scale) and the loss times 2 (the
+in-place scaling pass of a loss weight or loss scale)."""
 from __future__ import annotations
 
 import argparse
@@ -36,12 +38,13 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     shape = tuple(args.shape)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, factor in ((torch.float32, 1.0), (torch.float32, 2.0), (torch.bfloat16, 1.0), (torch.bfloat16, 2.0)):
         logits = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_(True)
         targets = (torch.rand(shape, device=device) > 0.9).float()
 
         def step():
-            return torch.autograd.grad(sigmoid_focal_loss(logits, targets), logits)
+            loss = sigmoid_focal_loss(logits, targets)
+            return torch.autograd.grad(loss if factor == 1.0 else loss * factor, logits)
 
         for _ in range(10):
             step()
@@ -52,7 +55,7 @@ def main() -> None:
             torch.cuda.synchronize()
         total = 0.0
         name = str(dtype).replace("torch.", "")
-        print(f"{'x'.join(map(str, shape))} {name} logits: mean device time per fwd+bwd, by kernel")
+        print(f"{'x'.join(map(str, shape))} {name} logits, loss x {factor:g}: mean device time per fwd+bwd, by kernel")
         for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
             if ev.device_time_total <= 0:
                 continue

@@ -29,6 +29,13 @@ def assert_close_scaled(actual, expected, tol):
     torch.testing.assert_close(actual, expected, rtol=tol, atol=floor)
 
 
+def parity_tol(dtype):
+    """Relative tolerance of CPU vs CUDA results. Their float32 math differs by a few ulp, and a gradient rounds to
+    the logits' dtype twice (the saved gradient, then times grad_output), so 16-bit results may differ by two units
+    in the last place: 2^-6 relative in bfloat16."""
+    return {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 2e-2)
+
+
 def dense_inputs(shape, dtype, device, soft=False, scale=3.0):
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
@@ -351,7 +358,7 @@ def test_cuda_matches_cpu_large(dtype, offset):
             cpu = value_and_grad(sigmoid_focal_loss, x, t, 0.25, 2.0, w, reduction, mask)
             cuda = value_and_grad(sigmoid_focal_loss, x.cuda(), t.cuda(), 0.25, 2.0, w.cuda(), reduction,
                                   None if mask is None else mask.cuda())
-            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            tol = parity_tol(dtype)
             assert_close_scaled(cuda[0].cpu(), cpu[0], tol)
             assert_close_scaled(cuda[1].cpu(), cpu[1], tol)
 
@@ -408,13 +415,13 @@ def value_and_grad_of_view(fn, flat_logits, offset, shape, *args, **kwargs):
 @pytest.mark.parametrize("dtype,target_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                 (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
                                                 (torch.float64, torch.float64)])
-@pytest.mark.parametrize("offsets", [(0, 0), (0, 4), (1, 0)])
+@pytest.mark.parametrize("offsets", [(0, 0), (0, 4), (1, 0), (8, 8)])
 @pytest.mark.parametrize("gamma,alpha", [(2.0, 0.25), (0.5, -1.0)])
 def test_cuda_dense_unrolled_paths_match_cpu(dtype, target_dtype, offsets, gamma, alpha):
     # More elements than one resident wave covers in one loop step, so the unrolled loop runs several steps and
     # ends part-way through one; numel % 8 = 7 leaves an element-wise tail. Offsets (logits, targets) in elements,
     # taken on the device: (0, 4) leaves 16-bit logits aligned but their float targets off a 32-byte vector,
-    # (1, 0) misaligns the logits (and the mask).
+    # (1, 0) misaligns the logits (and the mask), (8, 8) keeps every pointer aligned from views into a buffer.
     shape = (3, 5, 301, 293)
     n = math.prod(shape)
     g = torch.Generator().manual_seed(10)
@@ -423,7 +430,7 @@ def test_cuda_dense_unrolled_paths_match_cpu(dtype, target_dtype, offsets, gamma
     flat_t = torch.rand(n + 8, generator=g, dtype=torch.float64).to(target_dtype)
     flat_m = torch.rand(n + 8, generator=g) > 0.1
     w = torch.rand(5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-2)
+    tol = parity_tol(dtype)
     for reduction in REDUCTIONS:
         for with_extras in (False, True):
             results = []
@@ -442,8 +449,8 @@ def test_cuda_dense_unrolled_paths_match_cpu(dtype, target_dtype, offsets, gamma
 @pytest.mark.cuda
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_cuda_grad_scale_written_for_every_reduction(reduction):
-    # grad_scale is not pre-filled on CUDA: the kernels write 1 ("none", "sum") or 1 / count ("mean"). Freed
-    # blocks full of 123 before each call make a missing write visible.
+    # grad_scale is not pre-filled on CUDA: the kernels write 1 / count for a masked "mean" (the gradient carries
+    # 1 / N otherwise), else 1. Freed blocks full of 123 before each call make a missing write visible.
     def call(op, *args):
         junk = [torch.full((64,), 123.0, device="cuda") for _ in range(8)]
         del junk
@@ -454,15 +461,15 @@ def test_cuda_grad_scale_written_for_every_reduction(reduction):
     mask = torch.rand(2, 3, 37, 5, device="cuda") > 0.5
     op = torch.ops.lss.sigmoid_focal_loss
     for m in (None, mask):
-        count = x.numel() if m is None else int(m.sum())
-        expected = 1.0 / count if reduction == "mean" else 1.0
+        expected = 1.0 / int(m.sum()) if reduction == "mean" and m is not None else 1.0
         assert call(op, x, t, None, m, 0.25, 2.0, reduction, True) == pytest.approx(expected, rel=1e-6)
     assert call(op, x[:0], t[:0], None, None, 0.25, 2.0, reduction, True) == (0.0 if reduction == "mean" else 1.0)
     rows = torch.randn(6, 4, device="cuda")
     labels = torch.tensor([0, 1, 2, 3, -1, 0], device="cuda")
     op = torch.ops.lss.softmax_focal_loss
-    expected = 1.0 / 6 if reduction == "mean" else 1.0
-    assert call(op, rows, labels, None, 0.25, 2.0, reduction, True) == pytest.approx(expected, rel=1e-6)
+    assert call(op, rows, labels, None, 0.25, 2.0, reduction, True) == pytest.approx(1.0, rel=1e-6)
+    assert call(op, rows.half(), labels, None, 0.25, 2.0, reduction, True) == pytest.approx(
+        1.0 / 6 if reduction == "mean" else 1.0, rel=1e-6)
     assert call(op, rows[:0], labels[:0], None, 0.25, 2.0, reduction, True) == (0.0 if reduction == "mean" else 1.0)
 
 
@@ -481,3 +488,125 @@ def test_cuda_float32_fast_math_close_to_float64(gamma, alpha):
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
         for ours, ref in ((loss, ref_loss), (grad, ref_grad)):
             torch.testing.assert_close(ours.cpu().double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
+def reference_grad(fn_ref, logits, *args, **kwargs):
+    x = logits.detach().double().requires_grad_(True)
+    (grad,) = torch.autograd.grad(fn_ref(x, *args, **kwargs), x)
+    return grad
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["mean", "sum", "masked mean", "class index", "softmax"])
+def test_backward_paths(device, dtype, case):
+    # The backward scales the saved gradient in place when the graph is not kept (and skips that for grad_output
+    # 1), out of place otherwise. Every path must give the reference gradient, and a gradient returned by one
+    # backward of a retained graph must not change when a later backward uses another grad_output.
+    logits, targets = dense_inputs((2, 3, 8, 9), dtype, device, soft=True)
+    mask = None
+    if case in ("class index", "softmax"):
+        logits = logits.reshape(-1, 9)
+        targets = torch.arange(logits.shape[0], device=device) % (10 if case == "class index" else 9)
+    if case == "masked mean":
+        mask = torch.rand(2, 1, 8, 9, generator=torch.Generator().manual_seed(12)).to(device) > 0.4
+    reduction = "sum" if case == "sum" else "mean"
+    if case == "softmax":
+        fn, fn_ref = softmax_focal_loss, softmax_focal_loss_reference
+        args = (targets, 0.25, 2.0, None, reduction)
+    else:
+        fn, fn_ref = sigmoid_focal_loss, sigmoid_focal_loss_reference
+        args = (targets, 0.25, 2.0, None, reduction) + ((mask,) if mask is not None else ())
+    expected = reference_grad(fn_ref, logits, *args)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # up to three roundings to 16 bits (x.grad accumulates)
+
+    def check(grad, factor):
+        assert grad.dtype == dtype
+        assert_close_scaled(grad.double(), expected * factor, tol)
+
+    x = logits.detach().clone().requires_grad_(True)
+    fn(x, *args).backward()  # grad_output 1: nothing left to scale
+    check(x.grad, 1.0)
+    (2.0 * fn(x, *args)).backward()  # in place by 2, accumulated into x.grad
+    check(x.grad, 3.0)
+    loss = fn(x, *args)
+    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    kept = first.clone()
+    second = torch.autograd.grad(loss, x, grad_outputs=torch.tensor(4.0, dtype=dtype, device=device),
+                                 retain_graph=True)[0]
+    third = torch.autograd.grad(loss, x)[0]  # last use: in place
+    assert torch.equal(first, kept)
+    check(second, 4.0)
+    assert torch.equal(third, kept)
+    both = torch.autograd.grad(fn(x, *args) + 0.5 * fn(x, *args), x)[0]  # two nodes accumulate into one gradient
+    check(both, 1.5)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_float16_mean_gradient_survives_loss_scaling(device):
+    # A float16 gradient divided by N before a loss scale multiplies it would sit among float16 subnormals (about
+    # 1e-7 here); float16 keeps 1 / N in grad_scale instead, applied together with the loss scale.
+    logits, targets = dense_inputs((4, 10, 60, 60), torch.float16, device, soft=True)
+    x = logits.detach().clone().requires_grad_(True)
+    loss_scale = 2.0**14
+    (grad,) = torch.autograd.grad(sigmoid_focal_loss(x, targets) * loss_scale, x)
+    expected = reference_grad(sigmoid_focal_loss_reference, logits, targets) * loss_scale
+    assert_close_scaled(grad.double(), expected, 2e-3)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_inplace_backward_op(device, dtype):
+    op = torch.ops.lss._focal_loss_backward_
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    grad = torch.randn(3, 37, dtype=dtype, device=device)
+    original = grad.clone()
+    for go, scale in ((1.0, 1.0), (4.0, 0.25)):
+        op(grad, torch.tensor(go, dtype=dtype, device=device), torch.tensor(scale, dtype=acc, device=device))
+        assert torch.equal(grad, original)
+    op(grad, torch.tensor(3.0, dtype=dtype, device=device), torch.tensor(0.5, dtype=acc, device=device))
+    torch.testing.assert_close(grad, (original.to(acc) * 1.5).to(dtype))
+    with pytest.raises(RuntimeError, match="one element"):
+        op(grad, torch.ones(2, dtype=dtype, device=device), torch.tensor(1.0, dtype=acc, device=device))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(grad.t(), torch.tensor(1.0, dtype=dtype, device=device), torch.tensor(1.0, dtype=acc, device=device))
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+def test_compiled_matches_eager(device):
+    logits, targets = dense_inputs((2, 3, 8, 9), torch.float32, device, soft=True)
+    mask = targets > 0.2
+
+    def fn(x):
+        return sigmoid_focal_loss(x, targets, mask=mask) * 3.0 + sigmoid_focal_loss(x, targets, reduction="sum")
+
+    eager = value_and_grad(fn, logits)
+    compiled = value_and_grad(torch.compile(fn, backend="aot_eager", fullgraph=True), logits)
+    torch.testing.assert_close(compiled[0], eager[0])
+    torch.testing.assert_close(compiled[1], eager[1])
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_reads_grad_output_on_device():
+    # Forward + backward captured once; grad_output lives in a tensor the replays change, so whether the in-place
+    # backward has anything to scale is decided on the device, with no host sync during capture.
+    logits, targets = dense_inputs((2, 5, 64, 64), torch.float32, "cuda", soft=True)
+    x = logits.detach().clone().requires_grad_(True)
+    grad_output = torch.ones((), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            torch.autograd.grad(sigmoid_focal_loss(x, targets), x, grad_outputs=grad_output)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (grad,) = torch.autograd.grad(sigmoid_focal_loss(x, targets), x, grad_outputs=grad_output)
+    expected = reference_grad(sigmoid_focal_loss_reference, logits, targets).float()
+    for value in (1.0, 3.0, 1.0):
+        grad_output.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_scaled(grad, expected * value, 1e-5)

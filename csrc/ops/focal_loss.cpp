@@ -1,19 +1,26 @@
 // Schemas and host-side argument checks of the focal loss ops. Kernels: cpu/focal_loss.cpp and cuda/focal_loss.cu.
 //
-// Each forward op returns (loss, grad, grad_scale): grad is d(unreduced loss)/d logits in the logits' dtype when
-// save_grad is true (empty otherwise), computed in the same pass as the loss; grad_scale (0-dim, float32 or
-// float64 for float64 logits) is the reduction's factor (1 / denominator for "mean", else 1). The backward op
-// returns grad_output * grad_scale * grad, so forward + backward reads logits and targets once.
+// Each forward op returns (loss, grad, grad_scale) with d loss / d logits = grad_scale * grad: grad, in the logits'
+// dtype when save_grad is true (empty otherwise), is computed in the same pass as the loss and already carries the
+// reduction's 1 / denominator where the host knows it (see folds_reduction_into_grad); grad_scale (0-dim, float32
+// or float64 for float64 logits) is the factor still to apply: 1 / denominator for a masked dense "mean" (the
+// kernel counts the kept cells) and for float16 "mean", else 1. The backward returns grad_output * grad_scale *
+// grad: out of place (_focal_loss_backward), or in place on the saved gradient (_focal_loss_backward_, which does
+// nothing when the factor is 1), so forward + backward reads logits and targets once and, in the common case,
+// writes the gradient once. The in-place form changes the op's grad output, so it is used only for calls made with
+// reuse_grad = true (lss.ops.sigmoid_focal_loss / softmax_focal_loss, which never hand grad out); the kernels
+// ignore reuse_grad, the autograd registration (lss/ops/focal_loss.py) reads it.
 #include "ops/focal_loss.h"
 
 TORCH_LIBRARY_FRAGMENT(lss, m) {
   m.def(
       "sigmoid_focal_loss(Tensor logits, Tensor targets, Tensor? weight, Tensor? mask, float alpha, float gamma, "
-      "str reduction, bool save_grad) -> (Tensor, Tensor, Tensor)");
+      "str reduction, bool save_grad, bool reuse_grad=False) -> (Tensor, Tensor, Tensor)");
   m.def(
       "softmax_focal_loss(Tensor logits, Tensor targets, Tensor? weight, float alpha, float gamma, "
-      "str reduction, bool save_grad) -> (Tensor, Tensor, Tensor)");
+      "str reduction, bool save_grad, bool reuse_grad=False) -> (Tensor, Tensor, Tensor)");
   m.def("_focal_loss_backward(Tensor grad_output, Tensor grad, Tensor grad_scale) -> Tensor");
+  m.def("_focal_loss_backward_(Tensor(a!) grad, Tensor grad_output, Tensor grad_scale) -> ()");
 }
 
 namespace lss {
@@ -96,6 +103,34 @@ void raise_bad_targets(const char* op, const std::string& expected, int64_t lo, 
 at::Tensor scale_grad_broadcast(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale) {
   const auto acc = grad_scale.scalar_type();
   return (grad.to(acc) * (grad_output.to(acc) * grad_scale)).to(grad.scalar_type());
+}
+
+// Messages are plain strings: this check runs in CUDA calls, where streaming sizes or dtypes into an error has
+// crashed the extension (see common.h).
+void check_backward_inplace_args(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale) {
+  check_backward_args(grad_output, grad, grad_scale);
+  const std::string op = "focal loss backward (in place): ";
+  if (!grad.is_contiguous()) raise_error(op + "grad must be contiguous (the forward's saved gradient)");
+  if (grad_output.numel() != 1 || grad_output.scalar_type() != grad.scalar_type()) {
+    raise_error(op + "grad_output must be one element of grad's dtype " + c10::toString(grad.scalar_type()) +
+                ", got " + std::to_string(grad_output.numel()) + " elements of " +
+                c10::toString(grad_output.scalar_type()) + "; use _focal_loss_backward otherwise");
+  }
+  if (grad_scale.scalar_type() != acc_dtype(grad)) {
+    raise_error(op + "grad_scale must be " + c10::toString(acc_dtype(grad)) + ", got " +
+                c10::toString(grad_scale.scalar_type()));
+  }
+}
+
+double host_denominator(Reduction reduction, const SigmoidLayout& s, bool has_mask) {
+  if (reduction == kNone) return 0.0;
+  if (reduction == kSum) return 1.0;
+  if (s.index_targets) return static_cast<double>(s.rows);
+  return has_mask ? -1.0 : static_cast<double>(s.numel);
+}
+
+bool folds_reduction_into_grad(at::ScalarType dtype, double denominator) {
+  return denominator > 0 && dtype != at::kHalf;
 }
 
 at::ScalarType acc_dtype(const at::Tensor& logits) {

@@ -104,6 +104,18 @@ void check_backward_args(const at::Tensor& grad_output, const at::Tensor& grad, 
 // grad_output * grad_scale * grad for any grad_output that broadcasts to grad, computed in grad_scale's dtype.
 at::Tensor scale_grad_broadcast(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale);
 
+// Checks of the in-place backward: grad contiguous, grad_output one element of grad's dtype.
+void check_backward_inplace_args(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale);
+
+// The reduction's denominator where the host knows it: 1 for "sum", the element count (dense, no mask) or the row
+// count (class-index targets) for "mean"; -1 where the kernel counts it (dense "mean" with a mask), 0 for "none".
+double host_denominator(Reduction reduction, const SigmoidLayout& s, bool has_mask);
+
+// Whether the forward folds 1 / denominator into the saved gradient, so that the backward has nothing left to do
+// when grad_output is 1: where the host knows the denominator and the logits' dtype has float32's exponent range
+// (a float16 gradient divided by N before a loss scale multiplies it would underflow).
+bool folds_reduction_into_grad(at::ScalarType dtype, double denominator);
+
 // The accumulation dtype of the weights and of grad_scale.
 at::ScalarType acc_dtype(const at::Tensor& logits);
 

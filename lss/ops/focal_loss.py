@@ -5,9 +5,11 @@ soft labels: the value of torchvision.ops.sigmoid_focal_loss) or int64 class ind
 background, the mmdetection convention). `softmax_focal_loss` takes N x C logits and int64 class indices N.
 
 The kernels read logits and targets once, reduce "mean"/"sum" inside the kernel with deterministic per-block
-partial sums, and, when the logits need a gradient, write it in the same pass; the backward pass only scales it by
-grad_output. Everything is computed in float32 (float64 for float64 logits) from log-sigmoid / log-softmax forms,
-so logits of +-100 and gamma < 1 give neither NaN nor inf in any dtype. No gradient flows to targets, weight or mask.
+partial sums, and, when the logits need a gradient, write it in the same pass (with the reduction's 1 / N folded in
+where it is known on the host); the backward pass only scales it by grad_output, in place on the device, and skips
+even that when the factor is 1 (loss.backward() of the loss itself). Everything is computed in float32 (float64 for
+float64 logits) from log-sigmoid / log-softmax forms, so logits of +-100 and gamma < 1 give neither NaN nor inf in
+any dtype. No gradient flows to targets, weight or mask.
 """
 from __future__ import annotations
 
@@ -150,8 +152,9 @@ def sigmoid_focal_loss(
         return sigmoid_focal_loss_reference(logits, targets, alpha, gamma, weight, reduction, mask)
     _ext.check_device("sigmoid_focal_loss", logits, targets, weight, mask)
     save_grad = torch.is_grad_enabled() and logits.requires_grad
+    # reuse_grad: the gradient output is not handed out, so the backward may scale it in place.
     loss, _, _ = torch.ops.lss.sigmoid_focal_loss(
-        logits, targets, weight, mask, float(alpha), float(gamma), reduction, save_grad
+        logits, targets, weight, mask, float(alpha), float(gamma), reduction, save_grad, True
     )
     return loss
 
@@ -193,7 +196,7 @@ def softmax_focal_loss(
     _ext.check_device(op, logits, targets, weight)
     save_grad = torch.is_grad_enabled() and logits.requires_grad
     loss, _, _ = torch.ops.lss.softmax_focal_loss(logits, targets, weight, float(alpha), float(gamma), reduction,
-                                                  save_grad)
+                                                  save_grad, True)
     return loss
 
 
@@ -315,12 +318,30 @@ def _fake_outputs(logits: Tensor, loss_shape, save_grad: bool):
 
 def _setup_context(ctx, inputs, output) -> None:
     _, grad, grad_scale = output
-    ctx.save_grad = inputs[-1]
-    ctx.reduction = inputs[-2]
+    ctx.reuse_grad = inputs[-1]
+    ctx.save_grad = inputs[-2]
+    ctx.reduction = inputs[-3]
     ctx.num_inputs = len(inputs)
     ctx.loss_dim = output[0].dim()
     ctx.mark_non_differentiable(grad, grad_scale)
+    # The backward reads only the loss's grad_output: no zero-filled gradients for grad (logits-sized) and grad_scale.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad, grad_scale)
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (retain_graph / create_graph); True outside a backward."""
+    return getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+
+
+def _can_scale_in_place(grad_loss: Tensor, grad: Tensor) -> bool:
+    """The saved gradient may become the result when this backward is its last use (the graph is freed after it)
+    in plain eager mode (no compiler, no tracing or other dispatch mode, no tensor subclass) and grad_output is one
+    number of its dtype."""
+    eager = (type(grad) is Tensor and not torch.compiler.is_compiling()
+             and torch._C._len_torch_dispatch_stack() == 0)
+    return (eager and grad_loss.numel() == 1 and grad_loss.dtype == grad.dtype and grad_loss.device == grad.device
+            and not _keeps_graph())
 
 
 def _backward(ctx, grad_loss, *_):
@@ -329,26 +350,36 @@ def _backward(ctx, grad_loss, *_):
             "lss focal loss: the forward ran with save_grad=False, so it kept no gradient; call the op with "
             "save_grad=True (lss.ops.sigmoid_focal_loss / softmax_focal_loss do this when the logits need a gradient)"
         )
+    if grad_loss is None:  # no gradient reached the loss (grads are not materialized)
+        return (None,) * ctx.num_inputs
     grad, grad_scale = ctx.saved_tensors
     if ctx.reduction == "none" and ctx.loss_dim < grad.dim():
         grad_loss = grad_loss.unsqueeze(-1)  # softmax "none": one loss per row of N x C
-    grad_logits = torch.ops.lss._focal_loss_backward(grad_loss, grad, grad_scale)
+    if ctx.reuse_grad and _can_scale_in_place(grad_loss, grad):
+        torch.ops.lss._focal_loss_backward_(grad, grad_loss, grad_scale)
+        grad_logits = grad
+    else:
+        grad_logits = torch.ops.lss._focal_loss_backward(grad_loss, grad, grad_scale)
     return (grad_logits,) + (None,) * (ctx.num_inputs - 1)
 
 
 if _ext.has_ext():
 
     @torch.library.register_fake("lss::sigmoid_focal_loss")
-    def _sigmoid_focal_loss_fake(logits, targets, weight, mask, alpha, gamma, reduction, save_grad):
+    def _sigmoid_focal_loss_fake(logits, targets, weight, mask, alpha, gamma, reduction, save_grad, reuse_grad=False):
         return _fake_outputs(logits, logits.shape if reduction == "none" else (), save_grad)
 
     @torch.library.register_fake("lss::softmax_focal_loss")
-    def _softmax_focal_loss_fake(logits, targets, weight, alpha, gamma, reduction, save_grad):
+    def _softmax_focal_loss_fake(logits, targets, weight, alpha, gamma, reduction, save_grad, reuse_grad=False):
         return _fake_outputs(logits, logits.shape[:1] if reduction == "none" else (), save_grad)
 
     @torch.library.register_fake("lss::_focal_loss_backward")
     def _focal_loss_backward_fake(grad_output, grad, grad_scale):
         return torch.empty_like(grad)
+
+    @torch.library.register_fake("lss::_focal_loss_backward_")
+    def _focal_loss_backward_inplace_fake(grad, grad_output, grad_scale):
+        return None
 
     torch.library.register_autograd("lss::sigmoid_focal_loss", _backward, setup_context=_setup_context)
     torch.library.register_autograd("lss::softmax_focal_loss", _backward, setup_context=_setup_context)

@@ -20,13 +20,14 @@ constexpr int64_t kChunk = 16384;
 
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-// Loss tensor, saved gradient and grad_scale for a reduced loss whose chunk sums and kept-element counts are given.
-at::Tensor reduced_loss(const std::vector<double>& sums, double denominator, const at::Tensor& logits,
+// Loss tensor of a reduced loss from its chunk sums; grad_scale gets 1 / denominator unless the forward already
+// folded it into the gradient.
+at::Tensor reduced_loss(const std::vector<double>& sums, double denominator, bool folded, const at::Tensor& logits,
                         at::Tensor& grad_scale) {
   double total = 0.0;
   for (double s : sums) total += s;
   const double scale = denominator > 0 ? 1.0 / denominator : 0.0;
-  grad_scale.fill_(scale);
+  grad_scale.fill_(folded ? 1.0 : scale);
   return at::scalar_tensor(total * scale, logits.options());
 }
 
@@ -47,6 +48,9 @@ Outputs sigmoid_forward(const at::Tensor& logits, const at::Tensor& targets, con
   scalar_t* g = save_grad ? grad.data_ptr<scalar_t>() : nullptr;
   scalar_t* l = loss_none.defined() ? loss_none.data_ptr<scalar_t>() : nullptr;
   const acc_t a = static_cast<acc_t>(alpha), gm = static_cast<acc_t>(gamma);
+  const double host_denom = host_denominator(reduction, s, mask.defined());
+  const bool folded = folds_reduction_into_grad(logits.scalar_type(), host_denom);
+  const acc_t prescale = folded ? static_cast<acc_t>(1.0 / host_denom) : acc_t(1);
 
   const int64_t nchunks = ceil_div(n, kChunk);
   std::vector<double> sums(nchunks, 0.0);
@@ -76,7 +80,7 @@ Outputs sigmoid_forward(const at::Tensor& logits, const at::Tensor& targets, con
           di *= w[cls];
         }
         if (l) l[i] = static_cast<scalar_t>(li);
-        if (g) g[i] = static_cast<scalar_t>(di);
+        if (g) g[i] = static_cast<scalar_t>(di * prescale);
         sum += li;
         ++count;
       }
@@ -85,23 +89,20 @@ Outputs sigmoid_forward(const at::Tensor& logits, const at::Tensor& targets, con
     }
   });
   if (reduction == kNone) return {loss_none, grad, grad_scale};
-  double denominator = 1.0;
-  if (reduction == kMean) {
-    if (s.index_targets) {
-      denominator = static_cast<double>(s.rows);
-    } else {
-      int64_t total = 0;
-      for (int64_t c : kept) total += c;
-      denominator = static_cast<double>(total);
-    }
+  double denominator = host_denom;
+  if (denominator < 0) {
+    int64_t total = 0;
+    for (int64_t c : kept) total += c;
+    denominator = static_cast<double>(total);
   }
-  at::Tensor loss = reduced_loss(sums, denominator, logits, grad_scale);
+  at::Tensor loss = reduced_loss(sums, denominator, folded, logits, grad_scale);
   return {loss, grad, grad_scale};
 }
 
 Outputs sigmoid_focal_loss_cpu(const at::Tensor& logits_in, const at::Tensor& targets_in,
                                const c10::optional<at::Tensor>& weight_in, const c10::optional<at::Tensor>& mask_in,
-                               double alpha, double gamma, c10::string_view reduction_name, bool save_grad) {
+                               double alpha, double gamma, c10::string_view reduction_name, bool save_grad,
+                               bool /*reuse_grad*/) {
   const SigmoidLayout s = check_sigmoid_args(logits_in, targets_in, weight_in, mask_in);
   check_cpu_tensor(logits_in, "sigmoid_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "sigmoid_focal_loss");
@@ -142,6 +143,9 @@ Outputs softmax_forward(const at::Tensor& logits, const at::Tensor& targets, con
   scalar_t* g = save_grad ? grad.data_ptr<scalar_t>() : nullptr;
   scalar_t* l = loss_none.defined() ? loss_none.data_ptr<scalar_t>() : nullptr;
   const acc_t a = static_cast<acc_t>(alpha), gm = static_cast<acc_t>(gamma);
+  const double denominator = reduction == kMean ? static_cast<double>(rows) : reduction == kSum ? 1.0 : 0.0;
+  const bool folded = folds_reduction_into_grad(logits.scalar_type(), denominator);
+  const acc_t prescale = folded ? static_cast<acc_t>(1.0 / denominator) : acc_t(1);
 
   const int64_t rows_per_chunk = std::max<int64_t>(1, kChunk / std::max<int64_t>(classes, 1));
   const int64_t nchunks = ceil_div(rows, rows_per_chunk);
@@ -167,7 +171,7 @@ Outputs softmax_forward(const at::Tensor& logits, const at::Tensor& targets, con
         acc_t li, coef;
         softmax_focal<acc_t>((static_cast<acc_t>(xr[t]) - mx) - lse, a, gm, li, coef);
         li *= wt;
-        coef *= wt;
+        coef *= wt * prescale;
         if (l) l[r] = static_cast<scalar_t>(li);
         if (g) {
           scalar_t* gr = g + r * classes;
@@ -182,13 +186,13 @@ Outputs softmax_forward(const at::Tensor& logits, const at::Tensor& targets, con
     }
   });
   if (reduction == kNone) return {loss_none, grad, grad_scale};
-  at::Tensor loss = reduced_loss(sums, reduction == kMean ? static_cast<double>(rows) : 1.0, logits, grad_scale);
+  at::Tensor loss = reduced_loss(sums, denominator, folded, logits, grad_scale);
   return {loss, grad, grad_scale};
 }
 
 Outputs softmax_focal_loss_cpu(const at::Tensor& logits_in, const at::Tensor& targets_in,
                                const c10::optional<at::Tensor>& weight_in, double alpha, double gamma,
-                               c10::string_view reduction_name, bool save_grad) {
+                               c10::string_view reduction_name, bool save_grad, bool /*reuse_grad*/) {
   check_softmax_args(logits_in, targets_in, weight_in);
   check_cpu_tensor(logits_in, "softmax_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "softmax_focal_loss");
@@ -214,6 +218,13 @@ at::Tensor focal_loss_backward_cpu(const at::Tensor& grad_output, const at::Tens
   return scale_grad_broadcast(grad_output, grad, grad_scale);
 }
 
+void focal_loss_backward_inplace_cpu(at::Tensor& grad, const at::Tensor& grad_output, const at::Tensor& grad_scale) {
+  check_backward_inplace_args(grad_output, grad, grad_scale);
+  check_cpu_tensor(grad, "focal loss backward (in place): grad");
+  if ((grad_output.to(grad_scale.scalar_type()) * grad_scale).item<double>() == 1.0) return;
+  grad.copy_(scale_grad_broadcast(grad_output, grad, grad_scale));
+}
+
 }  // namespace
 }  // namespace focal
 }  // namespace lss
@@ -222,4 +233,5 @@ TORCH_LIBRARY_IMPL(lss, CPU, m) {
   m.impl("sigmoid_focal_loss", &lss::focal::sigmoid_focal_loss_cpu);
   m.impl("softmax_focal_loss", &lss::focal::softmax_focal_loss_cpu);
   m.impl("_focal_loss_backward", &lss::focal::focal_loss_backward_cpu);
+  m.impl("_focal_loss_backward_", &lss::focal::focal_loss_backward_inplace_cpu);
 }

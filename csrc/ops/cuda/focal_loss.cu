@@ -3,9 +3,11 @@
 // One pass over logits and targets: each thread computes loss and, when asked, d loss / d logits of its elements
 // (16-byte vector loads where every pointer allows, several vectors in flight per thread), each block writes one
 // partial sum, and a one-block kernel adds the partials in a fixed order in double, so "mean"/"sum" are
-// deterministic run to run on one GPU. The dense kernel is meant to run at memory bandwidth, so float32 math uses
-// short approximate forms of exp, log1p and the reciprocals (sigmoid_focal_fast, a few ulp); float64 keeps the
-// exact header functions.
+// deterministic run to run on one GPU. Where the host knows the reduction's denominator the saved gradient already
+// carries 1 / denominator, and the in-place backward reads grad_output on the device and returns at once when it
+// leaves nothing to scale (no host sync, graph-capturable). The dense kernel is meant to run at memory bandwidth,
+// so float32 math uses short approximate forms of exp, log1p and the reciprocals (sigmoid_focal_fast, a few ulp);
+// float64 keeps the exact header functions.
 // Class-index targets are range-checked inside the kernel (bad rows get NaN, never an out-of-bounds read); the
 // host reads the error flag after the kernel to raise a clear error, which waits for the kernel (skipped while a
 // CUDA graph is being captured, where the NaN loss remains the signal).
@@ -154,6 +156,7 @@ struct SigmoidParams {
   acc_t gamma;
   acc_t at0;  // alpha_t = at0 + at1 t
   acc_t at1;
+  acc_t grad_prescale;  // 1 / denominator folded into the saved gradient, or 1
 };
 
 template <typename acc_t, bool kGamma2>
@@ -218,6 +221,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < VEC; ++k) {
         acc_t l, g;
         focal_element<acc_t, kGamma2>(p, static_cast<acc_t>(xs[u].v[k]), static_cast<acc_t>(ts[u].v[k]), l, g);
+        g *= p.grad_prescale;
         if (p.weight != nullptr) {
           const acc_t w = p.weight[cls];
           l *= w;
@@ -246,6 +250,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = nvec * VEC + first; i < p.numel; i += stride) {
     acc_t l, g;
     focal_element<acc_t, kGamma2>(p, static_cast<acc_t>(logits[i]), static_cast<acc_t>(targets[i]), l, g);
+    g *= p.grad_prescale;
     if (p.weight != nullptr) {
       const acc_t w = p.weight[(i / p.inner) % p.classes];
       l *= w;
@@ -288,6 +293,7 @@ __global__ void __launch_bounds__(kThreads)
       l = g = std::numeric_limits<acc_t>::quiet_NaN();
     } else {
       focal_element<acc_t, false>(p, static_cast<acc_t>(logits[i]), label == cls ? acc_t(1) : acc_t(0), l, g);
+      g *= p.grad_prescale;
       if (p.weight != nullptr) {
         l *= p.weight[cls];
         g *= p.weight[cls];
@@ -308,7 +314,8 @@ __global__ void __launch_bounds__(kThreads)
     softmax_focal_kernel(const scalar_t* __restrict__ logits, const int64_t* __restrict__ targets,
                          const at::opmath_type<scalar_t>* __restrict__ weight, int64_t rows, int64_t classes,
                          at::opmath_type<scalar_t> alpha, at::opmath_type<scalar_t> gamma,
-                         scalar_t* __restrict__ loss_out, scalar_t* __restrict__ grad_out,
+                         at::opmath_type<scalar_t> grad_prescale, scalar_t* __restrict__ loss_out,
+                         scalar_t* __restrict__ grad_out,
                          double* __restrict__ block_loss, long long* __restrict__ block_kept,
                          int* __restrict__ bad_target) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -336,6 +343,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int off = 16; off > 0; off /= 2) se += __shfl_xor_sync(0xffffffffu, se, off);
       lse = log_(se);
       softmax_focal<acc_t>((static_cast<acc_t>(xr[label]) - mx) - lse, alpha, gamma, loss, coef);
+      coef *= grad_prescale;
       if (weight != nullptr) {
         loss *= weight[label];
         coef *= weight[label];
@@ -359,11 +367,13 @@ __global__ void __launch_bounds__(kThreads)
   if (block_loss != nullptr) store_block_partial<acc_t>(sum, 0, block_loss, block_kept);
 }
 
-// Adds the block partials in a fixed order; loss = total / denominator (denominator < 0: the kept count).
+// Adds the block partials in a fixed order; loss = total / denominator (denominator < 0: the kept count), and
+// grad_scale = 1 / denominator unless the forward folded it into the gradient.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     finalize_kernel(const double* __restrict__ block_loss, const long long* __restrict__ block_kept, int nblocks,
-                    double denominator, scalar_t* __restrict__ loss, at::opmath_type<scalar_t>* __restrict__ grad_scale) {
+                    double denominator, bool folded, scalar_t* __restrict__ loss,
+                    at::opmath_type<scalar_t>* __restrict__ grad_scale) {
   using LossReduce = cub::BlockReduce<double, kThreads>;
   using CountReduce = cub::BlockReduce<long long, kThreads>;
   __shared__ typename LossReduce::TempStorage loss_tmp;
@@ -380,18 +390,21 @@ __global__ void __launch_bounds__(kThreads)
     const double d = denominator >= 0 ? denominator : static_cast<double>(kept);
     const double scale = d > 0 ? 1.0 / d : 0.0;
     *loss = static_cast<scalar_t>(total * scale);
-    *grad_scale = static_cast<at::opmath_type<scalar_t>>(scale);
+    *grad_scale = static_cast<at::opmath_type<scalar_t>>(folded ? 1.0 : scale);
   }
 }
 
 // out = grad * grad_output * grad_scale, kScaleUnroll vectors per thread and loop step with the loads issued first.
+// With out == grad (the in-place backward) a factor of exactly 1 leaves nothing to do, and every thread returns
+// after reading the two scalars.
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    scale_grad_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ grad_output,
-                      const at::opmath_type<scalar_t>* __restrict__ grad_scale, scalar_t* __restrict__ out, int64_t n) {
+    scale_grad_kernel(const scalar_t* grad, const scalar_t* __restrict__ grad_output,
+                      const at::opmath_type<scalar_t>* __restrict__ grad_scale, scalar_t* out, int64_t n) {
   using acc_t = at::opmath_type<scalar_t>;
   using GPack = Pack<scalar_t, VEC>;
   const acc_t f = static_cast<acc_t>(*grad_output) * *grad_scale;
+  if (f == acc_t(1) && out == grad) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nvec = n / VEC;
@@ -447,7 +460,8 @@ void raise_if_bad_targets(const at::Tensor& bad_target, const at::Tensor& target
 
 Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets_in,
                                 const c10::optional<at::Tensor>& weight_in, const c10::optional<at::Tensor>& mask_in,
-                                double alpha, double gamma, c10::string_view reduction_name, bool save_grad) {
+                                double alpha, double gamma, c10::string_view reduction_name, bool save_grad,
+                                bool /*reuse_grad*/) {
   const SigmoidLayout s = check_sigmoid_args(logits_in, targets_in, weight_in, mask_in);
   check_cuda_tensor(logits_in, "sigmoid_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "sigmoid_focal_loss");
@@ -468,6 +482,8 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
   }
 
   const bool reduce = reduction != kNone;
+  const double denominator = host_denominator(reduction, s, mask.defined());
+  const bool folded = folds_reduction_into_grad(logits.scalar_type(), denominator);
   at::Tensor bad_target = s.index_targets ? at::zeros({1}, logits.options().dtype(at::kInt)) : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();
 
@@ -483,6 +499,7 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
     p.gamma = static_cast<acc_t>(gamma);
     p.at0 = alpha >= 0 ? static_cast<acc_t>(1.0 - alpha) : acc_t(1);
     p.at1 = alpha >= 0 ? static_cast<acc_t>(2.0 * alpha - 1.0) : acc_t(0);
+    p.grad_prescale = folded ? static_cast<acc_t>(1.0 / denominator) : acc_t(1);
     const scalar_t* x = logits.data_ptr<scalar_t>();
     scalar_t* loss_out = reduce ? nullptr : loss.data_ptr<scalar_t>();
     scalar_t* grad_out = save_grad ? grad.data_ptr<scalar_t>() : nullptr;
@@ -535,12 +552,8 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
       launch_dense(targets.data_ptr<float>());
     }
     if (reduce) {
-      double denominator = 1.0;
-      if (reduction == kMean) {
-        denominator = s.index_targets ? static_cast<double>(s.rows) : (mask.defined() ? -1.0 : double(s.numel));
-      }
-      finalize_kernel<scalar_t><<<1, kThreads, 0, stream>>>(bl, bk, blocks, denominator, loss.data_ptr<scalar_t>(),
-                                                            grad_scale.data_ptr<acc_t>());
+      finalize_kernel<scalar_t><<<1, kThreads, 0, stream>>>(bl, bk, blocks, denominator, folded,
+                                                            loss.data_ptr<scalar_t>(), grad_scale.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
@@ -553,7 +566,7 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
 
 Outputs softmax_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& targets_in,
                                 const c10::optional<at::Tensor>& weight_in, double alpha, double gamma,
-                                c10::string_view reduction_name, bool save_grad) {
+                                c10::string_view reduction_name, bool save_grad, bool /*reuse_grad*/) {
   check_softmax_args(logits_in, targets_in, weight_in);
   check_cuda_tensor(logits_in, "softmax_focal_loss: logits");
   const Reduction reduction = parse_reduction(std::string(reduction_name), "softmax_focal_loss");
@@ -577,6 +590,8 @@ Outputs softmax_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
   }
 
   const bool reduce = reduction != kNone;
+  const double denominator = reduction == kMean ? static_cast<double>(rows) : reduction == kSum ? 1.0 : 0.0;
+  const bool folded = folds_reduction_into_grad(logits.scalar_type(), denominator);
   at::Tensor bad_target = at::zeros({1}, logits.options().dtype(at::kInt));
   const auto stream = at::cuda::getCurrentCUDAStream();
 
@@ -590,12 +605,11 @@ Outputs softmax_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
     softmax_focal_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
         logits.data_ptr<scalar_t>(), targets.data_ptr<int64_t>(), weight.defined() ? weight.data_ptr<acc_t>() : nullptr,
         rows, classes, static_cast<acc_t>(alpha), static_cast<acc_t>(gamma),
-        reduce ? nullptr : loss.data_ptr<scalar_t>(), save_grad ? grad.data_ptr<scalar_t>() : nullptr, bl, bk,
-        bad_target.data_ptr<int>());
+        folded ? static_cast<acc_t>(1.0 / denominator) : acc_t(1), reduce ? nullptr : loss.data_ptr<scalar_t>(),
+        save_grad ? grad.data_ptr<scalar_t>() : nullptr, bl, bk, bad_target.data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (reduce) {
-      finalize_kernel<scalar_t><<<1, kThreads, 0, stream>>>(bl, bk, blocks,
-                                                            reduction == kMean ? static_cast<double>(rows) : 1.0,
+      finalize_kernel<scalar_t><<<1, kThreads, 0, stream>>>(bl, bk, blocks, denominator, folded,
                                                             loss.data_ptr<scalar_t>(), grad_scale.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -603,6 +617,32 @@ Outputs softmax_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
   raise_if_bad_targets(bad_target, targets, "softmax_focal_loss",
                        "[0, C) = [0, " + std::to_string(classes) + ") or < 0 (ignored)");
   return {loss, grad, grad_scale};
+}
+
+// out = grad * grad_output * grad_scale on the current stream (out may be grad); grad and out contiguous, grad_output
+// one element of grad's dtype.
+void launch_scale_grad(const at::Tensor& grad, const at::Tensor& grad_output, const at::Tensor& grad_scale,
+                       at::Tensor& out) {
+  const int64_t n = grad.numel();
+  if (n == 0) return;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "focal_loss_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    const scalar_t* go = grad_output.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const acc_t* sc = grad_scale.data_ptr<acc_t>();
+    constexpr int V = vec_width<scalar_t>();
+    if (aligned<V>(g, sizeof(scalar_t)) && aligned<V>(o, sizeof(scalar_t))) {
+      const int blocks =
+          grid_size(scale_grad_kernel<scalar_t, V>, ceil_div(n, static_cast<int64_t>(V) * kScaleUnroll), kThreads);
+      scale_grad_kernel<scalar_t, V><<<blocks, kThreads, 0, stream>>>(g, go, sc, o, n);
+    } else {
+      const int blocks = grid_size(scale_grad_kernel<scalar_t, 1>, ceil_div(n, kScaleUnroll), kThreads);
+      scale_grad_kernel<scalar_t, 1><<<blocks, kThreads, 0, stream>>>(g, go, sc, o, n);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 at::Tensor focal_loss_backward_cuda(const at::Tensor& grad_output, const at::Tensor& grad_in,
@@ -615,28 +655,17 @@ at::Tensor focal_loss_backward_cuda(const at::Tensor& grad_output, const at::Ten
   }
   const c10::cuda::CUDAGuard guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();
-  const at::Tensor go = grad_output.to(grad.scalar_type()).contiguous();
   at::Tensor out = at::empty_like(grad);
-  const int64_t n = grad.numel();
-  if (n == 0) return out;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "focal_loss_backward_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* g = grad.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const acc_t* sc = grad_scale.data_ptr<acc_t>();
-    constexpr int V = vec_width<scalar_t>();
-    if (aligned<V>(g, sizeof(scalar_t)) && aligned<V>(o, sizeof(scalar_t))) {
-      const int blocks =
-          grid_size(scale_grad_kernel<scalar_t, V>, ceil_div(n, static_cast<int64_t>(V) * kScaleUnroll), kThreads);
-      scale_grad_kernel<scalar_t, V><<<blocks, kThreads, 0, stream>>>(g, go.data_ptr<scalar_t>(), sc, o, n);
-    } else {
-      const int blocks = grid_size(scale_grad_kernel<scalar_t, 1>, ceil_div(n, kScaleUnroll), kThreads);
-      scale_grad_kernel<scalar_t, 1><<<blocks, kThreads, 0, stream>>>(g, go.data_ptr<scalar_t>(), sc, o, n);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  launch_scale_grad(grad, grad_output.to(grad.scalar_type()).contiguous(), grad_scale, out);
   return out;
+}
+
+// The saved gradient scaled in place; a kernel that returns at once when grad_output * grad_scale is 1.
+void focal_loss_backward_inplace_cuda(at::Tensor& grad, const at::Tensor& grad_output, const at::Tensor& grad_scale) {
+  check_backward_inplace_args(grad_output, grad, grad_scale);
+  check_cuda_tensor(grad, "focal loss backward (in place): grad");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  launch_scale_grad(grad, grad_output, grad_scale, grad);
 }
 
 }  // namespace
@@ -647,4 +676,5 @@ TORCH_LIBRARY_IMPL(lss, CUDA, m) {
   m.impl("sigmoid_focal_loss", &lss::focal::sigmoid_focal_loss_cuda);
   m.impl("softmax_focal_loss", &lss::focal::softmax_focal_loss_cuda);
   m.impl("_focal_loss_backward", &lss::focal::focal_loss_backward_cuda);
+  m.impl("_focal_loss_backward_", &lss::focal::focal_loss_backward_inplace_cuda);
 }
