@@ -204,19 +204,25 @@ __global__ void __launch_bounds__(kReduceThreads)
     const int nk = band_kept;
     const bool writes_keep = threadIdx.x < nk;
     const int64_t kept_index = writes_keep ? order[w0 * kBoxesPerWord + kept_in_band[threadIdx.x]] : 0;
-    for (int64_t j = w0 + band_words + threadIdx.x; j < words; j += kReduceThreads) {
-      uint64_t r = removed[j];
-      int q = 0;
+    // Each later word gets `slices` threads (when there are fewer later words than threads), each ORing every
+    // slices-th kept row, so that all threads keep loads in flight until the last bands.
+    const int64_t later = words - (w0 + band_words);
+    const int slices = static_cast<int>(lower<int64_t>(upper<int64_t>(kReduceThreads / upper<int64_t>(later, 1), 1),
+                                                       upper(nk, 1)));
+    for (int64_t item = threadIdx.x; item < later * slices; item += kReduceThreads) {
+      const int64_t j = w0 + band_words + item % later;
+      int q = static_cast<int>(item / later);
+      uint64_t r = 0;
       // Eight independent loads in flight per thread keep the single block from stalling on memory latency.
-      for (; q + 8 <= nk; q += 8) {
+      for (; q + 7 * slices < nk; q += 8 * slices) {
         uint64_t v[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = mask[kept_rows[q + u] + j];
+        for (int u = 0; u < 8; ++u) v[u] = mask[kept_rows[q + u * slices] + j];
 #pragma unroll
         for (int u = 0; u < 8; ++u) r |= v[u];
       }
-      for (; q < nk; ++q) r |= mask[kept_rows[q] + j];
-      removed[j] = r;
+      for (; q < nk; q += slices) r |= mask[kept_rows[q] + j];
+      if (r != 0) atomicOr(reinterpret_cast<unsigned long long*>(removed + j), static_cast<unsigned long long>(r));
     }
     if (writes_keep) keep[kept_before_band + threadIdx.x] = kept_index;
     __syncthreads();
