@@ -3,6 +3,7 @@ import torch
 import torchvision
 
 from conftest import devices
+from lss.benchmarks.roi import _boxes
 from lss.ops import batched_nms, nms, nms_reference
 from lss.ops._ext import has_ext
 
@@ -106,6 +107,83 @@ def test_batched_negative_coordinates_keep_classes_apart(device):
     idxs = torch.tensor([0, 1, 0], device=device)
     assert batched_nms(boxes, scores, idxs, 0.5).tolist() == [0, 1]
     assert nms_reference(boxes.cpu(), scores.cpu(), 0.5, idxs.cpu()).tolist() == [0, 1]
+
+
+def special_boxes(n, seed, device="cpu"):
+    """Random boxes where every third one has a NaN, infinite, signed-zero, inverted or zero-width coordinate."""
+    boxes, scores = random_boxes(n, seed=seed, extent=50.0)
+    special = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0]
+    for k, i in enumerate(range(0, n, 3)):
+        kind = k % 7
+        if kind < len(special):
+            boxes[i, k % 4] = special[kind]
+        elif kind == 5:
+            boxes[i] = boxes[i, [2, 3, 0, 1]]  # x2 < x1, y2 < y1: negative width and height, positive area
+        else:
+            boxes[i, 2] = boxes[i, 0]
+    return boxes.to(device), scores.to(device)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("threshold", [-0.5, 0.0, 0.5, float("nan")])
+def test_special_coordinates_and_thresholds_match_reference(device, threshold):
+    # A negative threshold suppresses disjoint boxes too (IoU 0 > threshold) unless the IoU is NaN; a NaN threshold
+    # suppresses nothing. NaN coordinates give NaN IoUs, which never suppress.
+    boxes, scores = special_boxes(300, seed=11, device=device)
+    expected = nms_reference(boxes.cpu(), scores.cpu(), threshold)
+    assert torch.equal(nms(boxes, scores, threshold).cpu(), expected)
+    idxs = torch.randint(0, 3, (300,), generator=torch.Generator().manual_seed(2))
+    expected = nms_reference(boxes.cpu(), scores.cpu(), threshold, idxs)
+    assert torch.equal(batched_nms(boxes, scores, idxs.to(device), threshold).cpu(), expected)
+
+
+def test_threshold_extremes():
+    boxes, scores = random_boxes(50, seed=12)
+    order = torch.sort(scores, descending=True, stable=True).indices
+    assert nms(boxes, scores, -0.1).tolist() == order[:1].tolist()
+    assert torch.equal(nms(boxes, scores, float("nan")), order)
+    assert torch.equal(nms(boxes, scores, 1.0), order)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 127, 511, 512, 513, 577, 1024, 1089, 4160, 5000])
+@pytest.mark.parametrize("extent", [30.0, 400.0])
+def test_cuda_matches_cpu_across_word_and_band_boundaries(n, extent):
+    # Bitmask words hold 64 boxes; a mask-kernel block covers 8 column words and the reduction resolves 8 words per
+    # band, so 512 boxes is a strip and band boundary. Dense boxes (extent 30) suppress across words and bands.
+    boxes, scores = random_boxes(n, seed=n, extent=extent)
+    idxs = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(n))
+    for threshold in (0.5, 0.0, -0.1):
+        assert torch.equal(nms(boxes.cuda(), scores.cuda(), threshold).cpu(), nms(boxes, scores, threshold))
+        assert torch.equal(batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), threshold).cpu(),
+                           batched_nms(boxes, scores, idxs, threshold))
+    for dtype in (torch.float16, torch.float64):
+        assert torch.equal(nms(boxes.to("cuda", dtype), scores.cuda(), 0.5).cpu(), nms(boxes.to(dtype), scores, 0.5))
+
+
+@pytest.mark.cuda
+def test_cuda_special_coordinates_match_cpu():
+    for n in (65, 700):
+        boxes, scores = special_boxes(n, seed=n)
+        for threshold in (-0.5, 0.0, 0.3, 0.7, float("nan")):
+            assert torch.equal(nms(boxes.cuda(), scores.cuda(), threshold).cpu(), nms(boxes, scores, threshold))
+        assert torch.equal(nms(boxes.cuda().double(), scores.cuda(), 0.3).cpu(), nms(boxes.double(), scores, 0.3))
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu_on_benchmark_boxes():
+    # The roi benchmark's 100k boxes: 1563 words, about 196 bands.
+    boxes, scores = _boxes(100000, "cpu")
+    keep = nms(boxes, scores, 0.5)
+    assert torch.equal(nms(boxes.cuda(), scores.cuda(), 0.5).cpu(), keep)
+    assert torch.equal(torchvision.ops.nms(boxes.cuda(), scores.cuda(), 0.5).cpu(), keep)
+
+
+@pytest.mark.cuda
+def test_cuda_too_many_boxes_names_the_limit():
+    boxes = torch.zeros(2_000_000, 4, device="cuda")
+    with pytest.raises(RuntimeError, match="shared memory for the suppression bitmap.*split the boxes"):
+        nms(boxes, torch.zeros(2_000_000, device="cuda"), 0.5)
 
 
 @pytest.mark.cuda
