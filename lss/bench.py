@@ -52,6 +52,20 @@ class BenchContext:
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
+    def time_graphed(self, fn: Callable[[], object], warmup: int = 3) -> float:
+        """Median milliseconds of replaying `fn` captured as one CUDA graph: the GPU time of what `fn` launches,
+        without its Python, dispatch and launch overhead. Raises RuntimeError when `fn` cannot be captured."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph requires
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.time(graph.replay)
+
     def floor_ms(self, nbytes: float) -> Optional[float]:
         """Time to move `nbytes` through device memory at the measured bandwidth (the physical floor)."""
         return nbytes / self.bandwidth * 1e3 if self.bandwidth > 0 else None

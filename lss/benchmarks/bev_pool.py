@@ -94,16 +94,7 @@ def _graphed_row(ctx, case_name, fn, nbytes, shape) -> dict:
     """fwd+bwd replayed from a CUDA graph: the GPU time without the Python/launch overhead of the eager call."""
     row = {"case": case_name, "impl": "lss_cuda_graph", "floor_ms": ctx.floor_ms(nbytes), "notes": shape}
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        row["ms"] = ctx.time(graph.replay)
+        row["ms"] = ctx.time_graphed(fn)
     except RuntimeError as e:
         row["ms"] = float("nan")
         row["notes"] += f"; CUDA graph capture failed: {e}"
