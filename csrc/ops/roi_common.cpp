@@ -1,8 +1,11 @@
 // Host-compiled argument checks of roi_align and roi_pool (declared in roi_common.h).
 #include "ops/roi_common.h"
 
-#include <charconv>
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace lss {
@@ -47,40 +50,45 @@ at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input) {
 
 namespace {
 
-// A float as Python prints it: shortest round-trip digits, "2.0" rather than "2", nan / inf / -inf.
+// A float as repr() prints it: the fewest significant digits that read back to the same double, positional for
+// exponents in [-4, 16) ("2.0", not "2"), else scientific ("1e-05"); nan / inf / -inf.
 std::string py_float(double v) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
   char buf[64];
-  const auto res = std::to_chars(buf, buf + sizeof(buf), v);
-  std::string s(buf, res.ptr);
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  int digits = 1;
+  for (; digits < 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
+  const int exponent = std::atoi(std::strchr(buf, 'e') + 1);
+  if (exponent < -4 || exponent >= 16) return buf;
+  std::snprintf(buf, sizeof(buf), "%.*f", std::max(digits - 1 - exponent, 0), v);
+  std::string s(buf);
+  if (s.find('.') == std::string::npos) s += ".0";
   return s;
 }
 
 }  // namespace
 
-void raise_bad_rois(const char* op, const at::Tensor& rois, int64_t batch_size) {
-  if (rois.size(0) == 0) return;
-  const auto finite = at::isfinite(rois).all(1);
-  const auto bad_finite = at::logical_not(finite).nonzero();
-  if (bad_finite.size(0) > 0) {
-    const int64_t row = bad_finite[0][0].item<int64_t>();
-    const auto values = rois[row].to(at::kCPU, at::kDouble).contiguous();
-    const double* v = values.data_ptr<double>();
+void raise_bad_rois(const char* op, const at::Tensor& bad_rois, const at::Tensor& rois, int64_t batch_size) {
+  const auto found = bad_rois.to(at::kCPU);
+  const int64_t non_finite = found.data_ptr<int64_t>()[0];
+  const int64_t bad_index = found.data_ptr<int64_t>()[1];
+  if (non_finite < 0 && bad_index < 0) return;
+  const int64_t row = non_finite >= 0 ? non_finite : bad_index;
+  const auto values = rois.select(0, row).to(at::kCPU, at::kDouble).contiguous();
+  const double* v = values.data_ptr<double>();
+  if (non_finite >= 0) {
     std::string list = "[";
-    for (int64_t i = 0; i < values.numel(); ++i) list += (i ? ", " : "") + py_float(v[i]);
+    for (int i = 0; i < 5; ++i) list += (i ? ", " : "") + py_float(v[i]);
     list += "]";
     TORCH_CHECK_VALUE(false, "lss.ops.", op, ": rois must be finite; roi ", row, " is ", list,
                       ". Filter out boxes with NaN/inf coordinates first");
   }
-  const auto index = rois.select(1, 0);
-  const auto bad_index = (index < 0).logical_or_(index >= batch_size).logical_or_(index != index.floor()).nonzero();
-  if (bad_index.size(0) > 0) {
-    const int64_t row = bad_index[0][0].item<int64_t>();
-    TORCH_CHECK_VALUE(false, "lss.ops.", op, ": roi ", row, " has batch index ", py_float(index[row].item<double>()),
-                      ", expected an integer in [0, ", batch_size, ") (the input batch size)");
-  }
+  TORCH_CHECK_VALUE(false, "lss.ops.", op, ": roi ", row, " has batch index ", py_float(v[0]),
+                    ", expected an integer in [0, ", batch_size, ") (the input batch size)");
 }
 
 }  // namespace roi

@@ -185,9 +185,11 @@ void check_roi_grad(const char* op, const at::Tensor& grad, const at::Tensor& ro
 // Rois in the accumulation type of the features (float, or double for double features), contiguous.
 at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input);
 
-// Raises ValueError naming the first roi that fails roi_ok (non-finite coordinates are reported before bad batch
-// indices), with the messages of the Python checks; returns when every roi passes. Runs a few small device ops.
-void raise_bad_rois(const char* op, const at::Tensor& rois, int64_t batch_size);
+// The forward kernels' record of bad rois: two int64, the first roi with non-finite coordinates and the first roi
+// with a bad batch index, -1 for none (roi_scatter::record_bad_roi). Reads them (one 16-byte copy, which waits for the
+// kernel) and raises ValueError naming the roi with the messages of the Python checks, non-finite coordinates first;
+// returns when both are -1.
+void raise_bad_rois(const char* op, const at::Tensor& bad_rois, const at::Tensor& rois, int64_t batch_size);
 
 }  // namespace roi
 }  // namespace lss

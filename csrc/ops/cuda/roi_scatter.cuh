@@ -31,20 +31,29 @@ struct Entries {
   at::Tensor weight;  // acc_t
 };
 
-// Zeroed int32 error flag for a forward kernel (a memset, no kernel launch): a kernel sets it to 1 when it meets a
-// roi that fails roi::roi_ok.
-at::Tensor error_flag(const at::Tensor& like) {
-  auto flag = at::empty({1}, like.options().dtype(at::kInt));
-  C10_CUDA_CHECK(cudaMemsetAsync(flag.data_ptr<int32_t>(), 0, sizeof(int32_t), c10::cuda::getCurrentCUDAStream()));
-  return flag;
+// The forward kernels' record of bad rois (see roi::raise_bad_rois): two int64 set to -1 by a memset, no kernel.
+at::Tensor bad_roi_record(const at::Tensor& like) {
+  auto record = at::empty({2}, like.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(record.data_ptr<int64_t>(), 0xff, 2 * sizeof(int64_t),
+                                 c10::cuda::getCurrentCUDAStream()));
+  return record;
 }
 
-// Reads the forward kernel's error flag (one 4-byte copy, which waits for the kernel) and raises the clear error
-// for a bad roi. Skipped while a CUDA graph is being captured: there bad rois just pool to zeros.
-void raise_if_bad_rois(const at::Tensor& flag, const at::Tensor& rois, int64_t batch_size, const char* op) {
+// Notes roi k in the record when it fails roi::roi_ok: slot 0 for non-finite coordinates, slot 1 for a bad batch
+// index. atomicMin on the unsigned view (-1 is the largest) keeps the first bad roi, as the CPU check reports it.
+template <typename T>
+__device__ __forceinline__ void record_bad_roi(int64_t* record, const T* roi, int64_t k, int64_t batch_size) {
+  bool finite = true;
+  for (int i = 0; i < 5; ++i) finite = finite && roi::is_finite(roi[i]);
+  if (finite && roi::roi_ok(roi, batch_size)) return;
+  atomicMin(reinterpret_cast<unsigned long long*>(record + (finite ? 1 : 0)), static_cast<unsigned long long>(k));
+}
+
+// Raises the clear error for the first bad roi the forward kernel recorded. Skipped while a CUDA graph is being
+// captured: there bad rois just pool to zeros.
+void raise_if_bad_rois(const at::Tensor& record, const at::Tensor& rois, int64_t batch_size, const char* op) {
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-  if (flag.item<int32_t>() == 0) return;
-  roi::raise_bad_rois(op, rois, batch_size);
+  roi::raise_bad_rois(op, record, rois, batch_size);
 }
 
 // Per-bin entry counts -> exclusive offsets and the total (one host sync, deterministic path only).
