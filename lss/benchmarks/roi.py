@@ -114,19 +114,29 @@ def run(ctx) -> list[dict]:
 def smoke(device) -> None:
     """Every op forward + backward once on small inputs, both backward paths (for compute-sanitizer)."""
     dev = torch.device(device)
-    x = torch.randn(2, 37, 19, 23, device=dev, requires_grad=True)
+    x_nchw = torch.randn(2, 37, 19, 23, device=dev, requires_grad=True)
+    x_cl = x_nchw.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
     rois = _rois(40, 2, 76, 92, 2, 60, dev)
     rois[0, 1:] = torch.tensor([-10.0, -10.0, 100.0, 90.0])  # partly outside the map
-    for deterministic in (False, True):
-        torch.use_deterministic_algorithms(deterministic)
-        try:
-            for mode in ("avg", "max"):
-                roi_align(x, rois, (7, 5), 0.25, -1, True, mode).sum().backward()
-                roi_align(x.half(), rois, 3, 0.25, 2, False, mode).float().sum().backward()
-            roi_pool(x, rois, (7, 5), 0.25).sum().backward()
-            roi_pool(x, torch.zeros(0, 5, device=dev), 7, 0.25).sum().backward()
-        finally:
-            torch.use_deterministic_algorithms(False)
+    for x in (x_nchw, x_cl):
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic)
+            try:
+                for mode in ("avg", "max"):
+                    roi_align(x, rois, (7, 5), 0.25, -1, True, mode).sum().backward()
+                    roi_align(x.half(), rois, 3, 0.25, 2, False, mode).float().sum().backward()
+                roi_pool(x, rois, (7, 5), 0.25).sum().backward()
+                roi_pool(x, torch.zeros(0, 5, device=dev), 7, 0.25).sum().backward()
+            finally:
+                torch.use_deterministic_algorithms(False)
+        bad = rois.clone()
+        bad[3, 0] = 2.0
+        for op in (roi_align, roi_pool):
+            try:
+                op(x, bad, 7, 0.25)
+                raise AssertionError(f"{op.__name__} accepted roi 3 with batch index 2 for a batch of 2")
+            except ValueError:
+                pass
     boxes, scores = _boxes(1000, dev)
     nms(boxes, scores, 0.5)
     nms(boxes.half(), scores, 0.5)
