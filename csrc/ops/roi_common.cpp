@@ -1,12 +1,5 @@
-// Host-compiled argument checks of roi_align and roi_pool (declared in roi_common.h).
+// Host-compiled argument checks and CPU bad-roi record of roi_align and roi_pool (declared in roi_common.h).
 #include "ops/roi_common.h"
-
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <string>
 
 namespace lss {
 namespace roi {
@@ -48,47 +41,18 @@ at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input) {
   return rois.to(acc).contiguous();
 }
 
-namespace {
-
-// A float as repr() prints it: the fewest significant digits that read back to the same double, positional for
-// exponents in [-4, 16) ("2.0", not "2"), else scientific ("1e-05"); nan / inf / -inf.
-std::string py_float(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char buf[64];
-  int digits = 1;
-  for (; digits < 17; ++digits) {
-    std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
-  const int exponent = std::atoi(std::strchr(buf, 'e') + 1);
-  if (exponent < -4 || exponent >= 16) return buf;
-  std::snprintf(buf, sizeof(buf), "%.*f", std::max(digits - 1 - exponent, 0), v);
-  std::string s(buf);
-  if (s.find('.') == std::string::npos) s += ".0";
-  return s;
-}
-
-}  // namespace
-
-void raise_bad_rois(const char* op, const at::Tensor& bad_rois, const at::Tensor& rois, int64_t batch_size) {
-  const auto found = bad_rois.to(at::kCPU);
-  const int64_t non_finite = found.data_ptr<int64_t>()[0];
-  const int64_t bad_index = found.data_ptr<int64_t>()[1];
-  if (non_finite < 0 && bad_index < 0) return;
-  const int64_t row = non_finite >= 0 ? non_finite : bad_index;
-  const auto values = rois.select(0, row).to(at::kCPU, at::kDouble).contiguous();
-  const double* v = values.data_ptr<double>();
-  if (non_finite >= 0) {
-    std::string list = "[";
-    for (int i = 0; i < 5; ++i) list += (i ? ", " : "") + py_float(v[i]);
-    list += "]";
-    TORCH_CHECK_VALUE(false, "lss.ops.", op, ": rois must be finite; roi ", row, " is ", list,
-                      ". Filter out boxes with NaN/inf coordinates first");
-  }
-  TORCH_CHECK_VALUE(false, "lss.ops.", op, ": roi ", row, " has batch index ", py_float(v[0]),
-                    ", expected an integer in [0, ", batch_size, ") (the input batch size)");
+at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size) {
+  auto record = at::full({2}, -1, rois.options().dtype(at::kLong));
+  int64_t* found = record.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(rois.scalar_type(), "find_bad_rois", [&] {
+    const scalar_t* r = rois.data_ptr<scalar_t>();
+    // Stops at the first non-finite roi: it is reported before any bad batch index.
+    for (int64_t k = 0; k < rois.size(0) && found[0] < 0; ++k) {
+      const int slot = bad_roi_slot(r + k * 5, batch_size);
+      if (slot >= 0 && found[slot] < 0) found[slot] = k;
+    }
+  });
+  return record;
 }
 
 }  // namespace roi

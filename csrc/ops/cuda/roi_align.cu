@@ -4,7 +4,7 @@
 // channels-last float buffer (the sample geometry does not depend on the channel, so a warp's atomics hit
 // consecutive addresses): coalesced atomics by default, a sort-based segment sum when
 // torch.use_deterministic_algorithms(True) is on. The forward kernels also validate the rois (roi::roi_ok): a bad roi
-// pools to zeros and is recorded (first bad roi) for the host to read once after the kernel and raise a clear error.
+// pools to zeros and is noted in the bad-roi record, the op's third output, which the Python wrapper reads.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -360,9 +360,11 @@ __global__ void roi_align_fill_kernel(int64_t total, const acc_t* __restrict__ r
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& input_, const at::Tensor& rois_,
-                                                          double spatial_scale, int64_t pooled_h, int64_t pooled_w,
-                                                          int64_t sampling_ratio, bool aligned, bool max_mode) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& input_,
+                                                                      const at::Tensor& rois_, double spatial_scale,
+                                                                      int64_t pooled_h, int64_t pooled_w,
+                                                                      int64_t sampling_ratio, bool aligned,
+                                                                      bool max_mode) {
   roi::check_roi_args("roi_align", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_align: input");
   LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX && sampling_ratio <= INT_MAX,
@@ -374,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
   auto output = at::empty({K, C, pooled_h, pooled_w}, input_.options());
   const auto int_opts = input_.options().dtype(at::kInt);
   auto argmax = max_mode ? at::empty({K, C, pooled_h, pooled_w}, int_opts) : at::empty({0}, int_opts);
-  if (output.numel() == 0) return {output, argmax};
+  if (output.numel() == 0) return {output, argmax, roi_scatter::find_bad_rois(rois, N)};
   // Channels-last features are read in place by the channel-fastest kernel; everything else as NCHW.
   const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
@@ -409,8 +411,7 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
       });
     });
   });
-  roi_scatter::raise_if_bad_rois(bad_rois, rois, N, "roi_align");
-  return {output, argmax};
+  return {output, argmax, bad_rois};
 }
 
 at::Tensor roi_align_backward_cuda(const at::Tensor& grad_, const at::Tensor& rois_, const at::Tensor& argmax_,

@@ -2,8 +2,8 @@
 // features by warps of consecutive channels, the tile written out through shared memory. Backward: each output adds
 // its gradient to its arg-max pixel, directly in the NCHW gradient (float32 buffer for fp16/bf16); under
 // torch.use_deterministic_algorithms(True) the sort-based segment sum of roi_scatter.cuh instead. The forward kernels
-// validate the rois (roi::roi_ok): a bad roi pools to zeros and is recorded for the host to read once after the
-// kernel.
+// validate the rois (roi::roi_ok): a bad roi pools to zeros and is noted in the bad-roi record, the op's third output,
+// which the Python wrapper reads.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -165,8 +165,9 @@ __global__ void roi_pool_fill_kernel(int64_t total, const acc_t* __restrict__ ro
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input_, const at::Tensor& rois_,
-                                                         double spatial_scale, int64_t pooled_h, int64_t pooled_w) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input_,
+                                                                     const at::Tensor& rois_, double spatial_scale,
+                                                                     int64_t pooled_h, int64_t pooled_w) {
   roi::check_roi_args("roi_pool", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_pool: input");
   LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX, "roi_pool: output size must fit in 32 bits, got " +
@@ -176,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input
   const int64_t K = rois.size(0), N = input_.size(0), C = input_.size(1), H = input_.size(2), W = input_.size(3);
   auto output = at::empty({K, C, pooled_h, pooled_w}, input_.options());
   auto argmax = at::empty({K, C, pooled_h, pooled_w}, input_.options().dtype(at::kInt));
-  if (output.numel() == 0) return {output, argmax};
+  if (output.numel() == 0) return {output, argmax, roi_scatter::find_bad_rois(rois, N)};
   // Channels-last features are read in place by the channel-fastest kernel; everything else as NCHW.
   const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
@@ -205,8 +206,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  roi_scatter::raise_if_bad_rois(bad_rois, rois, N, "roi_pool");
-  return {output, argmax};
+  return {output, argmax, bad_rois};
 }
 
 at::Tensor roi_pool_backward_cuda(const at::Tensor& grad_, const at::Tensor& rois_, const at::Tensor& argmax_,

@@ -1,5 +1,5 @@
-// Launch helpers of roi_align / roi_pool: 32-bit index selection and the (roi, channel chunk, bin tile) tiling of
-// the channels-last kernels. Gradient scatter into a channels-last (N x H x W x C) float accumulator.
+// Launch helpers of roi_align / roi_pool: the forward ops' bad-roi record, 32-bit index selection and the (roi,
+// channel chunk, bin tile) tiling of the channels-last kernels. Gradient scatter into a channels-last (N x H x W x C) float accumulator.
 // Fast path: atomics, coalesced over channels. Deterministic path (torch.use_deterministic_algorithms): every
 // (roi, bin) lists the pixels it touches as channel-independent entries (pixel key, bin, sample id, weight); a
 // stable sort by pixel makes each pixel's entries one segment, summed by a single thread per (pixel, channel) in
@@ -7,7 +7,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -31,7 +30,7 @@ struct Entries {
   at::Tensor weight;  // acc_t
 };
 
-// The forward kernels' record of bad rois (see roi::raise_bad_rois): two int64 set to -1 by a memset, no kernel.
+// The forward ops' bad-roi record (see roi::find_bad_rois): two int64 set to -1 by a memset, no kernel.
 at::Tensor bad_roi_record(const at::Tensor& like) {
   auto record = at::empty({2}, like.options().dtype(at::kLong));
   C10_CUDA_CHECK(cudaMemsetAsync(record.data_ptr<int64_t>(), 0xff, 2 * sizeof(int64_t),
@@ -39,21 +38,21 @@ at::Tensor bad_roi_record(const at::Tensor& like) {
   return record;
 }
 
-// Notes roi k in the record when it fails roi::roi_ok: slot 0 for non-finite coordinates, slot 1 for a bad batch
-// index. atomicMin on the unsigned view (-1 is the largest) keeps the first bad roi, as the CPU check reports it.
+// Notes roi k in its slot of the record (roi::bad_roi_slot) when it cannot be pooled. atomicMin on the unsigned view
+// (-1 is the largest) keeps the first bad roi, as the CPU record does.
 template <typename T>
 __device__ __forceinline__ void record_bad_roi(int64_t* record, const T* roi, int64_t k, int64_t batch_size) {
-  bool finite = true;
-  for (int i = 0; i < 5; ++i) finite = finite && roi::is_finite(roi[i]);
-  if (finite && roi::roi_ok(roi, batch_size)) return;
-  atomicMin(reinterpret_cast<unsigned long long*>(record + (finite ? 1 : 0)), static_cast<unsigned long long>(k));
+  const int slot = roi::bad_roi_slot(roi, batch_size);
+  if (slot >= 0) atomicMin(reinterpret_cast<unsigned long long*>(record + slot), static_cast<unsigned long long>(k));
 }
 
-// Raises the clear error for the first bad roi the forward kernel recorded. Skipped while a CUDA graph is being
-// captured: there bad rois just pool to zeros.
-void raise_if_bad_rois(const at::Tensor& record, const at::Tensor& rois, int64_t batch_size, const char* op) {
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-  roi::raise_bad_rois(op, record, rois, batch_size);
+template <typename T>
+__global__ void find_bad_rois_kernel(int64_t K, const T* __restrict__ rois, int64_t batch_size,
+                                     int64_t* __restrict__ record) {
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < K;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    record_bad_roi(record, rois + k * 5, k, batch_size);
+  }
 }
 
 // Per-bin entry counts -> exclusive offsets and the total (one host sync, deterministic path only).
@@ -72,6 +71,20 @@ Entries alloc_entries(int64_t total, const at::Tensor& like, at::ScalarType acc)
 // Grid size of a grid-stride kernel over `items` threads.
 int grid_for(int64_t items) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(items, kThreads), int64_t(1) << 20)));
+}
+
+// The record of rois (acc type, contiguous, on the current device) without pooling anything: for forward calls whose
+// output is empty (C = 0) while there are rois.
+at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size) {
+  auto record = bad_roi_record(rois);
+  const int64_t K = rois.size(0);
+  if (K == 0) return record;
+  AT_DISPATCH_FLOATING_TYPES(rois.scalar_type(), "find_bad_rois", [&] {
+    find_bad_rois_kernel<scalar_t><<<grid_for(K), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        K, rois.data_ptr<scalar_t>(), batch_size, record.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return record;
 }
 
 // 32-bit indices suffice when every index is below 2^30: grid-stride steps (at most 2^28) then cannot overflow.
