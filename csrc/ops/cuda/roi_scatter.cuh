@@ -218,11 +218,52 @@ void deterministic_scatter(const Entries& entries, int64_t sentinel, const at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// N x H x W x C accumulator -> N x C x H x W gradient in the features' dtype (one transposing copy).
+// Tiled transpose of one image's HW x C accumulator into C x HW, cast to the gradient's dtype on the way: a block
+// takes a 32-pixel x 32-channel tile, reads it as rows of consecutive channels and writes it as rows of consecutive
+// pixels through shared memory (33 columns: the column reads hit 32 different banks).
+constexpr int kTransposeTile = 32;
+constexpr int kTransposeRows = 8;
+
+template <typename acc_t, typename scalar_t>
+__global__ void __launch_bounds__(kTransposeTile * kTransposeRows) nhwc_to_nchw_kernel(
+    const acc_t* __restrict__ in, scalar_t* __restrict__ out, int64_t N, int64_t HW, int64_t C) {
+  __shared__ acc_t tile[kTransposeTile][kTransposeTile + 1];
+  const int64_t p0 = static_cast<int64_t>(blockIdx.x) * kTransposeTile;
+  for (int64_t n = blockIdx.z; n < N; n += gridDim.z) {
+    for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTransposeTile; c0 < C;
+         c0 += static_cast<int64_t>(gridDim.y) * kTransposeTile) {
+      const acc_t* src = in + n * HW * C;
+      for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
+        const int64_t p = p0 + i, c = c0 + threadIdx.x;
+        if (p < HW && c < C) tile[i][threadIdx.x] = src[p * C + c];
+      }
+      __syncthreads();
+      scalar_t* dst = out + n * C * HW;
+      for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
+        const int64_t c = c0 + i, p = p0 + threadIdx.x;
+        if (p < HW && c < C) dst[c * HW + p] = static_cast<scalar_t>(tile[threadIdx.x][i]);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// N x H x W x C accumulator -> N x C x H x W gradient in the features' dtype, in one pass (transpose and cast).
 at::Tensor nhwc_to_nchw(const at::Tensor& grad_nhwc, at::ScalarType dtype) {
-  auto out = at::empty({grad_nhwc.size(0), grad_nhwc.size(3), grad_nhwc.size(1), grad_nhwc.size(2)},
-                       grad_nhwc.options().dtype(dtype));
-  out.copy_(grad_nhwc.permute({0, 3, 1, 2}));
+  const int64_t N = grad_nhwc.size(0), H = grad_nhwc.size(1), W = grad_nhwc.size(2), C = grad_nhwc.size(3);
+  auto out = at::empty({N, C, H, W}, grad_nhwc.options().dtype(dtype));
+  if (out.numel() == 0) return out;
+  const int64_t HW = H * W;
+  const dim3 grid(static_cast<unsigned>(ceil_div(HW, int64_t(kTransposeTile))),
+                  static_cast<unsigned>(std::min<int64_t>(ceil_div(C, int64_t(kTransposeTile)), 65535)),
+                  static_cast<unsigned>(std::min<int64_t>(N, 65535)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "roi_nhwc_to_nchw", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    nhwc_to_nchw_kernel<acc_t, scalar_t><<<grid, dim3(kTransposeTile, kTransposeRows), 0,
+                                           c10::cuda::getCurrentCUDAStream()>>>(
+        grad_nhwc.data_ptr<acc_t>(), out.data_ptr<scalar_t>(), N, HW, C);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   return out;
 }
 
