@@ -1,6 +1,6 @@
 """GPU time per kernel of roi_align / roi_pool / nms, ours against torchvision, at the roi benchmark's cases.
 
-    python scripts/profile_roi.py [--iters 20] [--nms-iters 3]
+    python scripts/profile_roi.py [--iters 20] [--nms-iters 3] [--skip-nms]
 
 For each case and implementation prints every CUDA kernel (and memset / memcpy) of one call with its mean device
 time, their sum (GPU busy time) and the eager time of the call between CUDA events, as `python -m lss bench` measures
@@ -63,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--nms-iters", type=int, default=3)
+    parser.add_argument("--skip-nms", action="store_true", help="profile roi_align / roi_pool only")
     args = parser.parse_args()
     dev = torch.device("cuda")
     for case, shape, k, scale, sr, lo, hi, img_h, img_w in _roi_cases(quick=False):
@@ -73,6 +74,7 @@ def main() -> None:
         rois = _rois(k, shape[0], img_h, img_w, lo, hi, dev)
         grad_out = torch.randn(k, shape[1], 7, 7, device=dev)
         align = [("lss", lambda t: roi_align(t, rois, 7, scale, sr, True)),
+                 ("lss_unvalidated", lambda t: roi_align(t, rois, 7, scale, sr, True, validate=False)),
                  ("torchvision", lambda t: torchvision.ops.roi_align(t, rois, 7, scale, sr, True))]
         layouts = [("NCHW", x), ("channels_last", x_cl)] if "BEV" in case else [("NCHW", x)]
         for layout, inp in layouts:
@@ -83,10 +85,13 @@ def main() -> None:
                 report(f"{name} {layout} fwd+bwd", impl, fwd_bwd(fn, inp, grad_out), args.iters)
         if "FPN" in case:
             pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
+                    ("lss_unvalidated", lambda t: roi_pool(t, rois, 7, scale, validate=False)),
                     ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]
             for impl, fn in pool:
                 report(f"{name.replace('roi_align', 'roi_pool')} NCHW fwd+bwd", impl, fwd_bwd(fn, x, grad_out), args.iters)
         del x, x_cl, grad_out
+    if args.skip_nms:
+        return
     boxes, scores = _boxes(100000, dev)
     for impl, fn in [("lss", nms), ("torchvision", torchvision.ops.nms)]:
         report("nms 100000 boxes, IoU 0.5", impl, lambda: fn(boxes, scores, 0.5), args.nms_iters, warmup=1)

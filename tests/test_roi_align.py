@@ -176,8 +176,8 @@ def test_cuda_layouts_match_cpu(channels_last, mode, dtype, channels):
     xc = x.cuda()
     if channels_last:
         xc = xc.to(memory_format=torch.channels_last)
-    out, arg = torch.ops.lss.roi_align(x, rois, 0.5, 9, 8, -1, False, mode == "max")
-    out_c, arg_c = torch.ops.lss.roi_align(xc, rois.cuda(), 0.5, 9, 8, -1, False, mode == "max")
+    out, arg, _ = torch.ops.lss.roi_align(x, rois, 0.5, 9, 8, -1, False, mode == "max")
+    out_c, arg_c, _ = torch.ops.lss.roi_align(xc, rois.cuda(), 0.5, 9, 8, -1, False, mode == "max")
     assert out_c.is_contiguous()
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-10}[dtype]
     torch.testing.assert_close(out_c.cpu(), out, atol=tol, rtol=tol)
@@ -240,6 +240,8 @@ def test_errors():
         roi_align(x, torch.tensor([[2.0, 0, 0, 4, 4]]), 2)
     with pytest.raises(ValueError, match="batch index"):
         roi_align(x, torch.tensor([[0.5, 0, 0, 4, 4]]), 2)
+    with pytest.raises(ValueError, match="batch index 2.0"):  # checked even when there is nothing to pool
+        roi_align(x[:, :0], torch.tensor([[2.0, 0, 0, 4, 4]]), 2)
     with pytest.raises(ValueError, match="must be finite"):
         roi_align(x, torch.tensor([[0.0, 0, float("nan"), 4, 4]]), 2)
     with pytest.raises(ValueError, match="must be finite"):
@@ -259,10 +261,59 @@ def test_raw_op_rejects_bad_rois_without_reading_out_of_bounds():
     x = features(1, 2, 6, 6)
     with pytest.raises(RuntimeError, match="rois must be K x 5"):
         torch.ops.lss.roi_align(x, torch.zeros(3, 4), 1.0, 2, 2, 2, False, False)
-    # rois that bypass the Python checks pool to zeros instead of reading out of bounds
+    # bad rois pool to zeros instead of reading out of bounds; the record names the first of each kind
     bad = torch.tensor([[7.0, 0, 0, 3, 3], [0.0, float("nan"), 0, 3, 3], [-1.0, 0, 0, 3, 3]])
-    out, _ = torch.ops.lss.roi_align(x, bad, 1.0, 2, 2, -1, False, False)
+    out, _, bad_rois = torch.ops.lss.roi_align(x, bad, 1.0, 2, 2, -1, False, False)
     assert torch.equal(out, torch.zeros_like(out))
+    assert bad_rois.dtype == torch.int64 and bad_rois.tolist() == [1, 0]
+    _, _, none = torch.ops.lss.roi_align(x, make_rois(3, 1, 6, 6), 1.0, 2, 2, -1, False, False)
+    assert none.tolist() == [-1, -1]
+
+
+@pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_unvalidated_bad_rois_pool_to_zeros(device, channels_last, mode):
+    # validate=False: no error, bad rois pool to zeros and pass no gradient, the other rois are unaffected
+    x = features(2, 3, 8, 8, device=device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    rois = make_rois(6, 2, 8, 8, device=device)
+    bad = rois.clone()
+    bad[1, 0] = 2.0
+    bad[3, 2] = float("nan")
+    bad[4, 0] = 0.5
+    good, rejected = [0, 2, 5], [1, 3, 4]
+    x_bad, x_good = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out = roi_align(x_bad, bad, 3, 1.0, 2, True, mode, validate=False)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    out.backward(g)
+    want = roi_align(x_good, rois[good], 3, 1.0, 2, True, mode)
+    want.backward(g[good])
+    torch.testing.assert_close(out[good], want, atol=0, rtol=0)
+    assert torch.equal(out[rejected], torch.zeros_like(out[rejected]))
+    torch.testing.assert_close(x_bad.grad, x_good.grad, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="rois must be finite; roi 3 is"):
+        roi_align(x, bad, 3, 1.0, 2, True, mode)
+    with pytest.raises(ValueError, match="rois must be finite; roi 3 is"):
+        RoIAlign(3, 1.0, 2, True, mode)(x, bad)
+    torch.testing.assert_close(RoIAlign(3, 1.0, 2, True, mode, validate=False)(x, bad), out.detach(), atol=0, rtol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_unvalidated_call_has_no_host_sync():
+    x = features(2, 3, 8, 8, device="cuda").requires_grad_(True)
+    rois = make_rois(4, 2, 8, 8, device="cuda")
+    roi_align(x, rois, 2, validate=False).sum().backward()  # loads the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        roi_align(x, rois, 2, validate=False).sum().backward()
+        with pytest.raises(RuntimeError, match="synchronizing"):
+            roi_align(x, rois, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.cuda
@@ -278,6 +329,8 @@ def test_cuda_bad_rois_raise_clear_errors(channels_last, mode):
     bad[2, 0] = 2.0
     with pytest.raises(ValueError, match="roi 2 has batch index 2.0, expected an integer in \\[0, 2\\)"):
         roi_align(x, bad.cuda(), 2, mode=mode)
+    with pytest.raises(ValueError, match="roi 2 has batch index 2.0"):  # no pooling kernel for C = 0
+        roi_align(x[:, :0], bad.cuda(), 2, mode=mode)
     bad = good.clone()
     bad[1, 0] = 0.5
     with pytest.raises(ValueError, match="roi 1 has batch index 0.5, expected an integer"):
@@ -319,7 +372,8 @@ def test_cuda_graph_capture_pools_bad_rois_to_zeros(channels_last):
 
 def test_module_repr_and_forward():
     m = RoIAlign((7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True)
-    assert repr(m) == "RoIAlign(output_size=(7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True, mode='avg')"
+    assert repr(m) == ("RoIAlign(output_size=(7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True, mode='avg', "
+                       "validate=True)")
     x = features(1, 2, 10, 10)
     rois = make_rois(3, 1, 10, 10, scale=0.125)
     torch.testing.assert_close(m(x, rois), roi_align(x, rois, 7, 0.125, 2, True))

@@ -137,8 +137,8 @@ def test_cuda_layouts_match_cpu(channels_last, dtype, channels):
     torch.testing.assert_close(out_c.cpu(), out, atol=0, rtol=0)
     tol = 1e-2 if dtype == torch.float16 else 1e-6
     torch.testing.assert_close(grad_c.cpu(), grad, atol=tol, rtol=tol)
-    _, arg = torch.ops.lss.roi_pool(x, rois, 0.5, 9, 8)
-    _, arg_c = torch.ops.lss.roi_pool(xc, rois.cuda(), 0.5, 9, 8)
+    _, arg, _ = torch.ops.lss.roi_pool(x, rois, 0.5, 9, 8)
+    _, arg_c, _ = torch.ops.lss.roi_pool(xc, rois.cuda(), 0.5, 9, 8)
     assert torch.equal(arg_c.cpu(), arg)
 
 
@@ -184,6 +184,51 @@ def test_errors():
         roi_pool(x, torch.tensor([[0.0, float("-inf"), 0, 4, 4]]), 2)
     with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
         roi_pool(x.long(), torch.tensor([[0.0, 0, 0, 4, 4]]), 2)
+
+
+@pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_unvalidated_bad_rois_pool_to_zeros(device, channels_last):
+    # validate=False: no error, bad rois pool to zeros and pass no gradient, the other rois are unaffected
+    x = features(2, 3, 8, 8, device=device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    rois = make_rois(6, 2, 8, 8, device=device)
+    bad = rois.clone()
+    bad[0, 0] = -1.0
+    bad[2, 4] = float("inf")
+    bad[5, 0] = 1.5
+    good, rejected = [1, 3, 4], [0, 2, 5]
+    x_bad, x_good = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out = roi_pool(x_bad, bad, 3, validate=False)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    out.backward(g)
+    want = roi_pool(x_good, rois[good], 3)
+    want.backward(g[good])
+    torch.testing.assert_close(out[good], want, atol=0, rtol=0)
+    assert torch.equal(out[rejected], torch.zeros_like(out[rejected]))
+    torch.testing.assert_close(x_bad.grad, x_good.grad, atol=1e-6, rtol=1e-6)
+    _, _, record = torch.ops.lss.roi_pool(x, bad, 1.0, 3, 3)
+    assert record.tolist() == [2, 0]
+    with pytest.raises(ValueError, match="rois must be finite; roi 2 is"):
+        roi_pool(x, bad, 3)
+    torch.testing.assert_close(RoIPool(3, validate=False)(x, bad), out.detach(), atol=0, rtol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_unvalidated_call_has_no_host_sync():
+    x = features(2, 3, 8, 8, device="cuda").requires_grad_(True)
+    rois = make_rois(4, 2, 8, 8, device="cuda")
+    roi_pool(x, rois, 2, validate=False).sum().backward()  # loads the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        roi_pool(x, rois, 2, validate=False).sum().backward()
+        with pytest.raises(RuntimeError, match="synchronizing"):
+            roi_pool(x, rois, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.cuda
@@ -233,7 +278,7 @@ def test_cuda_graph_capture_pools_bad_rois_to_zeros(channels_last):
 
 def test_module_repr():
     m = RoIPool(7, spatial_scale=0.0625)
-    assert repr(m) == "RoIPool(output_size=(7, 7), spatial_scale=0.0625)"
+    assert repr(m) == "RoIPool(output_size=(7, 7), spatial_scale=0.0625, validate=True)"
     x = features(1, 2, 10, 10)
     rois = make_rois(3, 1, 10, 10, scale=0.0625)
     torch.testing.assert_close(m(x, rois), roi_pool(x, rois, 7, 0.0625))

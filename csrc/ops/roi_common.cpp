@@ -1,9 +1,5 @@
-// Host-compiled argument checks of roi_align and roi_pool (declared in roi_common.h).
+// Host-compiled argument checks and CPU bad-roi record of roi_align and roi_pool (declared in roi_common.h).
 #include "ops/roi_common.h"
-
-#include <charconv>
-#include <cmath>
-#include <string>
 
 namespace lss {
 namespace roi {
@@ -45,42 +41,18 @@ at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input) {
   return rois.to(acc).contiguous();
 }
 
-namespace {
-
-// A float as Python prints it: shortest round-trip digits, "2.0" rather than "2", nan / inf / -inf.
-std::string py_float(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char buf[64];
-  const auto res = std::to_chars(buf, buf + sizeof(buf), v);
-  std::string s(buf, res.ptr);
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
-  return s;
-}
-
-}  // namespace
-
-void raise_bad_rois(const char* op, const at::Tensor& rois, int64_t batch_size) {
-  if (rois.size(0) == 0) return;
-  const auto finite = at::isfinite(rois).all(1);
-  const auto bad_finite = at::logical_not(finite).nonzero();
-  if (bad_finite.size(0) > 0) {
-    const int64_t row = bad_finite[0][0].item<int64_t>();
-    const auto values = rois[row].to(at::kCPU, at::kDouble).contiguous();
-    const double* v = values.data_ptr<double>();
-    std::string list = "[";
-    for (int64_t i = 0; i < values.numel(); ++i) list += (i ? ", " : "") + py_float(v[i]);
-    list += "]";
-    TORCH_CHECK_VALUE(false, "lss.ops.", op, ": rois must be finite; roi ", row, " is ", list,
-                      ". Filter out boxes with NaN/inf coordinates first");
-  }
-  const auto index = rois.select(1, 0);
-  const auto bad_index = (index < 0).logical_or_(index >= batch_size).logical_or_(index != index.floor()).nonzero();
-  if (bad_index.size(0) > 0) {
-    const int64_t row = bad_index[0][0].item<int64_t>();
-    TORCH_CHECK_VALUE(false, "lss.ops.", op, ": roi ", row, " has batch index ", py_float(index[row].item<double>()),
-                      ", expected an integer in [0, ", batch_size, ") (the input batch size)");
-  }
+at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size) {
+  auto record = at::full({2}, -1, rois.options().dtype(at::kLong));
+  int64_t* found = record.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(rois.scalar_type(), "find_bad_rois", [&] {
+    const scalar_t* r = rois.data_ptr<scalar_t>();
+    // Stops at the first non-finite roi: it is reported before any bad batch index.
+    for (int64_t k = 0; k < rois.size(0) && found[0] < 0; ++k) {
+      const int slot = bad_roi_slot(r + k * 5, batch_size);
+      if (slot >= 0 && found[slot] < 0) found[slot] = k;
+    }
+  });
+  return record;
 }
 
 }  // namespace roi

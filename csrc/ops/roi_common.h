@@ -23,13 +23,23 @@ C10_HOST_DEVICE inline bool is_finite(T v) {
 }
 
 // Whether a roi can be pooled at all: finite coordinates and an integer batch index in [0, batch_size). The
-// forward kernels report failures through an error flag; every kernel pools such a roi to zeros.
+// forward ops report failures in their bad-roi record; every kernel pools such a roi to zeros.
 template <typename T>
 C10_HOST_DEVICE inline bool roi_ok(const T* roi, int64_t batch_size) {
   for (int i = 0; i < 5; ++i) {
     if (!is_finite(roi[i])) return false;
   }
   return roi[0] >= T(0) && roi[0] < static_cast<T>(batch_size) && roi[0] == ::floor(roi[0]);
+}
+
+// The slot of the bad-roi record (find_bad_rois) a roi belongs in: 0 for non-finite coordinates, 1 for a bad batch
+// index, -1 when it can be pooled.
+template <typename T>
+C10_HOST_DEVICE inline int bad_roi_slot(const T* roi, int64_t batch_size) {
+  for (int i = 0; i < 5; ++i) {
+    if (!is_finite(roi[i])) return 0;
+  }
+  return roi_ok(roi, batch_size) ? -1 : 1;
 }
 
 // One RoIAlign roi: image index (-1 when the roi is unusable), bin origin and size, samples per bin.
@@ -185,9 +195,11 @@ void check_roi_grad(const char* op, const at::Tensor& grad, const at::Tensor& ro
 // Rois in the accumulation type of the features (float, or double for double features), contiguous.
 at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input);
 
-// Raises ValueError naming the first roi that fails roi_ok (non-finite coordinates are reported before bad batch
-// indices), with the messages of the Python checks; returns when every roi passes. Runs a few small device ops.
-void raise_bad_rois(const char* op, const at::Tensor& rois, int64_t batch_size);
+// The forward ops' bad-roi record, their third output: two int64, the first roi with non-finite coordinates and the
+// first roi with a bad batch index (slots of bad_roi_slot), -1 for none. The Python wrappers read it and raise the
+// errors; nothing is thrown from here, whatever the roi values. CPU version: a loop over the (acc-type, contiguous)
+// rois on the host.
+at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size);
 
 }  // namespace roi
 }  // namespace lss

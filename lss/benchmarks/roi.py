@@ -1,5 +1,8 @@
-"""RoIAlign / RoIPool (forward + backward) and NMS against torchvision, same inputs, same process."""
+"""RoIAlign / RoIPool (forward + backward) and NMS against torchvision, same inputs, same process.
+LSS_ROI_BENCH_NMS=0 leaves out the NMS cases."""
 from __future__ import annotations
+
+import os
 
 import torch
 import torchvision
@@ -56,7 +59,9 @@ def run(ctx) -> list[dict]:
         nbytes = 4 * (2 * x.numel() + 2 * grad_out.numel())
         impls = [("lss", lambda t: roi_align(t, rois, 7, scale, sr, True)),
                  ("torchvision", lambda t: torchvision.ops.roi_align(t, rois, 7, scale, sr, True))]
-        for impl, fn in impls:
+        # validate=False: no host read of the bad-roi record, so the host queues the backward while the forward runs
+        unvalidated = ("lss_unvalidated", lambda t: roi_align(t, rois, 7, scale, sr, True, validate=False))
+        for impl, fn in impls[:1] + [unvalidated] + impls[1:]:
             rows.append({"case": case + " fwd+bwd", "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
                          "floor_ms": ctx.floor_ms(nbytes), "notes": "float32; floor: read x, grad_out; write out, dx"})
         torch.use_deterministic_algorithms(True)
@@ -84,12 +89,21 @@ def run(ctx) -> list[dict]:
         del x_cl
         if "FPN" in case or ctx.quick:
             pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
+                    ("lss_unvalidated", lambda t: roi_pool(t, rois, 7, scale, validate=False)),
                     ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]
             for impl, fn in pool:
                 rows.append({"case": case.replace("roi_align", "roi_pool").replace(", adaptive, aligned", "")
                              + " fwd+bwd", "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
                              "floor_ms": ctx.floor_ms(nbytes), "notes": "float32"})
         del x, grad_out
+    if os.environ.get("LSS_ROI_BENCH_NMS", "1") != "0":
+        rows += _nms_rows(ctx)
+    return rows
+
+
+def _nms_rows(ctx) -> list[dict]:
+    dev = ctx.device
+    rows = []
     sizes = [300] if ctx.quick else [1000, 5000, 20000, 100000]
     for n in sizes:
         boxes, scores = _boxes(n, dev)
@@ -114,19 +128,32 @@ def run(ctx) -> list[dict]:
 def smoke(device) -> None:
     """Every op forward + backward once on small inputs, both backward paths (for compute-sanitizer)."""
     dev = torch.device(device)
-    x = torch.randn(2, 37, 19, 23, device=dev, requires_grad=True)
+    x_nchw = torch.randn(2, 37, 19, 23, device=dev, requires_grad=True)
+    x_cl = x_nchw.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
     rois = _rois(40, 2, 76, 92, 2, 60, dev)
     rois[0, 1:] = torch.tensor([-10.0, -10.0, 100.0, 90.0])  # partly outside the map
-    for deterministic in (False, True):
-        torch.use_deterministic_algorithms(deterministic)
-        try:
-            for mode in ("avg", "max"):
-                roi_align(x, rois, (7, 5), 0.25, -1, True, mode).sum().backward()
-                roi_align(x.half(), rois, 3, 0.25, 2, False, mode).float().sum().backward()
-            roi_pool(x, rois, (7, 5), 0.25).sum().backward()
-            roi_pool(x, torch.zeros(0, 5, device=dev), 7, 0.25).sum().backward()
-        finally:
-            torch.use_deterministic_algorithms(False)
+    for x in (x_nchw, x_cl):
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic)
+            try:
+                for mode in ("avg", "max"):
+                    roi_align(x, rois, (7, 5), 0.25, -1, True, mode).sum().backward()
+                    roi_align(x.half(), rois, 3, 0.25, 2, False, mode).float().sum().backward()
+                roi_pool(x, rois, (7, 5), 0.25).sum().backward()
+                roi_pool(x, torch.zeros(0, 5, device=dev), 7, 0.25).sum().backward()
+            finally:
+                torch.use_deterministic_algorithms(False)
+        bad = rois.clone()
+        bad[3, 0] = 2.0
+        bad[5, 2] = float("nan")
+        for op in (roi_align, roi_pool):
+            op(x, bad, 7, 0.25, validate=False).sum().backward()
+            for inp in (x, x[:, :0]):  # the pooling kernel's record, and the record-only kernel of an empty output
+                try:
+                    op(inp, bad, 7, 0.25)
+                    raise AssertionError(f"{op.__name__} accepted roi 5 with a NaN coordinate")
+                except ValueError:
+                    pass
     boxes, scores = _boxes(1000, dev)
     nms(boxes, scores, 0.5)
     nms(boxes.half(), scores, 0.5)

@@ -361,9 +361,11 @@ class BoxRefiner(nn.Module):
             # Zero-valued use of every parameter: DDP expects gradients for all of them on every step.
             unused = sum(p.sum() for p in self.parameters()).float() * 0
             return score_logits + unused, residuals + unused
-        # float32: in bf16 a roi corner near cell 200 would be off by a whole cell.
+        # float32: in bf16 a roi corner near cell 200 would be off by a whole cell. validate=False skips a host
+        # sync: the rois are our own decoding (batch indices from nonzero(), boxes finite unless the network's
+        # outputs are not, and then the loss stops training anyway).
         pooled = roi_align(bev_features.float(), rois, (self.roi_size, self.roi_size), spatial_scale=1.0,
-                           sampling_ratio=2, aligned=True)
+                           sampling_ratio=2, aligned=True, validate=False)
         boxes = proposals.boxes[sample, slot]
         geometry = torch.cat([
             F.one_hot(proposals.labels[sample, slot], self.num_classes).float(),

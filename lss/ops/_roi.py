@@ -30,7 +30,8 @@ def check_input(input: torch.Tensor, op: str) -> None:
 
 def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
     """K x 5 (batch index, x1, y1, x2, y2) rois from a K x 5 tensor or a list of L_i x 4 boxes (one per image),
-    in float32 (float64 for float64 features) on the features' device. Values are checked by check_roi_values."""
+    in float32 (float64 for float64 features) on the features' device. Values are checked by the kernels
+    (raise_on_bad_rois) or check_roi_values."""
     dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
     if isinstance(rois, torch.Tensor):
         if rois.dim() != 2 or rois.shape[1] != 5:
@@ -67,19 +68,32 @@ def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def check_roi_values(rois: torch.Tensor, batch_size: int, op: str) -> None:
-    """Raise on non-finite coordinates or batch indices that are not integers in [0, batch_size).
-    Used for CPU rois and the reference; the CUDA forward kernels run the same check on the device and raise the
-    same errors. Skipped while tracing (torch.compile), where the kernels zero such rois instead."""
+    """Raise on non-finite coordinates or batch indices that are not integers in [0, batch_size), with the errors of
+    raise_on_bad_rois. The references' check (the kernels report bad rois in their record instead). Skipped while
+    tracing (torch.compile)."""
     if rois.shape[0] == 0 or torch.compiler.is_compiling():
         return
     index = rois[:, 0]
+    non_finite = ~torch.isfinite(rois).all(dim=1)
     bad_index = (index < 0) | (index >= batch_size) | (index != index.floor())
-    finite, index_ok = torch.stack([torch.isfinite(rois).all(), ~bad_index.any()]).tolist()
-    if not finite:
-        row = int((~torch.isfinite(rois)).any(dim=1).nonzero()[0])
-        raise ValueError(f"lss.ops.{op}: rois must be finite; roi {row} is {rois[row].tolist()}. "
+    first = [torch.where(m.any(), m.int().argmax(), -1) for m in (non_finite, bad_index)]
+    _raise_first_bad_roi(rois, *torch.stack(first).tolist(), batch_size, op)
+
+
+def raise_on_bad_rois(bad_rois: torch.Tensor, rois: torch.Tensor, batch_size: int, op: str) -> None:
+    """Raise for the first bad roi in a forward op's record (its third output: the first roi with non-finite
+    coordinates and the first with a bad batch index, -1 for none), non-finite coordinates first. Reading the record
+    waits for the kernel (a host sync); skipped while tracing (torch.compile) or capturing a CUDA graph, where bad rois
+    just pool to zeros."""
+    if torch.compiler.is_compiling() or (bad_rois.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    _raise_first_bad_roi(rois, *bad_rois.tolist(), batch_size, op)
+
+
+def _raise_first_bad_roi(rois: torch.Tensor, non_finite: int, bad_index: int, batch_size: int, op: str) -> None:
+    if non_finite >= 0:
+        raise ValueError(f"lss.ops.{op}: rois must be finite; roi {non_finite} is {rois[non_finite].tolist()}. "
                          "Filter out boxes with NaN/inf coordinates first")
-    if not index_ok:
-        row = int(bad_index.nonzero()[0])
-        raise ValueError(f"lss.ops.{op}: roi {row} has batch index {rois[row, 0].item()}, expected an integer in "
-                         f"[0, {batch_size}) (the input batch size)")
+    if bad_index >= 0:
+        raise ValueError(f"lss.ops.{op}: roi {bad_index} has batch index {rois[bad_index, 0].item()}, expected an "
+                         f"integer in [0, {batch_size}) (the input batch size)")

@@ -12,7 +12,7 @@ _MODES = ("avg", "max")
 
 
 def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0, sampling_ratio: int = -1,
-              aligned: bool = False, mode: str = "avg") -> torch.Tensor:
+              aligned: bool = False, mode: str = "avg", *, validate: bool = True) -> torch.Tensor:
     """Pools each roi of `input` (N x C x H x W) to K x C x PH x PW.
 
     rois: K x 5 (batch index, x1, y1, x2, y2) in input-image coordinates, or a list of L_i x 4 boxes per image.
@@ -20,6 +20,12 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     that many points per bin side; <= 0 uses ceil(roi size / output size). aligned=True shifts by half a pixel
     (pixel centres at +0.5, the detectron2 convention). mode "avg" equals torchvision.ops.roi_align; "max" takes
     the largest bilinear sample. Accumulates in float32 (float64 for float64 input); no gradient for rois.
+
+    validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N),
+    which the forward kernel records. Reading that record is a host sync: on CUDA the host waits for the forward
+    instead of queueing autograd's backward work while it runs. validate=False skips the read, for rois from the
+    caller's own decoding: bad rois then pool to zeros (no gradient) and are never read out of bounds. The
+    pure-PyTorch fallback always validates.
     """
     _roi.check_input(input, "roi_align")
     if mode not in _MODES:
@@ -29,10 +35,10 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     if _ext.use_reference("roi_align"):
         return roi_align_reference(input, rois, output_size, spatial_scale, sampling_ratio, aligned, mode)
     _ext.check_device("roi_align", input, rois)
-    if not rois.is_cuda:  # the CUDA forward checks the rois on the device and raises the same errors
-        _roi.check_roi_values(rois, input.shape[0], "roi_align")
-    output, _ = torch.ops.lss.roi_align(input, rois, float(spatial_scale), pooled_h, pooled_w, int(sampling_ratio),
-                                        bool(aligned), mode == "max")
+    output, _, bad_rois = torch.ops.lss.roi_align(input, rois, float(spatial_scale), pooled_h, pooled_w,
+                                                  int(sampling_ratio), bool(aligned), mode == "max")
+    if validate:
+        _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_align")
     return output
 
 
@@ -40,7 +46,7 @@ class RoIAlign(nn.Module):
     """Module form of roi_align; forward(input N x C x H x W, rois) -> K x C x PH x PW."""
 
     def __init__(self, output_size, spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False,
-                 mode: str = "avg"):
+                 mode: str = "avg", validate: bool = True):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"RoIAlign: mode must be one of {_MODES}, got {mode!r}")
@@ -49,14 +55,16 @@ class RoIAlign(nn.Module):
         self.sampling_ratio = int(sampling_ratio)
         self.aligned = bool(aligned)
         self.mode = mode
+        self.validate = bool(validate)
 
     def forward(self, input: torch.Tensor, rois: Rois) -> torch.Tensor:
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned,
-                         self.mode)
+                         self.mode, validate=self.validate)
 
     def extra_repr(self) -> str:
         return (f"output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
-                f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned}, mode={self.mode!r}")
+                f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned}, mode={self.mode!r}, "
+                f"validate={self.validate}")
 
 
 def _bilinear_axis(coord: torch.Tensor, size: int):
@@ -153,7 +161,7 @@ if _ext.has_ext():
         torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be K x 5")
         shape = (rois.shape[0], input.shape[1], pooled_height, pooled_width)
         argmax = input.new_empty(shape if max_mode else (0,), dtype=torch.int32)
-        return input.new_empty(shape), argmax
+        return input.new_empty(shape), argmax, input.new_empty((2,), dtype=torch.int64)
 
     @torch.library.register_fake("lss::_roi_align_backward")
     def _roi_align_backward_fake(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size,
@@ -162,11 +170,12 @@ if _ext.has_ext():
 
     def _roi_align_setup(ctx, inputs, output):
         input, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode = inputs
+        ctx.mark_non_differentiable(output[1], output[2])
         ctx.save_for_backward(rois, output[1])
         ctx.input_shape = input.shape
         ctx.args = (spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode)
 
-    def _roi_align_backward(ctx, grad_output, grad_argmax):
+    def _roi_align_backward(ctx, grad_output, grad_argmax, grad_bad_rois):
         rois, argmax = ctx.saved_tensors
         spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode = ctx.args
         N, C, H, W = ctx.input_shape

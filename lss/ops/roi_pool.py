@@ -8,12 +8,17 @@ from lss.ops import _ext, _roi
 from lss.ops._roi import Rois
 
 
-def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0) -> torch.Tensor:
+def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0, *,
+             validate: bool = True) -> torch.Tensor:
     """Max-pools each roi of `input` (N x C x H x W) to K x C x PH x PW.
 
     rois: K x 5 (batch index, x1, y1, x2, y2) or a list of L_i x 4 boxes per image; coordinates are scaled by
     spatial_scale and rounded (half away from zero), the end pixel included. Empty bins give 0. The gradient goes
     to the arg-max pixel of each bin; no gradient for rois.
+
+    validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N);
+    reading the forward kernel's record of them is a host sync. validate=False skips the read: bad rois pool to
+    zeros (see roi_align).
     """
     _roi.check_input(input, "roi_pool")
     pooled_h, pooled_w = _roi.output_hw(output_size, "roi_pool")
@@ -21,25 +26,26 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
     if _ext.use_reference("roi_pool"):
         return roi_pool_reference(input, rois, output_size, spatial_scale)
     _ext.check_device("roi_pool", input, rois)
-    if not rois.is_cuda:  # the CUDA forward checks the rois on the device and raises the same errors
-        _roi.check_roi_values(rois, input.shape[0], "roi_pool")
-    output, _ = torch.ops.lss.roi_pool(input, rois, float(spatial_scale), pooled_h, pooled_w)
+    output, _, bad_rois = torch.ops.lss.roi_pool(input, rois, float(spatial_scale), pooled_h, pooled_w)
+    if validate:
+        _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_pool")
     return output
 
 
 class RoIPool(nn.Module):
     """Module form of roi_pool; forward(input N x C x H x W, rois) -> K x C x PH x PW."""
 
-    def __init__(self, output_size, spatial_scale: float = 1.0):
+    def __init__(self, output_size, spatial_scale: float = 1.0, validate: bool = True):
         super().__init__()
         self.output_size = _roi.output_hw(output_size, "RoIPool")
         self.spatial_scale = float(spatial_scale)
+        self.validate = bool(validate)
 
     def forward(self, input: torch.Tensor, rois: Rois) -> torch.Tensor:
-        return roi_pool(input, rois, self.output_size, self.spatial_scale)
+        return roi_pool(input, rois, self.output_size, self.spatial_scale, validate=self.validate)
 
     def extra_repr(self) -> str:
-        return f"output_size={self.output_size}, spatial_scale={self.spatial_scale}"
+        return f"output_size={self.output_size}, spatial_scale={self.spatial_scale}, validate={self.validate}"
 
 
 def roi_pool_reference(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0) -> torch.Tensor:
@@ -95,7 +101,8 @@ if _ext.has_ext():
     def _roi_pool_fake(input, rois, spatial_scale, pooled_height, pooled_width):
         torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_pool: rois must be K x 5")
         shape = (rois.shape[0], input.shape[1], pooled_height, pooled_width)
-        return input.new_empty(shape), input.new_empty(shape, dtype=torch.int32)
+        return (input.new_empty(shape), input.new_empty(shape, dtype=torch.int32),
+                input.new_empty((2,), dtype=torch.int64))
 
     @torch.library.register_fake("lss::_roi_pool_backward")
     def _roi_pool_backward_fake(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size,
@@ -104,11 +111,12 @@ if _ext.has_ext():
 
     def _roi_pool_setup(ctx, inputs, output):
         input, rois, spatial_scale, pooled_h, pooled_w = inputs
+        ctx.mark_non_differentiable(output[1], output[2])
         ctx.save_for_backward(rois, output[1])
         ctx.input_shape = input.shape
         ctx.args = (spatial_scale, pooled_h, pooled_w)
 
-    def _roi_pool_backward(ctx, grad_output, grad_argmax):
+    def _roi_pool_backward(ctx, grad_output, grad_argmax, grad_bad_rois):
         rois, argmax = ctx.saved_tensors
         spatial_scale, pooled_h, pooled_w = ctx.args
         N, C, H, W = ctx.input_shape

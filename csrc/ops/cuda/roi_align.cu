@@ -4,7 +4,7 @@
 // channels-last float buffer (the sample geometry does not depend on the channel, so a warp's atomics hit
 // consecutive addresses): coalesced atomics by default, a sort-based segment sum when
 // torch.use_deterministic_algorithms(True) is on. The forward kernels also validate the rois (roi::roi_ok): a bad roi
-// pools to zeros and sets an error flag that the host reads once after the kernel to raise a clear error.
+// pools to zeros and is noted in the bad-roi record, the op's third output, which the Python wrapper reads.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -91,7 +91,7 @@ __global__ void roi_align_forward_nchw_kernel(index_t total, const scalar_t* __r
                                               const acc_t* __restrict__ rois, int64_t N, index_t C, int H, int W,
                                               int pooled_h, int pooled_w, acc_t spatial_scale, int sampling_ratio,
                                               bool aligned, scalar_t* __restrict__ output,
-                                              int32_t* __restrict__ argmax, int32_t* __restrict__ error) {
+                                              int32_t* __restrict__ argmax, int64_t* __restrict__ bad_rois) {
   const index_t plane = static_cast<index_t>(H) * W;
   for (index_t idx = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<index_t>(gridDim.x) * blockDim.x) {
@@ -106,8 +106,8 @@ __global__ void roi_align_forward_nchw_kernel(index_t total, const scalar_t* __r
     if (r.batch >= 0) {
       const scalar_t* base = input + (static_cast<index_t>(r.batch) * C + c) * plane;
       v = align_bin<kMax, scalar_t, acc_t, index_t>(r, base, index_t(1), H, W, ph, pw, arg);
-    } else if (c == 0 && ph == 0 && pw == 0 && !roi::roi_ok(rois + k * 5, N)) {
-      *error = 1;  // one thread per roi reports it
+    } else if (c == 0 && ph == 0 && pw == 0) {
+      roi_scatter::record_bad_roi(bad_rois, rois + k * 5, k, N);  // one thread per roi reports it
     }
     output[idx] = static_cast<scalar_t>(v);
     if (kMax) argmax[idx] = arg;
@@ -120,7 +120,7 @@ template <bool kMax, typename scalar_t, typename acc_t, typename index_t>
 __global__ void __launch_bounds__(kThreads) roi_align_forward_nhwc_kernel(
     Tiling tiling, const scalar_t* __restrict__ input_nhwc, const acc_t* __restrict__ rois, int64_t N, index_t C,
     int H, int W, int pooled_h, int pooled_w, acc_t spatial_scale, int sampling_ratio, bool aligned,
-    scalar_t* __restrict__ output, int32_t* __restrict__ argmax, int32_t* __restrict__ error) {
+    scalar_t* __restrict__ output, int32_t* __restrict__ argmax, int64_t* __restrict__ bad_rois) {
   __shared__ acc_t s_val[kTileSmem];
   __shared__ int32_t s_arg[kMax ? kTileSmem : 1];
   const index_t bins = static_cast<index_t>(pooled_h) * pooled_w;
@@ -129,7 +129,9 @@ __global__ void __launch_bounds__(kThreads) roi_align_forward_nhwc_kernel(
     const Tile t(tiling, tile, C, bins);
     const auto r = roi::align_roi<acc_t>(rois + t.k * 5, N, spatial_scale, pooled_h, pooled_w, sampling_ratio,
                                          aligned);
-    if (r.batch < 0 && t.c0 == 0 && t.b0 == 0 && threadIdx.x == 0 && !roi::roi_ok(rois + t.k * 5, N)) *error = 1;
+    if (r.batch < 0 && t.c0 == 0 && t.b0 == 0 && threadIdx.x == 0) {
+      roi_scatter::record_bad_roi(bad_rois, rois + t.k * 5, t.k, N);
+    }
     if (t.lane_c < t.nc) {
       const index_t c = static_cast<index_t>(t.c0) + t.lane_c;
       const scalar_t* base = r.batch >= 0 ? input_nhwc + static_cast<index_t>(r.batch) * image + c : nullptr;
@@ -157,8 +159,90 @@ __global__ void __launch_bounds__(kThreads) roi_align_forward_nhwc_kernel(
   }
 }
 
+// Shared memory of the separable backward's column sums (bin rows x columns x channels).
+constexpr int kColumnSmemBytes = 24 * 1024;
+
+// Avg-mode backward of one roi for one channel chunk, when the tile holds all its bins. A sample's bilinear weight
+// is (row weight) x (column weight), so the bin gradients are first spread over the roi's columns (one thread per
+// (channel, bin row)), then over rows by one thread per (channel, column) that walks the samples in order with a
+// running sum per row (consecutive samples share rows): every pixel the roi touches gets one atomic per channel
+// instead of one per sample corner. Columns go through shared memory in chunks; returns false, writing nothing,
+// when the bin rows leave room for fewer than 4 columns (the caller then scatters sample by sample).
+template <typename acc_t, typename index_t>
+__device__ bool separable_avg_backward(const roi::AlignRoi<acc_t>& r, const Tile& t, int lanes,
+                                       const acc_t* s_grad, acc_t* s_cols, int pooled_h, int pooled_w, int H, int W,
+                                       index_t C, acc_t* __restrict__ base) {
+  constexpr int64_t capacity = kColumnSmemBytes / static_cast<int64_t>(sizeof(acc_t));
+  const int64_t wide = capacity / (static_cast<int64_t>(lanes) * pooled_h);
+  if (wide < 4) return false;
+  const int width = static_cast<int>(wide);
+  if (r.grid_h <= 0 || r.grid_w <= 0) return true;
+  // Sample columns are linear in (pw, ix): the first and last samples bound them (one column of slack for rounding).
+  const acc_t x_first = r.sample_x(0, 0), x_last = r.sample_x(pooled_w - 1, r.grid_w - 1);
+  const acc_t x_min = x_first < x_last ? x_first : x_last, x_max = x_first < x_last ? x_last : x_first;
+  if (x_max < acc_t(-1) || x_min > static_cast<acc_t>(W)) return true;
+  const int col_min = max(axis<acc_t>(x_min > acc_t(-1) ? x_min : acc_t(-1), W).lo - 1, 0);
+  const int col_max = min(axis<acc_t>(x_max < static_cast<acc_t>(W) ? x_max : static_cast<acc_t>(W), W).hi + 1, W - 1);
+  const index_t row_stride = static_cast<index_t>(W) * C;
+  for (int x0 = col_min; x0 <= col_max; x0 += width) {
+    const int n = min(width, col_max - x0 + 1);
+    for (int i = threadIdx.x; i < lanes * pooled_h; i += blockDim.x) {
+      const int cl = i & (lanes - 1), ph = i / lanes;
+      acc_t* cols = s_cols + static_cast<int64_t>(ph) * width * lanes + cl;
+      for (int x = 0; x < n; ++x) cols[x * lanes] = acc_t(0);
+      if (cl >= t.nc) continue;
+      for (int pw = 0; pw < pooled_w; ++pw) {
+        const acc_t g = s_grad[cl * t.row + ph * pooled_w + pw] / r.count;
+        if (g == acc_t(0)) continue;
+        for (int ix = 0; ix < r.grid_w; ++ix) {
+          const auto ax = axis<acc_t>(r.sample_x(pw, ix), W);
+          if (!ax.valid) continue;
+          const int lo = ax.lo - x0, hi = ax.hi - x0;
+          if (lo >= 0 && lo < n) cols[lo * lanes] += g * ax.h;
+          if (hi >= 0 && hi < n) cols[hi * lanes] += g * ax.l;
+        }
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < lanes * n; i += blockDim.x) {
+      const int cl = i & (lanes - 1), x = i / lanes;
+      if (cl >= t.nc) continue;
+      acc_t* dst = base + static_cast<index_t>(x0 + x) * C + cl;
+      int r0 = -1, r1 = -1;  // the rows of the current sample, with their running sums a0, a1
+      acc_t a0 = acc_t(0), a1 = acc_t(0);
+      for (int ph = 0; ph < pooled_h; ++ph) {
+        const acc_t v = s_cols[(static_cast<int64_t>(ph) * width + x) * lanes + cl];
+        if (v == acc_t(0)) continue;
+        for (int iy = 0; iy < r.grid_h; ++iy) {
+          const auto ay = axis<acc_t>(r.sample_y(ph, iy), H);
+          if (!ay.valid) continue;
+          if (ay.lo != r0) {
+            if (a0 != acc_t(0)) atomicAdd(dst + r0 * row_stride, a0);
+            if (ay.lo == r1) {
+              a0 = a1;
+            } else {
+              if (a1 != acc_t(0)) atomicAdd(dst + r1 * row_stride, a1);
+              a0 = acc_t(0);
+            }
+            r0 = ay.lo;
+            r1 = ay.hi;
+            a1 = acc_t(0);
+          }
+          a0 += ay.h * v;
+          a1 += ay.l * v;
+        }
+      }
+      if (a0 != acc_t(0)) atomicAdd(dst + r0 * row_stride, a0);
+      if (a1 != acc_t(0)) atomicAdd(dst + r1 * row_stride, a1);
+    }
+    __syncthreads();
+  }
+  return true;
+}
+
 // Backward atomics: a block per tile (roi, channel chunk, bin tile); the grad (and argmax) tile is read coalesced
-// into shared memory, then lanes of consecutive channels add their samples' shares to the channels-last buffer.
+// into shared memory, then lanes of consecutive channels add to the channels-last buffer: per pixel of the roi
+// (separable_avg_backward) in avg mode when the tile holds the whole roi, else per sample corner.
 template <bool kMax, typename scalar_t, typename acc_t, typename index_t>
 __global__ void __launch_bounds__(kThreads) roi_align_backward_atomic_kernel(
     Tiling tiling, const scalar_t* __restrict__ grad, const acc_t* __restrict__ rois,
@@ -166,6 +250,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_backward_atomic_kernel(
     acc_t spatial_scale, int sampling_ratio, bool aligned, acc_t* __restrict__ grad_nhwc) {
   __shared__ acc_t s_grad[kTileSmem];
   __shared__ int32_t s_arg[kMax ? kTileSmem : 1];
+  __shared__ acc_t s_cols[kMax ? 1 : kColumnSmemBytes / sizeof(acc_t)];
   const index_t bins = static_cast<index_t>(pooled_h) * pooled_w;
   const index_t image = static_cast<index_t>(H) * W * C;
   for (int64_t tile = blockIdx.x; tile < tiling.num_tiles; tile += gridDim.x) {
@@ -182,6 +267,15 @@ __global__ void __launch_bounds__(kThreads) roi_align_backward_atomic_kernel(
       if (kMax) s_arg[cl * t.row + b] = argmax[g];
     }
     __syncthreads();
+    if constexpr (!kMax) {
+      // Uniform over the block, like the return value: every barrier inside is reached by all threads.
+      if (tiling.bin_tiles == 1 &&
+          separable_avg_backward<acc_t, index_t>(r, t, 1 << tiling.lanes_log2, s_grad, s_cols, pooled_h, pooled_w, H,
+                                                 W, C, grad_nhwc + static_cast<index_t>(r.batch) * image +
+                                                           static_cast<index_t>(t.c0))) {
+        continue;
+      }
+    }
     if (t.lane_c < t.nc) {
       acc_t* base = grad_nhwc + static_cast<index_t>(r.batch) * image + static_cast<index_t>(t.c0) + t.lane_c;
       const int64_t samples = static_cast<int64_t>(r.grid_h) * r.grid_w;
@@ -266,9 +360,11 @@ __global__ void roi_align_fill_kernel(int64_t total, const acc_t* __restrict__ r
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& input_, const at::Tensor& rois_,
-                                                          double spatial_scale, int64_t pooled_h, int64_t pooled_w,
-                                                          int64_t sampling_ratio, bool aligned, bool max_mode) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& input_,
+                                                                      const at::Tensor& rois_, double spatial_scale,
+                                                                      int64_t pooled_h, int64_t pooled_w,
+                                                                      int64_t sampling_ratio, bool aligned,
+                                                                      bool max_mode) {
   roi::check_roi_args("roi_align", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_align: input");
   LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX && sampling_ratio <= INT_MAX,
@@ -280,14 +376,14 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
   auto output = at::empty({K, C, pooled_h, pooled_w}, input_.options());
   const auto int_opts = input_.options().dtype(at::kInt);
   auto argmax = max_mode ? at::empty({K, C, pooled_h, pooled_w}, int_opts) : at::empty({0}, int_opts);
-  if (output.numel() == 0) return {output, argmax};
+  if (output.numel() == 0) return {output, argmax, roi_scatter::find_bad_rois(rois, N)};
   // Channels-last features are read in place by the channel-fastest kernel; everything else as NCHW.
   const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
   const int64_t total = output.numel();
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w), sr = static_cast<int>(sampling_ratio);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const auto error = roi_scatter::error_flag(input);
+  const auto bad_rois = roi_scatter::bad_roi_record(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_align_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);
@@ -304,19 +400,18 @@ std::tuple<at::Tensor, at::Tensor> roi_align_forward_cuda(const at::Tensor& inpu
           roi_align_forward_nhwc_kernel<kMax, scalar_t, acc_t, index_t>
               <<<roi_scatter::grid_for_tiles(tiling), kThreads, 0, stream>>>(
                   tiling, in, roi_data, N, static_cast<index_t>(C), static_cast<int>(H), static_cast<int>(W), ph, pw,
-                  scale, sr, aligned, out, arg, error.data_ptr<int32_t>());
+                  scale, sr, aligned, out, arg, bad_rois.data_ptr<int64_t>());
         } else {
           roi_align_forward_nchw_kernel<kMax, scalar_t, acc_t, index_t>
               <<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
                   static_cast<index_t>(total), in, roi_data, N, static_cast<index_t>(C), static_cast<int>(H),
-                  static_cast<int>(W), ph, pw, scale, sr, aligned, out, arg, error.data_ptr<int32_t>());
+                  static_cast<int>(W), ph, pw, scale, sr, aligned, out, arg, bad_rois.data_ptr<int64_t>());
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
   });
-  roi_scatter::raise_if_bad_rois(error, rois, N, "roi_align");
-  return {output, argmax};
+  return {output, argmax, bad_rois};
 }
 
 at::Tensor roi_align_backward_cuda(const at::Tensor& grad_, const at::Tensor& rois_, const at::Tensor& argmax_,

@@ -2,7 +2,8 @@
 // features by warps of consecutive channels, the tile written out through shared memory. Backward: each output adds
 // its gradient to its arg-max pixel, directly in the NCHW gradient (float32 buffer for fp16/bf16); under
 // torch.use_deterministic_algorithms(True) the sort-based segment sum of roi_scatter.cuh instead. The forward kernels
-// validate the rois (roi::roi_ok): a bad roi pools to zeros and sets an error flag read once after the kernel.
+// validate the rois (roi::roi_ok): a bad roi pools to zeros and is noted in the bad-roi record, the op's third output,
+// which the Python wrapper reads.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -49,7 +50,7 @@ __global__ void roi_pool_forward_nchw_kernel(index_t total, const scalar_t* __re
                                              const acc_t* __restrict__ rois, int64_t N, index_t C, int H, int W,
                                              int pooled_h, int pooled_w, acc_t spatial_scale,
                                              scalar_t* __restrict__ output, int32_t* __restrict__ argmax,
-                                             int32_t* __restrict__ error) {
+                                             int64_t* __restrict__ bad_rois) {
   const index_t plane = static_cast<index_t>(H) * W;
   for (index_t idx = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<index_t>(gridDim.x) * blockDim.x) {
@@ -60,7 +61,7 @@ __global__ void roi_pool_forward_nchw_kernel(index_t total, const scalar_t* __re
     const index_t c = t % C, k = t / C;
     const auto p = roi::pool_bin<acc_t>(rois + k * 5, N, spatial_scale, pooled_h, pooled_w, H, W, ph, pw);
     // One thread per roi reports a bad one.
-    if (p.batch < 0 && c == 0 && ph == 0 && pw == 0 && !roi::roi_ok(rois + k * 5, N)) *error = 1;
+    if (p.batch < 0 && c == 0 && ph == 0 && pw == 0) roi_scatter::record_bad_roi(bad_rois, rois + k * 5, k, N);
     const index_t image = p.batch >= 0 ? static_cast<index_t>(p.batch) : index_t(0);
     int32_t arg;
     const acc_t v = pool_window<scalar_t, acc_t, index_t>(p, input + (image * C + c) * plane, index_t(1), W, arg);
@@ -75,14 +76,14 @@ template <typename scalar_t, typename acc_t, typename index_t>
 __global__ void __launch_bounds__(kThreads) roi_pool_forward_nhwc_kernel(
     Tiling tiling, const scalar_t* __restrict__ input_nhwc, const acc_t* __restrict__ rois, int64_t N, index_t C,
     int H, int W, int pooled_h, int pooled_w, acc_t spatial_scale, scalar_t* __restrict__ output,
-    int32_t* __restrict__ argmax, int32_t* __restrict__ error) {
+    int32_t* __restrict__ argmax, int64_t* __restrict__ bad_rois) {
   __shared__ acc_t s_val[kTileSmem];
   __shared__ int32_t s_arg[kTileSmem];
   const index_t bins = static_cast<index_t>(pooled_h) * pooled_w;
   const index_t image = static_cast<index_t>(H) * W * C;
   for (int64_t tile = blockIdx.x; tile < tiling.num_tiles; tile += gridDim.x) {
     const Tile t(tiling, tile, C, bins);
-    if (t.c0 == 0 && t.b0 == 0 && threadIdx.x == 0 && !roi::roi_ok(rois + t.k * 5, N)) *error = 1;
+    if (t.c0 == 0 && t.b0 == 0 && threadIdx.x == 0) roi_scatter::record_bad_roi(bad_rois, rois + t.k * 5, t.k, N);
     if (t.lane_c < t.nc) {
       const index_t c = static_cast<index_t>(t.c0) + t.lane_c;
       for (int b = t.first_b; b < t.nb; b += t.step_b) {
@@ -164,8 +165,9 @@ __global__ void roi_pool_fill_kernel(int64_t total, const acc_t* __restrict__ ro
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input_, const at::Tensor& rois_,
-                                                         double spatial_scale, int64_t pooled_h, int64_t pooled_w) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input_,
+                                                                     const at::Tensor& rois_, double spatial_scale,
+                                                                     int64_t pooled_h, int64_t pooled_w) {
   roi::check_roi_args("roi_pool", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_pool: input");
   LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX, "roi_pool: output size must fit in 32 bits, got " +
@@ -175,14 +177,14 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input
   const int64_t K = rois.size(0), N = input_.size(0), C = input_.size(1), H = input_.size(2), W = input_.size(3);
   auto output = at::empty({K, C, pooled_h, pooled_w}, input_.options());
   auto argmax = at::empty({K, C, pooled_h, pooled_w}, input_.options().dtype(at::kInt));
-  if (output.numel() == 0) return {output, argmax};
+  if (output.numel() == 0) return {output, argmax, roi_scatter::find_bad_rois(rois, N)};
   // Channels-last features are read in place by the channel-fastest kernel; everything else as NCHW.
   const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
   const int64_t total = output.numel();
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const auto error = roi_scatter::error_flag(input);
+  const auto bad_rois = roi_scatter::bad_roi_record(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_pool_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);
@@ -194,18 +196,17 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input
                                                                   stream>>>(
             tiling, input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N, static_cast<index_t>(C),
             static_cast<int>(H), static_cast<int>(W), ph, pw, scale, output.data_ptr<scalar_t>(),
-            argmax.data_ptr<int32_t>(), error.data_ptr<int32_t>());
+            argmax.data_ptr<int32_t>(), bad_rois.data_ptr<int64_t>());
       } else {
         roi_pool_forward_nchw_kernel<scalar_t, acc_t, index_t><<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
             static_cast<index_t>(total), input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N,
             static_cast<index_t>(C), static_cast<int>(H), static_cast<int>(W), ph, pw, scale,
-            output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>(), error.data_ptr<int32_t>());
+            output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>(), bad_rois.data_ptr<int64_t>());
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  roi_scatter::raise_if_bad_rois(error, rois, N, "roi_pool");
-  return {output, argmax};
+  return {output, argmax, bad_rois};
 }
 
 at::Tensor roi_pool_backward_cuda(const at::Tensor& grad_, const at::Tensor& rois_, const at::Tensor& argmax_,

@@ -1,5 +1,5 @@
-// Launch helpers of roi_align / roi_pool: 32-bit index selection and the (roi, channel chunk, bin tile) tiling of
-// the channels-last kernels. Gradient scatter into a channels-last (N x H x W x C) float accumulator.
+// Launch helpers of roi_align / roi_pool: the forward ops' bad-roi record, 32-bit index selection and the (roi,
+// channel chunk, bin tile) tiling of the channels-last kernels. Gradient scatter into a channels-last (N x H x W x C) float accumulator.
 // Fast path: atomics, coalesced over channels. Deterministic path (torch.use_deterministic_algorithms): every
 // (roi, bin) lists the pixels it touches as channel-independent entries (pixel key, bin, sample id, weight); a
 // stable sort by pixel makes each pixel's entries one segment, summed by a single thread per (pixel, channel) in
@@ -7,7 +7,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -31,20 +30,29 @@ struct Entries {
   at::Tensor weight;  // acc_t
 };
 
-// Zeroed int32 error flag for a forward kernel (a memset, no kernel launch): a kernel sets it to 1 when it meets a
-// roi that fails roi::roi_ok.
-at::Tensor error_flag(const at::Tensor& like) {
-  auto flag = at::empty({1}, like.options().dtype(at::kInt));
-  C10_CUDA_CHECK(cudaMemsetAsync(flag.data_ptr<int32_t>(), 0, sizeof(int32_t), c10::cuda::getCurrentCUDAStream()));
-  return flag;
+// The forward ops' bad-roi record (see roi::find_bad_rois): two int64 set to -1 by a memset, no kernel.
+at::Tensor bad_roi_record(const at::Tensor& like) {
+  auto record = at::empty({2}, like.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(record.data_ptr<int64_t>(), 0xff, 2 * sizeof(int64_t),
+                                 c10::cuda::getCurrentCUDAStream()));
+  return record;
 }
 
-// Reads the forward kernel's error flag (one 4-byte copy, which waits for the kernel) and raises the clear error
-// for a bad roi. Skipped while a CUDA graph is being captured: there bad rois just pool to zeros.
-void raise_if_bad_rois(const at::Tensor& flag, const at::Tensor& rois, int64_t batch_size, const char* op) {
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-  if (flag.item<int32_t>() == 0) return;
-  roi::raise_bad_rois(op, rois, batch_size);
+// Notes roi k in its slot of the record (roi::bad_roi_slot) when it cannot be pooled. atomicMin on the unsigned view
+// (-1 is the largest) keeps the first bad roi, as the CPU record does.
+template <typename T>
+__device__ __forceinline__ void record_bad_roi(int64_t* record, const T* roi, int64_t k, int64_t batch_size) {
+  const int slot = roi::bad_roi_slot(roi, batch_size);
+  if (slot >= 0) atomicMin(reinterpret_cast<unsigned long long*>(record + slot), static_cast<unsigned long long>(k));
+}
+
+template <typename T>
+__global__ void find_bad_rois_kernel(int64_t K, const T* __restrict__ rois, int64_t batch_size,
+                                     int64_t* __restrict__ record) {
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < K;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    record_bad_roi(record, rois + k * 5, k, batch_size);
+  }
 }
 
 // Per-bin entry counts -> exclusive offsets and the total (one host sync, deterministic path only).
@@ -63,6 +71,20 @@ Entries alloc_entries(int64_t total, const at::Tensor& like, at::ScalarType acc)
 // Grid size of a grid-stride kernel over `items` threads.
 int grid_for(int64_t items) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(items, kThreads), int64_t(1) << 20)));
+}
+
+// The record of rois (acc type, contiguous, on the current device) without pooling anything: for forward calls whose
+// output is empty (C = 0) while there are rois.
+at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size) {
+  auto record = bad_roi_record(rois);
+  const int64_t K = rois.size(0);
+  if (K == 0) return record;
+  AT_DISPATCH_FLOATING_TYPES(rois.scalar_type(), "find_bad_rois", [&] {
+    find_bad_rois_kernel<scalar_t><<<grid_for(K), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        K, rois.data_ptr<scalar_t>(), batch_size, record.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return record;
 }
 
 // 32-bit indices suffice when every index is below 2^30: grid-stride steps (at most 2^28) then cannot overflow.
@@ -196,11 +218,52 @@ void deterministic_scatter(const Entries& entries, int64_t sentinel, const at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// N x H x W x C accumulator -> N x C x H x W gradient in the features' dtype (one transposing copy).
+// Tiled transpose of one image's HW x C accumulator into C x HW, cast to the gradient's dtype on the way: a block
+// takes a 32-pixel x 32-channel tile, reads it as rows of consecutive channels and writes it as rows of consecutive
+// pixels through shared memory (33 columns: the column reads hit 32 different banks).
+constexpr int kTransposeTile = 32;
+constexpr int kTransposeRows = 8;
+
+template <typename acc_t, typename scalar_t>
+__global__ void __launch_bounds__(kTransposeTile * kTransposeRows) nhwc_to_nchw_kernel(
+    const acc_t* __restrict__ in, scalar_t* __restrict__ out, int64_t N, int64_t HW, int64_t C) {
+  __shared__ acc_t tile[kTransposeTile][kTransposeTile + 1];
+  const int64_t p0 = static_cast<int64_t>(blockIdx.x) * kTransposeTile;
+  for (int64_t n = blockIdx.z; n < N; n += gridDim.z) {
+    for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTransposeTile; c0 < C;
+         c0 += static_cast<int64_t>(gridDim.y) * kTransposeTile) {
+      const acc_t* src = in + n * HW * C;
+      for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
+        const int64_t p = p0 + i, c = c0 + threadIdx.x;
+        if (p < HW && c < C) tile[i][threadIdx.x] = src[p * C + c];
+      }
+      __syncthreads();
+      scalar_t* dst = out + n * C * HW;
+      for (int i = threadIdx.y; i < kTransposeTile; i += kTransposeRows) {
+        const int64_t c = c0 + i, p = p0 + threadIdx.x;
+        if (p < HW && c < C) dst[c * HW + p] = static_cast<scalar_t>(tile[threadIdx.x][i]);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// N x H x W x C accumulator -> N x C x H x W gradient in the features' dtype, in one pass (transpose and cast).
 at::Tensor nhwc_to_nchw(const at::Tensor& grad_nhwc, at::ScalarType dtype) {
-  auto out = at::empty({grad_nhwc.size(0), grad_nhwc.size(3), grad_nhwc.size(1), grad_nhwc.size(2)},
-                       grad_nhwc.options().dtype(dtype));
-  out.copy_(grad_nhwc.permute({0, 3, 1, 2}));
+  const int64_t N = grad_nhwc.size(0), H = grad_nhwc.size(1), W = grad_nhwc.size(2), C = grad_nhwc.size(3);
+  auto out = at::empty({N, C, H, W}, grad_nhwc.options().dtype(dtype));
+  if (out.numel() == 0) return out;
+  const int64_t HW = H * W;
+  const dim3 grid(static_cast<unsigned>(ceil_div(HW, int64_t(kTransposeTile))),
+                  static_cast<unsigned>(std::min<int64_t>(ceil_div(C, int64_t(kTransposeTile)), 65535)),
+                  static_cast<unsigned>(std::min<int64_t>(N, 65535)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "roi_nhwc_to_nchw", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    nhwc_to_nchw_kernel<acc_t, scalar_t><<<grid, dim3(kTransposeTile, kTransposeRows), 0,
+                                           c10::cuda::getCurrentCUDAStream()>>>(
+        grad_nhwc.data_ptr<acc_t>(), out.data_ptr<scalar_t>(), N, HW, C);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   return out;
 }
 
