@@ -64,6 +64,11 @@ def run(ctx) -> list[dict]:
         for impl, fn in impls[:1] + [unvalidated] + impls[1:]:
             rows.append({"case": case + " fwd+bwd", "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
                          "floor_ms": ctx.floor_ms(nbytes), "notes": "float32; floor: read x, grad_out; write out, dx"})
+        if dev.type == "cuda":  # GPU time alone: both replayed from CUDA graphs (no host read while capturing)
+            for impl, fn in impls:
+                rows.append({"case": case + " fwd+bwd, CUDA graph", "impl": impl,
+                             "ms": ctx.time_graphed(_fwd_bwd(fn, x, grad_out)), "floor_ms": ctx.floor_ms(nbytes),
+                             "notes": "float32; fwd+bwd captured once, replayed"})
         torch.use_deterministic_algorithms(True)
         try:
             ms = ctx.time(_fwd_bwd(impls[0][1], x, grad_out), warmup=3, reps=10)
