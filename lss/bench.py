@@ -71,6 +71,20 @@ class BenchContext:
         return nbytes / self.bandwidth * 1e3 if self.bandwidth > 0 else None
 
 
+def kernel_table(step: Callable[[], object], iters: int) -> list[tuple[float, float, str]]:
+    """(mean us per call, launches per call, name) of every device activity of `step` (CUDA kernels, memsets,
+    copies) under torch.profiler, largest first: the GPU time per kernel, without host overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = [(ev.device_time_total / iters, ev.count / iters, ev.key) for ev in prof.key_averages()
+            if ev.device_time_total > 0]
+    return sorted(rows, reverse=True)
+
+
 def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     if device.type != "cuda":

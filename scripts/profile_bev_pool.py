@@ -10,11 +10,17 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from lss.bench import kernel_table
 from lss.benchmarks.bev_pool import CASES, camera_feature_map, camera_inputs
 from lss.geometry import FrustumLUT, frustum_to_ego
 from lss.ops import bev_pool
+
+
+def print_kernel_table(rows) -> None:
+    for us, count, name in rows:
+        print(f"  {us:9.2f} us  x{count:.0f}  {name[:110]}")
+    print(f"  {sum(us for us, _, _ in rows):9.2f} us  total GPU time per fwd+bwd")
 
 
 def main() -> None:
@@ -42,19 +48,8 @@ def main() -> None:
             for _ in range(10):
                 step()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.iters):
-                    step()
-                torch.cuda.synchronize()
-            total = 0.0
             print(f"{case.name}, {layout}: mean device time per fwd+bwd, by kernel")
-            for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-                if ev.device_time_total <= 0:
-                    continue
-                us = ev.device_time_total / args.iters
-                total += us
-                print(f"  {us:9.2f} us  x{ev.count / args.iters:.0f}  {ev.key[:110]}")
-            print(f"  {total:9.2f} us  total GPU time per fwd+bwd")
+            print_kernel_table(kernel_table(step, args.iters))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ import argparse
 import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from lss.bench import kernel_table
 from lss.ops import sigmoid_focal_loss
+from profile_bev_pool import print_kernel_table
 
 
 def event_ms(step, reps: int) -> float:
@@ -49,20 +50,9 @@ def main() -> None:
         for _ in range(10):
             step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                step()
-            torch.cuda.synchronize()
-        total = 0.0
         name = str(dtype).replace("torch.", "")
         print(f"{'x'.join(map(str, shape))} {name} logits, loss x {factor:g}: mean device time per fwd+bwd, by kernel")
-        for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-            if ev.device_time_total <= 0:
-                continue
-            us = ev.device_time_total / args.iters
-            total += us
-            print(f"  {us:9.2f} us  x{ev.count / args.iters:.0f}  {ev.key[:110]}")
-        print(f"  {total:9.2f} us  total GPU time per fwd+bwd")
+        print_kernel_table(kernel_table(step, args.iters))
         print(f"  {event_ms(step, args.iters) * 1e3:9.2f} us  step time (CUDA events around a synchronized step)")
 
 

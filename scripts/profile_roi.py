@@ -11,8 +11,8 @@ import argparse
 
 import torch
 import torchvision
-from torch.profiler import ProfilerActivity, profile
 
+from lss.bench import kernel_table
 from lss.benchmarks.roi import _boxes, _roi_cases, _rois
 from lss.ops import nms, roi_align, roi_pool
 
@@ -27,17 +27,6 @@ def eager_ms(step, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
-
-
-def kernel_table(step, iters: int) -> list[tuple[float, float, str]]:
-    """(mean us per call, launches per call, name) of every device activity of `step`, largest first."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    rows = [(ev.device_time_total / iters, ev.count / iters, ev.key) for ev in prof.key_averages()
-            if ev.device_time_total > 0]
-    return sorted(rows, reverse=True)
 
 
 def report(case: str, impl: str, step, iters: int, warmup: int = 3) -> None:

@@ -3,7 +3,7 @@ import torch
 import torchvision
 
 from conftest import devices
-from lss.ops import RoIAlign, roi_align, roi_align_reference
+from lss.ops import RoIAlign, roi_align, roi_align_reference, roi_pool
 from lss.ops._ext import has_ext
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}
@@ -302,16 +302,17 @@ def test_unvalidated_bad_rois_pool_to_zeros(device, channels_last, mode):
 
 
 @pytest.mark.cuda
-def test_cuda_unvalidated_call_has_no_host_sync():
+@pytest.mark.parametrize("op", [roi_align, roi_pool], ids=["roi_align", "roi_pool"])
+def test_cuda_unvalidated_call_has_no_host_sync(op):
     x = features(2, 3, 8, 8, device="cuda").requires_grad_(True)
     rois = make_rois(4, 2, 8, 8, device="cuda")
-    roi_align(x, rois, 2, validate=False).sum().backward()  # loads the kernels
+    op(x, rois, 2, validate=False).sum().backward()  # loads the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        roi_align(x, rois, 2, validate=False).sum().backward()
+        op(x, rois, 2, validate=False).sum().backward()
         with pytest.raises(RuntimeError, match="synchronizing"):
-            roi_align(x, rois, 2)
+            op(x, rois, 2)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
