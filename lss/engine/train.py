@@ -147,13 +147,15 @@ def ensure_dataset(cfg: Config, dist_info: DistInfo) -> None:
 
 
 def make_loader(cfg: Config, dataset: Dataset, sampler: EpochSampler, batch_size: int, drop_last: bool,
-                collate_fn, device: torch.device, seed: int) -> DataLoader:
+                collate_fn, device: torch.device, seed: int, persistent: bool = False) -> DataLoader:
+    """`persistent`: keep the worker processes from epoch to epoch (the training loader: starting them again every
+    epoch stalls training on small sets, whose epochs last seconds)."""
     workers = cfg.data.workers
     # an own generator keeps the loaders from drawing on the global RNG (resume then continues the same stream)
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate_fn,
                       pin_memory=device.type == "cuda", drop_last=drop_last, generator=generator,
-                      persistent_workers=False, worker_init_fn=_seed_worker if workers else None)
+                      persistent_workers=persistent and workers > 0, worker_init_fn=_seed_worker if workers else None)
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -225,7 +227,7 @@ class Trainer:
             raise ConfigError(f"the train split has {len(train_set)} samples, fewer than train.batch_size="
                               f"{t.batch_size} per process ({dist_info.world_size} processes); lower the batch size")
         self.train_loader = make_loader(cfg, train_set, self.train_sampler, t.batch_size, True, collate_fn, device,
-                                        t.seed)
+                                        t.seed, persistent=True)
         self.val_loader = None
         if val_set is not None and len(val_set) > 0:
             val_sampler = EpochSampler(len(val_set), shuffle=False, rank=dist_info.rank,
