@@ -1,6 +1,7 @@
-"""GPU time per kernel of roi_align / roi_pool / nms, ours against torchvision, at the roi benchmark's cases.
+"""GPU time per kernel of roi_align / roi_pool, ours against torchvision, at the roi benchmark's cases (NMS:
+scripts/profile_nms.py, which imports `report` from here).
 
-    python scripts/profile_roi.py [--iters 20] [--nms-iters 3] [--skip-nms]
+    python scripts/profile_roi.py [--iters 20]
 
 For each case and implementation prints every CUDA kernel (and memset / memcpy) of one call with its mean device
 time, their sum (GPU busy time) and the eager time of the call between CUDA events, as `python -m lss bench` measures
@@ -13,8 +14,8 @@ import torch
 import torchvision
 
 from lss.bench import kernel_table
-from lss.benchmarks.roi import _boxes, _roi_cases, _rois
-from lss.ops import nms, roi_align, roi_pool
+from lss.benchmarks.roi import _fwd_bwd, _roi_cases, _rois
+from lss.ops import roi_align, roi_pool
 
 
 def eager_ms(step, iters: int) -> float:
@@ -41,18 +42,9 @@ def report(case: str, impl: str, step, iters: int, warmup: int = 3) -> None:
         print(f"    {us:8.1f} us  x{count:<4.3g} {name[:100]}")
 
 
-def fwd_bwd(fn, x, grad_out):
-    def step():
-        x.grad = None
-        fn(x).backward(grad_out)
-    return step
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--nms-iters", type=int, default=3)
-    parser.add_argument("--skip-nms", action="store_true", help="profile roi_align / roi_pool only")
     args = parser.parse_args()
     dev = torch.device("cuda")
     for case, shape, k, scale, sr, lo, hi, img_h, img_w in _roi_cases(quick=False):
@@ -71,19 +63,14 @@ def main() -> None:
                 if "BEV" in case:
                     with torch.no_grad():
                         report(f"{name} {layout} fwd", impl, lambda: fn(inp), args.iters)
-                report(f"{name} {layout} fwd+bwd", impl, fwd_bwd(fn, inp, grad_out), args.iters)
+                report(f"{name} {layout} fwd+bwd", impl, _fwd_bwd(fn, inp, grad_out), args.iters)
         if "FPN" in case:
             pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
                     ("lss_unvalidated", lambda t: roi_pool(t, rois, 7, scale, validate=False)),
                     ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]
             for impl, fn in pool:
-                report(f"{name.replace('roi_align', 'roi_pool')} NCHW fwd+bwd", impl, fwd_bwd(fn, x, grad_out), args.iters)
+                report(f"{name.replace('roi_align', 'roi_pool')} NCHW fwd+bwd", impl, _fwd_bwd(fn, x, grad_out), args.iters)
         del x, x_cl, grad_out
-    if args.skip_nms:
-        return
-    boxes, scores = _boxes(100000, dev)
-    for impl, fn in [("lss", nms), ("torchvision", torchvision.ops.nms)]:
-        report("nms 100000 boxes, IoU 0.5", impl, lambda: fn(boxes, scores, 0.5), args.nms_iters, warmup=1)
 
 
 if __name__ == "__main__":
