@@ -117,6 +117,9 @@ def test_opcheck(device, layout):
     depth, feat = inputs(lut, 4, torch.float32, device)
     if layout == "channels_last":
         feat = channels_last_feat(feat)
+    grad_out = torch.randn(1, 4, lut.nx, lut.ny, device=device)
+    backward_args = (grad_out, depth, feat, lut.cell_start, lut.point_cell, lut.nz, lut.nx, lut.ny)
+    torch.library.opcheck(torch.ops.lss._bev_pool_backward.default, backward_args)
     depth.requires_grad_()
     feat.requires_grad_()
     args = (depth, feat, lut.sorted_points, lut.cell_start, lut.point_cell, lut.nz, lut.nx, lut.ny)
@@ -376,19 +379,6 @@ def test_grad_feat_follows_feat_layout(device, layout):
         assert grad_feat.stride() == feat.stride()
     else:
         assert grad_feat.is_contiguous()
-
-
-@needs_ext
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_opcheck_backward(device, layout):
-    lut = random_lut(B=1, N=2, dbound=(4.0, 45.0, 10.0), device=device)
-    depth, feat = inputs(lut, 4, torch.float32, device)
-    if layout == "channels_last":
-        feat = channels_last_feat(feat)
-    grad_out = torch.randn(1, 4, lut.nx, lut.ny, device=device)
-    args = (grad_out, depth, feat, lut.cell_start, lut.point_cell, lut.nz, lut.nx, lut.ny)
-    torch.library.opcheck(torch.ops.lss._bev_pool_backward.default, args)
 
 
 @pytest.mark.cuda
