@@ -15,7 +15,9 @@ from lss.engine import checkpoint as ck
 from lss.engine.distributed import EpochSampler
 from lss.engine.losses import SegmentationLoss, TotalLoss, depth_loss
 from lss.engine.metrics import IoUMeter, format_iou_table
-from lss.engine.train import lr_factor, train
+from lss.engine.build import compile_encoders, lr_factor
+from lss.engine.train import train
+from lss.viz import bev_grid_image
 
 CLASSES = ("vehicle", "drivable_area")
 GRID = 8
@@ -62,7 +64,7 @@ def fake_train(cfg, out_dir, resume=False, length=10):
     return train(cfg, str(out_dir), resume, model_fn=FakeModel,
                  dataset_fn=lambda c, split, is_train: FakeBEVDataset(length if is_train else 5,
                                                                       0 if is_train else 100),
-                 collate_fn=collate)
+                 collate_fn=collate, render_fn=bev_grid_image)
 
 
 def losses_of(run_dir):
@@ -449,8 +451,6 @@ def test_ddp_code_path_with_gloo_two_processes(tmp_path):
 
 
 def test_compile_encoders_wraps_trainable_children_and_rejects_unknown_modes():
-    from lss.engine.train import compile_encoders
-
     model = nn.Module()
     model.encoder = nn.Linear(2, 2)
     model.frozen = nn.Linear(2, 2).requires_grad_(False)
