@@ -107,6 +107,17 @@ class Trainer:
         self.net.train()
         if self.graph_step is not None:
             return self._run_graph_step(micro_batches[0])
+        totals = self._forward_backward(micro_batches)
+        loss = float(totals["loss"])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower optim.lr, check the data, or "
+                                     "resume from the last good checkpoint")
+        grad_norm = self._optimizer_step()
+        self.step += 1
+        return {**{k: float(v) for k, v in totals.items()}, "grad_norm": float(grad_norm)}
+
+    def _forward_backward(self, micro_batches: list[dict]) -> dict:
+        """Gradients of the mean loss over `micro_batches`; returns the mean loss terms (over all ranks)."""
         totals: dict = {}
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -124,22 +135,18 @@ class Trainer:
                                    for k in names])
             torch.distributed.all_reduce(stacked)
             totals = dict(zip(names, stacked / self.dist.world_size))
-        loss = float(totals["loss"])
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower optim.lr, check the data, or "
-                                     "resume from the last good checkpoint")
+        return totals
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Unscale, clip (optim.grad_clip), step, schedule; returns the gradient norm before clipping."""
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else
-                                                   float("inf"))
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.step += 1
-        out = {k: float(v) for k, v in totals.items()}
-        out["grad_norm"] = float(grad_norm)
-        return out
+        return grad_norm
 
     def _run_graph_step(self, batch: dict) -> dict:
         values = self.graph_step(batch)
