@@ -86,8 +86,9 @@ def cmd_make_synthetic(args) -> int:
 
 def cmd_train(args) -> int:
     from lss.engine.train import train
+    from lss.viz import bev_grid_image
 
-    train(_load(args), out_dir=args.out, resume=args.resume)
+    train(_load(args), out_dir=args.out, resume=args.resume, render_fn=bev_grid_image)
     return 0
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from lss.config import Config
+from lss.engine.build import build_dataset, load_for_inference, select_device
 
 FRONT_ROW = ("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT")
 BACK_ROW = ("CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT")
@@ -157,17 +158,11 @@ def render_checkpoint(cfg: Config, ckpt: str, out_dir: str, num: Optional[int] =
     from PIL import Image
     from tqdm import tqdm
 
-    from lss.engine.checkpoint import load_checkpoint, load_model_state
-    from lss.engine.train import default_dataset_fn, default_model_fn, select_device
     from lss.models.detection import decode_detections
 
-    path = Path(ckpt)
-    state = load_checkpoint(path)
     device = select_device(cfg)
-    model = default_model_fn(cfg)
-    load_model_state(model, state, path)
-    model.to(device).eval()
-    dataset = default_dataset_fn(cfg, cfg.data.val_split, False)
+    model, state = load_for_inference(cfg, ckpt, device)
+    dataset = build_dataset(cfg, cfg.data.val_split, False)
     count = min(num if num is not None else cfg.viz.num, len(dataset))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,9 @@ from PIL import Image
 from pyquaternion import Quaternion
 
 from lss.config import NUSCENES_CAMERAS, Config
-from lss.data import DETECTION_CLASSES, NuScenesBEV, build_dataloader, collate, locate_dataroot
+from lss.data import DETECTION_CLASSES, NuScenesBEV, collate, locate_dataroot
+from lss.engine.build import build_dataset, build_eval_loader, build_loader, ensure_dataset
+from lss.engine.distributed import EpochSampler
 
 VERSION = "v1.0-mini"
 EGO = [(600.0, 1600.0, 0.7), (604.0, 1603.0, 0.75)]  # global x, y, yaw per sample (scene-0061)
@@ -284,7 +286,9 @@ def test_camera_dropout_and_augmentation(tiny_root):
 def test_collate_and_dataloader(tiny_root):
     cfg = make_config(detection_targets=True, workers=0, dataroot=str(tiny_root))
     cfg.train.batch_size = 2
-    loader = build_dataloader(cfg, "train", is_train=True)
+    dataset = build_dataset(cfg, "train", is_train=True)
+    sampler = EpochSampler(len(dataset), shuffle=True, seed=cfg.train.seed)
+    loader = build_loader(cfg, dataset, sampler, cfg.train.batch_size, True, torch.device("cpu"), cfg.train.seed)
     batch = next(iter(loader))
     assert batch["images"].shape == (2, 6, 3, 64, 128) and batch["targets"].shape == (2, 4, 200, 200)
     assert isinstance(batch["sample_token"], list) and len(batch["sample_token"]) == 2
@@ -433,10 +437,11 @@ def test_loader_generates_the_synthetic_set_when_asked(tmp_path, monkeypatch, ca
     monkeypatch.setattr(synthetic, "generate", fake_generate)
     cfg = make_config(dataroot=str(tmp_path / "gen"), workers=0)
     with pytest.raises(FileNotFoundError, match="not found"):
-        build_dataloader(cfg, "train", is_train=False)
+        ensure_dataset(cfg)
     assert not calls
     cfg.data.make_synthetic_if_missing = True
-    loader = build_dataloader(cfg, "train", is_train=False)
+    ensure_dataset(cfg)
+    loader = build_eval_loader(cfg, build_dataset(cfg, "train", is_train=False), torch.device("cpu"))
     assert len(calls) == 1 and calls[0][1] == VERSION and calls[0][2]["image_size"] == (1600, 900)
     assert "generating a synthetic set" in capsys.readouterr().out
     assert len(loader.dataset) == 2

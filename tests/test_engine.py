@@ -1,7 +1,13 @@
 """Engine: metrics, losses, checkpoints, schedules, sampler, and the trainer loop on a tiny fake model and dataset
-(resume continues the same loss curve, NaN stops with the step, DDP code path with gloo)."""
+(resume continues the same loss curve, NaN stops with the step, DDP code path with gloo, user hooks); the import
+graph of lss has no cycle and the engine does not import lss.viz."""
+import ast
 import json
 import math
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,13 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lss
 from lss.config import ConfigError, load_config
 from lss.data import collate
 from lss.engine import checkpoint as ck
+from lss.engine.build import compile_encoders, lr_factor
 from lss.engine.distributed import EpochSampler
+from lss.engine.hooks import EvalHook, Hook, is_due
 from lss.engine.losses import SegmentationLoss, TotalLoss, depth_loss
 from lss.engine.metrics import IoUMeter, format_iou_table
-from lss.engine.train import lr_factor, train
+from lss.engine.train import train
+from lss.viz import bev_grid_image
 
 CLASSES = ("vehicle", "drivable_area")
 GRID = 8
@@ -62,12 +72,16 @@ def fake_train(cfg, out_dir, resume=False, length=10):
     return train(cfg, str(out_dir), resume, model_fn=FakeModel,
                  dataset_fn=lambda c, split, is_train: FakeBEVDataset(length if is_train else 5,
                                                                       0 if is_train else 100),
-                 collate_fn=collate)
+                 collate_fn=collate, render_fn=bev_grid_image)
+
+
+def train_records(run_dir):
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "train"]
 
 
 def losses_of(run_dir):
-    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+    return [(r["step"], r["loss"]) for r in train_records(run_dir)]
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -449,8 +463,6 @@ def test_ddp_code_path_with_gloo_two_processes(tmp_path):
 
 
 def test_compile_encoders_wraps_trainable_children_and_rejects_unknown_modes():
-    from lss.engine.train import compile_encoders
-
     model = nn.Module()
     model.encoder = nn.Linear(2, 2)
     model.frozen = nn.Linear(2, 2).requires_grad_(False)
@@ -465,3 +477,124 @@ def test_compile_encoders_wraps_trainable_children_and_rejects_unknown_modes():
     assert functorch_config.activation_memory_budget == 0.5
     compile_encoders(nn.Module(), "default")
     assert functorch_config.activation_memory_budget == 1.0
+
+
+# ----------------------------------------------------------------------------------- hooks and timing
+def test_user_hooks_receive_callables_and_run_at_their_period(tmp_path):
+    class EveryN(Hook):
+        def __init__(self, period, callback):
+            self.period, self.callback = period, callback
+
+        def after_step(self, trainer, logs):
+            if is_due(trainer, self.period):
+                self.callback(trainer.step, logs["loss"])
+
+    seen, evaluated = [], []
+    scores = iter([0.2, 0.5, 0.4])
+
+    def eval_function():
+        evaluated.append(True)
+        score = next(scores)
+        return {"iou": {"vehicle": score}, "mean_iou": score}
+
+    run = tmp_path / "hooks"
+    cfg = fake_cfg(tmp_path, "train.max_steps=7", "train.eval_every=0", "train.viz_every=0")
+    # no validation samples: the only evaluation is the user's
+    final = train(cfg, str(run), model_fn=FakeModel, collate_fn=collate,
+                  dataset_fn=lambda c, split, is_train: FakeBEVDataset(10 if is_train else 0),
+                  hooks=[EveryN(2, lambda step, loss: seen.append((step, loss))), EvalHook(3, eval_function)])
+    assert seen == [(s, loss) for s, loss in losses_of(run) if s in (2, 4, 6, 7)]  # every 2 steps and the last
+    assert len(evaluated) == 3 and final["val"]["mean_iou"] == 0.4  # steps 3, 6 and 7
+    assert final["best_iou"] == 0.5 and final["best_step"] == 6
+    assert ck.load_checkpoint(run / "checkpoints" / "best.pt")["step"] == 6
+
+
+def test_train_records_carry_the_seconds_since_train_was_called(tmp_path):
+    def slow_dataset(cfg, split, is_train):
+        time.sleep(0.3)  # start-up before the first step counts
+        return FakeBEVDataset(10 if is_train else 5)
+
+    cfg = fake_cfg(tmp_path, "train.eval_every=0", "train.viz_every=0")
+    before = time.perf_counter()
+    train(cfg, str(tmp_path / "run"), model_fn=FakeModel, dataset_fn=slow_dataset, collate_fn=collate)
+    total = time.perf_counter() - before
+    records = train_records(tmp_path / "run")
+    elapsed = [r["elapsed"] for r in records]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert elapsed[0] >= 0.6 + records[0]["step_time"]
+    # consecutive records are at least the later step apart; the last is within train()'s own wall time
+    assert all(b - a >= r["step_time"] for a, b, r in zip(elapsed, elapsed[1:], records[1:]))
+    assert elapsed[-1] <= total
+
+
+# --------------------------------------------------------------------------------------- import graph
+def lss_import_graph() -> dict:
+    """lss module -> the lss modules it imports anywhere in its source (function bodies included)."""
+    root = Path(lss.__file__).parent
+    files = {}
+    for f in root.rglob("*.py"):
+        parts = f.relative_to(root.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for name, f in files.items():
+        package = name.split(".") if f.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            # a package's __init__ runs before its modules anyway: importing a parent package is no edge
+            targets |= {t for t in names if t in files and t != name and not name.startswith(t + ".")}
+        graph[name] = targets
+    return graph
+
+
+def find_cycle(graph: dict):
+    state, path = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for t in sorted(graph[node]):
+            if state.get(t) == "open":
+                return path[path.index(t):] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_reports_the_modules_of_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_lss_has_no_import_cycle_and_the_engine_does_not_import_viz():
+    graph = lss_import_graph()
+    assert {"lss.engine.train", "lss.engine.build", "lss.engine.hooks", "lss.viz"} <= set(graph)
+    assert find_cycle(graph) is None
+    # the demo is the one workflow over train, eval and viz
+    assert [m for m, t in graph.items() if m.startswith("lss.engine") and m != "lss.engine.demo" and "lss.viz" in t] \
+        == []
+    assert "lss.engine.train" not in graph["lss.engine.eval"] and "lss.engine.train" not in graph["lss.viz"]
+    assert [m for m, t in graph.items() if m.startswith("lss.data") and any(x.startswith(("lss.engine", "lss.models"))
+                                                                             for x in t)] == []
+
+
+def test_importing_the_trainer_does_not_import_viz():
+    code = ("import sys, lss.engine.train, lss.engine.eval; "
+            "assert 'lss.viz' not in sys.modules, 'lss.viz imported'; print('clean')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr

@@ -12,7 +12,7 @@ from lss.config import ConfigError, load_config
 from lss.engine import checkpoint as ck
 from lss.engine.graph_step import GraphedTrainStep, check_graph_config
 from lss.engine.losses import TotalLoss
-from lss.engine.train import build_optimizer, lr_factor
+from lss.engine.build import build_optimizer, lr_factor
 from lss.geometry import inverse_3x3, load_nuscenes_rig
 from lss.models import LiftSplatShoot
 from test_model import rig_batch, tiny_cfg

@@ -1,5 +1,6 @@
-"""Pictures: BEV orientation (forward up, left on the left), the nuScenes camera layout, the BEV panel, and the
-demo end to end (train -> eval -> viz) on the tiny synthetic set."""
+"""Pictures: BEV orientation (forward up, left on the left), the nuScenes camera layout, the BEV panel, evaluation
+and pictures of a checkpoint through load_for_inference, and the demo end to end (train -> eval -> viz) on the tiny
+synthetic set."""
 import json
 
 import numpy as np
@@ -54,6 +55,43 @@ TINY = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=
         "data.classes=[vehicle, drivable_area]", "data.workers=0", "train.batch_size=2", "train.max_steps=2",
         "train.eval_every=2", "train.viz_every=2", "train.ckpt_every=2", "train.log_every=1", "train.device=cpu",
         "eval.batch_size=2", "viz.num=2", "viz.gif=true"]
+
+
+def test_eval_and_viz_of_a_checkpoint_go_through_load_for_inference(synthetic_root, tmp_path, monkeypatch):
+    import lss.engine.eval as eval_module
+    import lss.viz as viz
+    from lss.config import load_config
+    from lss.engine import build
+    from lss.engine.checkpoint import save_checkpoint
+
+    cfg = load_config(None, TINY + [f"data.dataroot={synthetic_root}"])
+    torch.manual_seed(7)
+    saved = build.build_model(cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / "best.pt"
+    save_checkpoint(ckpt, saved, step=5, config=cfg)
+    loaded = []
+
+    def spy(*args, **kwargs):
+        model, state = build.load_for_inference(*args, **kwargs)
+        loaded.append(model)
+        return model, state
+
+    monkeypatch.setattr(eval_module, "load_for_inference", spy)
+    monkeypatch.setattr(viz, "load_for_inference", spy)
+    result = eval_module.evaluate_checkpoint(cfg, str(ckpt))
+    assert len(loaded) == 1 and not loaded[0].training
+    weights = saved.state_dict()
+    assert all(torch.equal(v, weights[k]) for k, v in loaded[0].state_dict().items())
+    cpu = torch.device("cpu")
+    loader = build.build_eval_loader(cfg, build.build_dataset(cfg, cfg.data.val_split, False), cpu)
+    reference = eval_module.evaluate(saved, loader, cfg, cpu, show_progress=False)
+    assert result["iou"] == pytest.approx(reference["iou"], abs=1e-6)
+    assert result["step"] == 5 and result["samples"] == 3
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["iou"] == result["iou"]
+
+    pictures = viz.render_checkpoint(cfg, str(ckpt), str(tmp_path / "viz"))
+    assert len(loaded) == 2 and not loaded[1].training
+    assert [p.suffix for p in pictures] == [".png", ".png", ".gif"] and all(p.is_file() for p in pictures)
 
 
 @pytest.mark.slow

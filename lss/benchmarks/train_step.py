@@ -11,7 +11,7 @@ import os
 import torch
 
 from lss.config import Config, load_config
-from lss.engine.train import build_optimizer, compile_encoders
+from lss.engine.build import build_optimizer, compile_encoders
 from lss.geometry import image_augmentation, load_nuscenes_rig, val_augmentation
 
 LSS_CONFIG = ["data.classes=[vehicle]", "loss.type=bce"]  # the defaults are the paper's sizes

@@ -1,13 +1,13 @@
-"""Batching and DataLoader construction for NuScenesBEV."""
+"""Batching of NuScenesBEV items, and the synthetic set generated where the config asks for it (the loaders
+themselves: lss.engine.build)."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lss.config import Config
-from lss.data.nuscenes import DatasetNotFoundError, NuScenesBEV, locate_dataroot
+from lss.data.nuscenes import DatasetNotFoundError, locate_dataroot
 
 
 # Per-object fields stay lists even when every sample happens to hold the same number of objects.
@@ -50,19 +50,3 @@ def ensure_dataset(config: Config) -> None:
         generate(data.dataroot, version=data.version, scenes=syn.scenes, samples_per_scene=syn.samples_per_scene,
                  image_size=tuple(syn.image_size), seed=syn.seed)
 
-
-def build_dataloader(config: Config, split: str, is_train: bool, distributed: bool = False) -> DataLoader:
-    """DataLoader over NuScenesBEV(config.data.dataroot, config.data.version, split).
-
-    Batch size per process: config.train.batch_size when training, else config.eval.batch_size. Training
-    shuffles and drops the last partial batch; `distributed` shards with a DistributedSampler (call its
-    set_epoch through `loader.sampler` each epoch)."""
-    ensure_dataset(config)
-    dataset = NuScenesBEV(config.data.dataroot, config.data.version, split, config, is_train=is_train)
-    batch_size = config.train.batch_size if is_train else config.eval.batch_size
-    sampler = DistributedSampler(dataset, shuffle=is_train, drop_last=is_train) if distributed else None
-    workers = config.data.workers
-    return DataLoader(dataset, batch_size=batch_size, shuffle=is_train and sampler is None, sampler=sampler,
-                      num_workers=workers, collate_fn=collate, pin_memory=torch.cuda.is_available(),
-                      drop_last=is_train, persistent_workers=workers > 0,
-                      prefetch_factor=4 if workers > 0 else None)

@@ -74,13 +74,13 @@ def demo(config: Optional[str] = None, overrides: Sequence[str] = (), out_dir: s
     pictures into `out_dir`/viz. Returns {"train": ..., "eval": ..., "pictures": [...], "seconds": ...}."""
     from lss.engine.eval import evaluate_checkpoint
     from lss.engine.train import train
-    from lss.viz import render_checkpoint
+    from lss.viz import bev_grid_image, render_checkpoint
 
     start = time.perf_counter()
     cfg = load_config(config, overrides) if config else demo_config(overrides)
     cfg.data.make_synthetic_if_missing = True
     run_dir = Path(out_dir)
-    final = train(cfg, out_dir=str(run_dir))
+    final = train(cfg, out_dir=str(run_dir), render_fn=bev_grid_image)
     ckpt = run_dir / "checkpoints" / ("best.pt" if (run_dir / "checkpoints" / "best.pt").is_file() else "last.pt")
     result = evaluate_checkpoint(cfg, str(ckpt), str(run_dir))
     pictures = render_checkpoint(cfg, str(ckpt), str(run_dir / "viz"))

@@ -12,6 +12,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lss.config import Config
+from lss.engine.build import (build_autocast, build_dataset, build_eval_loader, load_for_inference, select_device,
+                              to_device)
 from lss.engine.detection_eval import DetectionCollector
 from lss.engine.metrics import IoUMeter, format_iou_table
 
@@ -34,7 +36,7 @@ def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device
                                        dynamic_ncols=True, disable=not show_progress)):
             if limit is not None and i >= limit:
                 break
-            batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = to_device(batch, device)
             with autocast():
                 outputs = model(batch)
             meter.update(outputs["segmentation"], batch["targets"])
@@ -52,27 +54,14 @@ def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device
 def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -> dict:
     """Evaluate checkpoint `ckpt` on data.val_split; writes eval.json to `out_dir` (default: the run directory
     that holds the checkpoint) and prints the IoU table."""
-    from lss.engine.checkpoint import load_checkpoint, load_model_state
-    from lss.engine.train import (autocast_dtype, default_collate, default_dataset_fn, default_model_fn,
-                                  select_device, EpochSampler, make_loader)
-
     path = Path(ckpt)
-    state = load_checkpoint(path)
     device = select_device(cfg)
-    model = default_model_fn(cfg)
-    load_model_state(model, state, path)
-    model.to(device)
-    dataset = default_dataset_fn(cfg, cfg.data.val_split, False)
-    loader = make_loader(cfg, dataset, EpochSampler(len(dataset), shuffle=False, pad=False), cfg.eval.batch_size,
-                         False, default_collate(), device, cfg.train.seed)
-    dtype = autocast_dtype(cfg, device)
-
-    def autocast():
-        return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
+    model, state = load_for_inference(cfg, path, device)
+    dataset = build_dataset(cfg, cfg.data.val_split, False)
+    loader = build_eval_loader(cfg, dataset, device)
     out = Path(out_dir) if out_dir else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
     out.mkdir(parents=True, exist_ok=True)
-    result = evaluate(model, loader, cfg, device, autocast, detection_dir=out)
+    result = evaluate(model, loader, cfg, device, build_autocast(cfg, device), detection_dir=out)
     result.update({"checkpoint": str(path), "step": state["step"], "split": cfg.data.val_split,
                    "samples": len(dataset)})
     (out / "eval.json").write_text(json.dumps(result, indent=1))

@@ -1,0 +1,219 @@
+"""Builders shared by training, evaluation, pictures and the demo: device, seeding and RNG state, autocast, model,
+datasets, loaders, optimizer, learning-rate schedule, and a checkpoint loaded for inference."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+from pathlib import Path
+from typing import Callable, ContextManager, Optional, Union
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lss.config import Config, ConfigError
+from lss.data import NuScenesBEV, collate
+from lss.data.loader import ensure_dataset as generate_if_missing
+from lss.engine.checkpoint import load_checkpoint, load_model_state
+from lss.engine.distributed import DistInfo, EpochSampler, barrier
+from lss.models import LiftSplatShoot
+
+ModelFn = Callable[[Config], nn.Module]
+DatasetFn = Callable[[Config, str, bool], Dataset]
+AutocastFn = Callable[[], ContextManager]
+
+
+# --------------------------------------------------------------------------------------------- device, RNG, amp
+def device_type(cfg: Config) -> str:
+    """"cuda" or "cpu", as train.device asks ("auto": CUDA when a GPU is visible)."""
+    want = cfg.train.device
+    if want not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device={want!r}: expected 'auto', 'cpu' or 'cuda'")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA GPU is visible; use --set train.device=cpu")
+    return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def select_device(cfg: Config, dist_info: Optional[DistInfo] = None) -> torch.device:
+    """The device of this process: its torchrun local rank's GPU, the current GPU, or the CPU."""
+    if device_type(cfg) == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", dist_info.local_rank if dist_info else torch.cuda.current_device())
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for deterministic GEMMs
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    # RNG states must be CPU byte tensors; a checkpoint's map_location may have moved them
+    torch.set_rng_state(state["torch"].cpu())
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Evaluation and pictures inside leave the training RNG stream as it was (the curve does not depend on
+    how often they run)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype for the camera/BEV networks, or None (fp32). Autocast applies on CUDA only."""
+    amp = cfg.train.amp
+    if amp not in ("bf16", "fp16", "none"):
+        raise ConfigError(f"train.amp={amp!r}: expected 'bf16', 'fp16' or 'none'")
+    if device.type != "cuda" or amp == "none":
+        return None
+    return torch.bfloat16 if amp == "bf16" else torch.float16
+
+
+def build_autocast(cfg: Config, device: torch.device) -> AutocastFn:
+    """A factory of the forward pass's autocast context (train.amp on CUDA; a no-op context otherwise)."""
+    dtype = autocast_dtype(cfg, device)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------------------------------------ model, data
+def build_model(cfg: Config) -> nn.Module:
+    return LiftSplatShoot(cfg)
+
+
+def build_dataset(cfg: Config, split: str, is_train: bool) -> Dataset:
+    return NuScenesBEV(cfg.data.dataroot, version=cfg.data.version, split=split, config=cfg, is_train=is_train)
+
+
+def ensure_dataset(cfg: Config, dist_info: Optional[DistInfo] = None) -> None:
+    """Generate the synthetic dataset at data.dataroot when data.make_synthetic_if_missing and it is absent (on rank
+    0 while the other ranks wait)."""
+    if dist_info is None or dist_info.is_main:
+        generate_if_missing(cfg)
+    if dist_info is not None:
+        barrier(dist_info)
+
+
+def build_loader(cfg: Config, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool,
+                 device: torch.device, seed: int, persistent: bool = False,
+                 collate_fn: Callable = collate) -> DataLoader:
+    """A loader of `dataset` in `sampler`'s order with data.workers workers. `persistent`: keep the worker processes
+    from epoch to epoch (the training loader: starting them again every epoch stalls training on small sets, whose
+    epochs last seconds)."""
+    workers = cfg.data.workers
+    # an own generator keeps the loaders from drawing on the global RNG (resume then continues the same stream)
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate_fn,
+                      pin_memory=device.type == "cuda", drop_last=drop_last, generator=generator,
+                      persistent_workers=persistent and workers > 0, worker_init_fn=_seed_worker if workers else None)
+
+
+def build_eval_loader(cfg: Config, dataset: Dataset, device: torch.device, dist_info: Optional[DistInfo] = None,
+                      collate_fn: Callable = collate) -> DataLoader:
+    """Every sample of `dataset` once, in order, in eval.batch_size batches (this rank's share under torchrun)."""
+    dist_info = dist_info or DistInfo()
+    sampler = EpochSampler(len(dataset), shuffle=False, rank=dist_info.rank, world_size=dist_info.world_size,
+                           pad=False)
+    return build_loader(cfg, dataset, sampler, cfg.eval.batch_size, False, device, cfg.train.seed,
+                        collate_fn=collate_fn)
+
+
+def _seed_worker(worker_id: int) -> None:
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def load_for_inference(cfg: Config, ckpt: Union[str, Path], device: Optional[torch.device] = None,
+                       model_fn: ModelFn = build_model) -> tuple[nn.Module, dict]:
+    """The model of `cfg` with the weights of checkpoint `ckpt`, on `device` (default: select_device) in eval mode,
+    and the checkpoint's state (step, config, ...)."""
+    state = load_checkpoint(ckpt)
+    device = device or select_device(cfg)
+    model = model_fn(cfg)
+    load_model_state(model, state, ckpt)
+    return model.to(device).eval(), state
+
+
+# ------------------------------------------------------------------------------------------ optimization
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    # on the GPU the fused implementation updates all parameters in a few kernels instead of several per tensor
+    fused = bool(params) and all(p.is_cuda for p in params)
+    if o.name == "adam":
+        return torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay, fused=fused or None)
+    if o.name == "adamw":
+        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, fused=fused or None)
+    raise ConfigError(f"optim.name={o.name!r}: expected 'adam' or 'adamw'")
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """Multiplier of optim.lr at optimizer step `step`: linear warm-up, then constant, cosine or one-cycle decay."""
+    o, total = cfg.optim, max(cfg.train.max_steps, 1)
+    if o.schedule not in ("constant", "cosine", "onecycle"):
+        raise ConfigError(f"optim.schedule={o.schedule!r}: expected 'constant', 'cosine' or 'onecycle'")
+    warmup = o.warmup_steps if o.schedule != "onecycle" or o.warmup_steps else int(0.3 * total)
+    if step < warmup:
+        start = 1.0 / 25 if o.schedule == "onecycle" else 0.0
+        return start + (1.0 - start) * (step + 1) / warmup
+    if o.schedule == "constant":
+        return 1.0
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    end = 1e-4 if o.schedule == "onecycle" else 0.0
+    return end + (1.0 - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_encoders(model: nn.Module, mode: str = "default", memory_budget: float = 1.0) -> None:
+    """torch.compile every trainable submodule (camera and BEV encoders, heads) in place; the LUT build stays eager.
+    "reduce-overhead" replays them as CUDA graphs, which removes the host cost of launching their kernels one by
+    one. memory_budget < 1 lets the compiler recompute activations in the backward instead of keeping them, down to
+    that fraction of the activation memory (process-wide: torch._functorch's activation_memory_budget)."""
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"train.compile_mode={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    if not 0.0 < memory_budget <= 1.0:
+        raise ConfigError(f"train.compile_memory_budget={memory_budget}: expected a fraction in (0, 1] (1 keeps "
+                          "what the compiler's default partition keeps)")
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = memory_budget
+    for module in model.children():
+        if any(p.requires_grad for p in module.parameters()):
+            module.compile(mode=mode)

@@ -1,0 +1,134 @@
+"""Hooks around the trainer's run_step: metrics, evaluation, checkpoints and pictures. Hooks that need more than
+the trainer's own state receive callables (an evaluation function, a picture function), so the engine does not
+depend on what computes them.
+
+A hook sees the trainer (lss.engine.train.Trainer: step, cfg, model, state, save) after every optimizer step and
+once after training; what `after_train` returns goes into train()'s final metrics."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+from tqdm import tqdm
+
+
+class Hook:
+    def after_step(self, trainer, logs: dict) -> None:
+        """`logs`: the step's loss terms, grad_norm, lr, step_time and samples_per_s."""
+
+    def after_train(self, trainer) -> Optional[dict]:
+        return None
+
+
+def is_due(trainer, period: int) -> bool:
+    """Every `period` optimizer steps (never when period <= 0) and at the last step."""
+    step = trainer.step
+    return step == trainer.cfg.train.max_steps or (period > 0 and step % period == 0)
+
+
+class MetricsWriter:
+    """metrics.jsonl plus tensorboard events in the run directory (rank 0 only)."""
+
+    def __init__(self, out_dir: Path, resume_step: Optional[int]):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = out_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            # drop records past the resumed checkpoint so the file reads as one continuous run
+            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=resume_step)
+
+    def write(self, kind: str, step: int, values: dict) -> None:
+        record = {"kind": kind, "step": step, **values}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for k, v in _flatten(values):
+            self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def add_image(self, tag: str, image: np.ndarray, step: int) -> None:
+        """`image`: H x W x 3 uint8."""
+        self.tb.add_image(tag, image, step, dataformats="HWC")
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+def _flatten(values: dict, prefix: str = ""):
+    for k, v in values.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)):
+            yield f"{prefix}{k}", v
+
+
+class LogHook(Hook):
+    """A "train" record every `period` steps, with `elapsed`: seconds since `started` (time.perf_counter() when
+    train() was called, so the record shows the time to the first step, start-up included)."""
+
+    def __init__(self, period: int, writer: MetricsWriter, started: float):
+        self.period, self.writer, self.started = period, writer, started
+
+    def after_step(self, trainer, logs: dict) -> None:
+        if is_due(trainer, self.period):
+            self.writer.write("train", trainer.step, {**logs, "elapsed": time.perf_counter() - self.started})
+
+    def after_train(self, trainer) -> None:
+        self.writer.close()
+
+
+class EvalHook(Hook):
+    """`eval_function()` (returning lss.engine.eval.evaluate's dict) every `period` steps and at the end; best.pt
+    follows the mean IoU. Every rank runs it (evaluation sums over ranks); only rank 0 has a `writer`."""
+
+    def __init__(self, period: int, eval_function: Callable[[], dict], writer: Optional[MetricsWriter] = None):
+        self.period, self.eval_function, self.writer = period, eval_function, writer
+        self.last: dict = {}
+
+    def after_step(self, trainer, logs: dict) -> None:
+        if not is_due(trainer, self.period):
+            return
+        result = self.eval_function()
+        self.last = result
+        if self.writer is not None:
+            self.writer.write("val", trainer.step, {"iou": result["iou"], "mean_iou": result["mean_iou"]})
+            tqdm.write(f"step {trainer.step}: val IoU " +
+                       ", ".join(f"{c} {100 * v:.2f}" for c, v in result["iou"].items()))
+        best = trainer.state.get("best_iou")
+        if best is None or result["mean_iou"] > best:
+            trainer.state["best_iou"] = result["mean_iou"]
+            trainer.state["best_step"] = trainer.step
+            trainer.save("best.pt")
+
+    def after_train(self, trainer) -> dict:
+        return {"val": self.last} if self.last else {}
+
+
+class CheckpointHook(Hook):
+    """last.pt every `period` steps and at the end."""
+
+    def __init__(self, period: int):
+        self.period = period
+
+    def after_step(self, trainer, logs: dict) -> None:
+        if is_due(trainer, self.period):
+            trainer.save("last.pt")
+
+    def after_train(self, trainer) -> dict:
+        return {"step": trainer.step, "best_iou": trainer.state.get("best_iou"),
+                "best_step": trainer.state.get("best_step")}
+
+
+class VizHook(Hook):
+    """The picture of `picture_function()` (H x W x 3 uint8) into tensorboard every `period` steps and at the end."""
+
+    def __init__(self, period: int, picture_function: Callable[[], np.ndarray], writer: MetricsWriter,
+                 tag: str = "val/bev_prediction"):
+        self.period, self.picture_function, self.writer, self.tag = period, picture_function, writer, tag
+
+    def after_step(self, trainer, logs: dict) -> None:
+        if is_due(trainer, self.period):
+            self.writer.add_image(self.tag, self.picture_function(), trainer.step)
