@@ -159,7 +159,7 @@ def render_checkpoint(cfg: Config, ckpt: str, out_dir: str, num: Optional[int] =
 
     from lss.engine.checkpoint import load_checkpoint, load_model_state
     from lss.engine.train import default_dataset_fn, default_model_fn, select_device
-    from lss.models.detection import decode_detections
+    from lss.models.heads.detection import decode_detections
 
     path = Path(ckpt)
     state = load_checkpoint(path)

@@ -43,7 +43,7 @@ def test_forward_shapes_and_gradients_reach_both_encoders():
     assert out.shape == (2, 2, 16, 16) and out.dtype == torch.float32 and torch.isfinite(out).all()
     out.square().mean().backward()
     for name in ("camera.head.weight", "camera.trunk.net._conv_stem.weight", "bev.stem.0.weight",
-                 "bev.segmentation.weight"):
+                 "segmentation.conv.weight"):
         grad = dict(model.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name
 
@@ -99,7 +99,7 @@ def test_depth_logits_are_exposed_and_the_depth_loss_trains_the_camera_encoder()
     params = dict(model.named_parameters())
     assert params["camera.head.weight"].grad.abs().sum() > 0
     assert params["camera.trunk.net._conv_stem.weight"].grad.abs().sum() > 0
-    assert params["bev.segmentation.weight"].grad is None
+    assert params["segmentation.conv.weight"].grad is None
 
 
 @pytest.mark.parametrize("override, message", [
