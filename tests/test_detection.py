@@ -190,6 +190,31 @@ def test_head_losses_train_end_to_end():
     assert head.heatmap[-1].weight.grad is None or head.heatmap[-1].weight.grad.abs().sum() == 0
 
 
+def test_head_forward_sees_features_only_and_scores_extra_proposals_by_its_heatmap():
+    torch.manual_seed(0)
+    config = Config()
+    config.grid.xbound, config.grid.ybound = (-16.0, 16.0, 0.5), (-16.0, 16.0, 0.5)
+    head = DetectionHead(16, config).train()
+    features = torch.randn(2, 16, 64, 64)
+    out = head(features)  # training mode, no labels anywhere
+    grid = BevGrid.from_config(config.grid)
+    first = propose(out["det_heatmap"].detach(), out["det_regression"].detach(), grid, config.detection,
+                    config.detection.refine_proposals)
+    assert torch.equal(out["det_proposals"].boxes, first.boxes) and torch.equal(out["det_proposals"].valid, first.valid)
+    assert out["det_refine_scores"].shape == first.valid.shape
+
+    boxes = [torch.tensor([[3.0, -4.0, 0.2, 1.9, 4.4, 1.6, 0.4, 2.0, 0.5]]), torch.zeros(0, 9)]
+    extra = ground_truth_proposals(boxes, [torch.tensor([2]), torch.zeros(0, dtype=torch.long)], grid,
+                                   head.num_classes, features.device, torch.Generator().manual_seed(0))
+    out = head(features, extra)
+    proposals, P = out["det_proposals"], first.valid.shape[1]
+    assert proposals.valid.shape == (2, P + 1) and proposals.valid[:, P].tolist() == [True, False]
+    assert torch.equal(proposals.boxes[:, P], extra.boxes[:, 0]) and proposals.labels[0, P] == 2
+    row, col = (int((extra.boxes[0, 0, i] + 16.0) // 0.5) for i in (0, 1))
+    assert proposals.scores[0, P] == torch.sigmoid(out["det_heatmap"][0, 2, row, col]).item()
+    assert proposals.scores[1, P] == 0
+
+
 @pytest.mark.slow
 def test_head_overfits_one_sample():
     torch.manual_seed(0)
