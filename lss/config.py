@@ -21,6 +21,9 @@ NUSCENES_CAMERAS = (
     "CAM_BACK",
     "CAM_BACK_RIGHT",
 )
+# The nuScenes detection benchmark's classes, in label order (the detection head's heatmap channels).
+DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
+                     "traffic_cone", "barrier")
 
 
 class ConfigError(ValueError):

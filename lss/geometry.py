@@ -73,6 +73,18 @@ class BevGrid:
     def __repr__(self) -> str:
         return f"BevGrid(xbound={self.xbound}, ybound={self.ybound}, zbound={self.zbound})"
 
+    def with_shape(self, shape: Sequence[int]) -> "BevGrid":
+        """The same x/y area cut into shape = (H, W) cells: where an H x W map of it lies (a head's map may be
+        coarser than the grid, its cells then larger)."""
+        H, W = int(shape[0]), int(shape[1])
+        (x_lo, x_hi, _), (y_lo, y_hi, _) = self.xbound, self.ybound
+        return BevGrid((x_lo, x_hi, (x_hi - x_lo) / H), (y_lo, y_hi, (y_hi - y_lo) / W), self.zbound)
+
+    def to_cells(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Continuous cell coordinates of ego points x, y (metres): u along the rows, v along the columns; cell
+        (i, j) covers [i, i + 1) x [j, j + 1)."""
+        return (x - self.lower[0]) / self.cell_size[0], (y - self.lower[1]) / self.cell_size[1]
+
 
 def depth_bins(dbound: Sequence[float]) -> torch.Tensor:
     """D depth-bin values (metres, float32): min, min + step, ... below max; D = round((max - min) / step)."""

@@ -158,7 +158,7 @@ def render_checkpoint(cfg: Config, ckpt: str, out_dir: str, num: Optional[int] =
     from PIL import Image
     from tqdm import tqdm
 
-    from lss.models.detection import decode_detections
+    from lss.models.heads.detection import decode_detections
 
     device = select_device(cfg)
     model, state = load_for_inference(cfg, ckpt, device)

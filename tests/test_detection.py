@@ -7,13 +7,14 @@ import pytest
 import torch
 from conftest import devices
 
-from lss.config import Config, ConfigError
-from lss.models.detection import (
-    DETECTION_CLASSES, BevFrame, BoxRefiner, DetectionHead, Proposals, apply_residuals, bev_envelopes,
-    box_residuals, decode_detections, decode_peaks, detection_loss, encode_targets, propose,
-)
+from lss.boxes import Proposals, apply_residuals, bev_envelopes, box_residuals, ground_truth_proposals
+from lss.config import DETECTION_CLASSES, Config, ConfigError
+from lss.data.detection_targets import encode_targets
+from lss.engine.detection_loss import detection_loss
+from lss.geometry import BevGrid
+from lss.models.heads.detection import BoxRefiner, DetectionHead, decode_detections, decode_peaks, propose
 
-FRAME = BevFrame.from_bounds((-50.0, 50.0, 0.5), (-50.0, 50.0, 0.5), (200, 200))
+GRID = BevGrid.from_config(Config().grid).with_shape((200, 200))
 
 
 def random_boxes(n: int, generator: torch.Generator, spacing: float = 8.0) -> torch.Tensor:
@@ -30,12 +31,12 @@ def random_boxes(n: int, generator: torch.Generator, spacing: float = 8.0) -> to
     return torch.cat([centre, z, size, yaw, velocity], 1)
 
 
-def perfect_outputs(targets: dict, frame: BevFrame) -> dict:
+def perfect_outputs(targets: dict, grid: BevGrid) -> dict:
     """Head outputs that predict the encoded targets exactly: heatmap logits of the gaussians, the regression
     targets written at the centre cells."""
     heat = targets["heatmap"]
     logits = torch.logit(heat.clamp(1e-4, 1 - 1e-4))
-    regression = torch.zeros(heat.shape[0], 10, frame.H, frame.W, device=heat.device)
+    regression = torch.zeros(heat.shape[0], 10, grid.nx, grid.ny, device=heat.device)
     regression[targets["batch"], :, targets["row"], targets["col"]] = targets["regression"]
     return {"det_heatmap": logits, "det_regression": regression}
 
@@ -44,7 +45,7 @@ def test_heatmap_targets_peak_at_centres():
     boxes = torch.tensor([[10.2, -7.7, 0.0, 2.0, 4.5, 1.6, 0.3, 1.0, 0.0],
                           [-30.1, 20.4, 0.5, 0.6, 0.7, 1.8, -1.0, float("nan"), float("nan")]])
     labels = torch.tensor([0, 5])
-    t = encode_targets([boxes], [labels], FRAME)
+    t = encode_targets([boxes], [labels], GRID)
     heat = t["heatmap"][0]
     rows = torch.floor((boxes[:, 0] + 50) / 0.5).long()
     cols = torch.floor((boxes[:, 1] + 50) / 0.5).long()
@@ -63,7 +64,7 @@ def test_heatmap_targets_peak_at_centres():
 def test_boxes_off_the_map_are_dropped():
     boxes = torch.tensor([[60.0, 0.0, 0.0, 2.0, 4.0, 1.5, 0.0, 0.0, 0.0],
                           [0.0, -50.1, 0.0, 2.0, 4.0, 1.5, 0.0, 0.0, 0.0]])
-    t = encode_targets([boxes, torch.zeros(0, 9)], [torch.tensor([0, 1]), torch.zeros(0, dtype=torch.long)], FRAME)
+    t = encode_targets([boxes, torch.zeros(0, 9)], [torch.tensor([0, 1]), torch.zeros(0, dtype=torch.long)], GRID)
     assert t["heatmap"].sum() == 0 and len(t["labels"]) == 0
 
 
@@ -72,12 +73,12 @@ def test_encode_decode_round_trip(device):
     g = torch.Generator().manual_seed(0)
     boxes = [random_boxes(40, g), random_boxes(25, g)]
     labels = [torch.randint(0, 10, (40,), generator=g), torch.randint(0, 10, (25,), generator=g)]
-    targets = encode_targets(boxes, labels, FRAME, device=torch.device(device))
-    outputs = perfect_outputs(targets, FRAME)
+    targets = encode_targets(boxes, labels, GRID, device=torch.device(device))
+    outputs = perfect_outputs(targets, GRID)
     # The model runs channels_last.
     heatmap, regression = (outputs[k].contiguous(memory_format=torch.channels_last)
                            for k in ("det_heatmap", "det_regression"))
-    proposals = propose(heatmap, regression, FRAME, Config().detection, max_per_sample=100)
+    proposals = propose(heatmap, regression, GRID, Config().detection, max_per_sample=100)
     proposals = Proposals(*(t.cpu() for t in (proposals.boxes, proposals.scores, proposals.labels, proposals.valid)))
     for b in range(2):
         valid = proposals.valid[b]
@@ -95,7 +96,6 @@ def test_nms_suppresses_same_class_overlaps_only():
                           [5.2, -5.0, 0, 2.0, 4.0, 1.5, 0, 0, 0],
                           [5.2, -5.0, 0, 2.0, 4.0, 1.5, 0, 0, 0]])
     cfg = Config().detection
-    frame = FRAME
     logits = torch.full((1, 10, 200, 200), -10.0)
     regression = torch.zeros(1, 10, 200, 200)
     # Three peaks one cell apart: 0 and 1 are cars (overlapping, 1 suppressed), 2 is a truck.
@@ -104,13 +104,13 @@ def test_nms_suppresses_same_class_overlaps_only():
     for (r, c), label, s, box in zip(cells, [0, 0, 1], scores, boxes):
         logits[0, label, r, c] = math.log(s / (1 - s))
         regression[0, :, r, c] = torch.tensor([0.5, 0.5, 0, *torch.log(box[3:6]).tolist(), 0, 1, 0, 0])
-    p = propose(logits, regression, frame, cfg, 10)
+    p = propose(logits, regression, GRID, cfg, 10)
     kept = sorted(zip(p.labels[0][p.valid[0]].tolist(), p.scores[0][p.valid[0]].tolist()))
     assert [(lab, round(s, 4)) for lab, s in kept] == [(0, 0.9), (1, 0.7)]
     cfg.nms_iou = 0.0
-    p = propose(logits, regression, frame, cfg, 10)
+    p = propose(logits, regression, GRID, cfg, 10)
     assert int(p.valid.sum()) == 3
-    p = propose(logits, regression, frame, cfg, 2)
+    p = propose(logits, regression, GRID, cfg, 2)
     assert p.scores[0].tolist() == pytest.approx([0.9, 0.8])
 
 
@@ -141,7 +141,7 @@ def test_envelope_of_rotated_box():
 def test_second_stage_gradients_reach_bev_features_through_roi_align(device):
     g = torch.Generator().manual_seed(2)
     features = torch.randn(2, 8, 40, 40, generator=g).to(device).requires_grad_(True)
-    frame = BevFrame.from_bounds((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (40, 40))
+    grid = BevGrid((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (-10.0, 10.0, 20.0))
     boxes = torch.zeros(2, 2, 9)
     boxes[..., 3:6] = torch.tensor([1.0, 2.0, 1.5])
     boxes[0, 0, :2] = torch.tensor([-6.0, 4.0])
@@ -151,7 +151,7 @@ def test_second_stage_gradients_reach_bev_features_through_roi_align(device):
                           torch.tensor([[True, False], [True, False]], device=device))
     refiner = BoxRefiner(8, 10, roi_size=3, hidden=16, enlarge=1.0).to(device)
     torch.nn.init.normal_(refiner.residual.weight)
-    scores, residuals = refiner(features, proposals, frame)
+    scores, residuals = refiner(features, proposals, grid)
     assert residuals[:, 1].abs().sum() == 0 and scores[:, 1].abs().sum() == 0
     (scores.sum() + residuals.sum()).backward()
     grad = features.grad.abs().sum(1).cpu()  # B x H x W
@@ -172,7 +172,8 @@ def test_head_losses_train_end_to_end():
                            [10.0, 10.0, 0.5, 2.5, 11.0, 3.2, 3.0, 0.0, 0.0]])]
     labels = [torch.tensor([0]), torch.tensor([5, 2])]
     batch = {"det_boxes": boxes, "det_labels": labels}
-    out = head(features, batch)
+    grid = BevGrid.from_config(config.grid)
+    out = head(features, ground_truth_proposals(boxes, labels, grid, head.num_classes, features.device))
     losses = detection_loss(out, batch, config)
     assert set(losses) == {"det_heatmap", "det_regression", "det_refine_score", "det_refine_box"}
     assert all(torch.isfinite(v) and v > 0 for v in losses.values())
@@ -189,6 +190,31 @@ def test_head_losses_train_end_to_end():
     assert head.heatmap[-1].weight.grad is None or head.heatmap[-1].weight.grad.abs().sum() == 0
 
 
+def test_head_forward_sees_features_only_and_scores_extra_proposals_by_its_heatmap():
+    torch.manual_seed(0)
+    config = Config()
+    config.grid.xbound, config.grid.ybound = (-16.0, 16.0, 0.5), (-16.0, 16.0, 0.5)
+    head = DetectionHead(16, config).train()
+    features = torch.randn(2, 16, 64, 64)
+    out = head(features)  # training mode, no labels anywhere
+    grid = BevGrid.from_config(config.grid)
+    first = propose(out["det_heatmap"].detach(), out["det_regression"].detach(), grid, config.detection,
+                    config.detection.refine_proposals)
+    assert torch.equal(out["det_proposals"].boxes, first.boxes) and torch.equal(out["det_proposals"].valid, first.valid)
+    assert out["det_refine_scores"].shape == first.valid.shape
+
+    boxes = [torch.tensor([[3.0, -4.0, 0.2, 1.9, 4.4, 1.6, 0.4, 2.0, 0.5]]), torch.zeros(0, 9)]
+    extra = ground_truth_proposals(boxes, [torch.tensor([2]), torch.zeros(0, dtype=torch.long)], grid,
+                                   head.num_classes, features.device, torch.Generator().manual_seed(0))
+    out = head(features, extra)
+    proposals, P = out["det_proposals"], first.valid.shape[1]
+    assert proposals.valid.shape == (2, P + 1) and proposals.valid[:, P].tolist() == [True, False]
+    assert torch.equal(proposals.boxes[:, P], extra.boxes[:, 0]) and proposals.labels[0, P] == 2
+    row, col = (int((extra.boxes[0, 0, i] + 16.0) // 0.5) for i in (0, 1))
+    assert proposals.scores[0, P] == torch.sigmoid(out["det_heatmap"][0, 2, row, col]).item()
+    assert proposals.scores[1, P] == 0
+
+
 @pytest.mark.slow
 def test_head_overfits_one_sample():
     torch.manual_seed(0)
@@ -203,10 +229,12 @@ def test_head_overfits_one_sample():
                            [-4.2, 4.6, 0.8, 0.7, 0.6, 1.8, -2.0, 0.3, 0.1]])]
     labels = [torch.tensor([0, 5])]
     batch = {"det_boxes": boxes, "det_labels": labels}
+    grid = BevGrid.from_config(config.grid)
     optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
     for _ in range(80):
         optimizer.zero_grad()
-        loss = sum(detection_loss(head(features, batch), batch, config).values())
+        extra = ground_truth_proposals(boxes, labels, grid, head.num_classes, features.device)
+        loss = sum(detection_loss(head(features, extra), batch, config).values())
         loss.backward()
         optimizer.step()
     head.eval()
@@ -220,13 +248,13 @@ def test_head_overfits_one_sample():
 
 def test_bad_inputs_have_clear_errors():
     with pytest.raises(ValueError, match="expected boxes M x 9"):
-        encode_targets([torch.zeros(3, 7)], [torch.zeros(3, dtype=torch.long)], FRAME)
+        encode_targets([torch.zeros(3, 7)], [torch.zeros(3, dtype=torch.long)], GRID)
     with pytest.raises(ValueError, match="matching the boxes"):
-        encode_targets([torch.zeros(3, 9)], [torch.zeros(2, dtype=torch.long)], FRAME)
+        encode_targets([torch.zeros(3, 9)], [torch.zeros(2, dtype=torch.long)], GRID)
     with pytest.raises(ValueError, match="integer labels"):
-        encode_targets([torch.zeros(1, 9)], [torch.zeros(1)], FRAME)
+        encode_targets([torch.zeros(1, 9)], [torch.zeros(1)], GRID)
     with pytest.raises(ValueError, match="regression B x 10"):
-        decode_peaks(torch.zeros(1, 10, 8, 8), torch.zeros(1, 9, 8, 8), FRAME, 5)
+        decode_peaks(torch.zeros(1, 10, 8, 8), torch.zeros(1, 9, 8, 8), GRID, 5)
     config = Config()
     config.detection.max_detections = 600
     with pytest.raises(ConfigError, match="at most 500 boxes"):
@@ -273,10 +301,10 @@ def test_perfect_detections_score_map_one_in_the_official_evaluation(synthetic_r
     tokens = split_sample_tokens(nusc, "mini_val")
     assert tokens
     config = Config()
-    frame = BevFrame.from_bounds(config.grid.xbound, config.grid.ybound, (200, 200))
+    grid = BevGrid.from_config(config.grid).with_shape((200, 200))
     ground_truth = [devkit_ground_truth(nusc, t) for t in tokens]
     boxes, labels = [g[0] for g in ground_truth], [g[1] for g in ground_truth]
-    outputs = perfect_outputs(encode_targets(boxes, labels, frame), frame)
+    outputs = perfect_outputs(encode_targets(boxes, labels, grid), grid)
     collector = DetectionCollector(config)
     collector.add(outputs, {"sample_token": tokens})
     split = SimpleNamespace(root=synthetic_root, version="v1.0-mini", devkit_split="mini_val")

@@ -43,7 +43,7 @@ def test_forward_shapes_and_gradients_reach_both_encoders():
     assert out.shape == (2, 2, 16, 16) and out.dtype == torch.float32 and torch.isfinite(out).all()
     out.square().mean().backward()
     for name in ("camera.head.weight", "camera.trunk.net._conv_stem.weight", "bev.stem.0.weight",
-                 "bev.segmentation.weight"):
+                 "segmentation.conv.weight"):
         grad = dict(model.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name
 
@@ -99,7 +99,43 @@ def test_depth_logits_are_exposed_and_the_depth_loss_trains_the_camera_encoder()
     params = dict(model.named_parameters())
     assert params["camera.head.weight"].grad.abs().sum() > 0
     assert params["camera.trunk.net._conv_stem.weight"].grad.abs().sum() > 0
-    assert params["bev.segmentation.weight"].grad is None
+    assert params["segmentation.conv.weight"].grad is None
+
+
+def test_training_forward_with_and_without_ground_truth_boxes():
+    cfg = tiny_cfg("model.heads=[segmentation, detection]", "detection.head_channels=8", "detection.refine_hidden=16",
+                   "detection.refine_proposals=4")
+    model = LiftSplatShoot(cfg).train()
+    batch = rig_batch(cfg)
+    out = model(batch)  # no det_boxes: the second stage sees the first-stage proposals only
+    assert out["det_proposals"].valid.shape[1] <= 4 and out["segmentation"].shape == (2, 2, 16, 16)
+    batch["det_boxes"] = [torch.tensor([[2.0, -3.0, 0.0, 1.9, 4.4, 1.6, 0.3, 0.0, 0.0]]), torch.zeros(0, 9)]
+    batch["det_labels"] = [torch.tensor([0]), torch.zeros(0, dtype=torch.long)]
+    proposals = model(batch)["det_proposals"]
+    assert proposals.valid[:, -1].tolist() == [True, False] and proposals.labels[0, -1] == 0
+    assert (proposals.boxes[0, -1, :2] - batch["det_boxes"][0][0, :2]).norm() < 3.0
+    assert model.eval()(batch)["det_proposals"].valid.shape[1] <= cfg.detection.max_detections
+
+
+def test_checkpoint_with_the_old_segmentation_keys_loads_with_identical_outputs():
+    from lss.engine.checkpoint import CheckpointError, load_model_state
+
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    model = LiftSplatShoot(cfg).eval()
+    # The layout before the heads moved out of the BEV encoder: the 1 x 1 segmentation conv was bev.segmentation.
+    old = {k.replace("segmentation.conv.", "bev.segmentation.", 1) if k.startswith("segmentation.conv.") else k: v
+           for k, v in model.state_dict().items()}
+    assert {"bev.segmentation.weight", "bev.segmentation.bias"} <= set(old)
+    torch.manual_seed(1)
+    fresh = LiftSplatShoot(cfg).eval()
+    load_model_state(fresh, {"model": old})
+    batch = rig_batch(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(batch)["segmentation"], model(batch)["segmentation"], rtol=0, atol=0)
+    del old["bev.segmentation.bias"]
+    with pytest.raises(CheckpointError, match="missing 1"):
+        load_model_state(fresh, {"model": old})
 
 
 @pytest.mark.parametrize("override, message", [

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from lss.boxes import bev_envelopes
 from lss.config import Config
-from lss.models.detection import BevFrame, BoxRefiner, bev_envelopes, decode_peaks, propose, proposal_rois
+from lss.geometry import BevGrid
+from lss.models.heads.detection import BoxRefiner, decode_peaks, propose, proposal_rois
 from lss.ops import batched_nms, roi_align
 
 
@@ -22,16 +24,16 @@ def _inputs(device: torch.device, batch: int, classes: int, size: int, channels:
 def _setup(device: torch.device, quick: bool):
     batch, classes, size, channels = (1, 10, 32, 16) if quick else (4, 10, 200, 64)
     config = Config()
-    frame = BevFrame.from_bounds(config.grid.xbound, config.grid.ybound, (size, size))
+    grid = BevGrid.from_config(config.grid).with_shape((size, size))
     heatmap, regression, features = _inputs(device, batch, classes, size, channels)
     refiner = BoxRefiner(channels, classes, config.detection.roi_size, config.detection.refine_hidden,
                          config.detection.roi_enlarge).to(device).eval()
-    return config, frame, heatmap, regression, features, refiner
+    return config, grid, heatmap, regression, features, refiner
 
 
 def run(ctx) -> list[dict]:
     device = ctx.device
-    config, frame, heatmap, regression, features, refiner = _setup(device, ctx.quick)
+    config, grid, heatmap, regression, features, refiner = _setup(device, ctx.quick)
     cfg = config.detection
     B, K, H, W = heatmap.shape
     shape = f"B{B} K{K} {H}x{W} C{features.shape[1]}"
@@ -39,18 +41,18 @@ def run(ctx) -> list[dict]:
 
     @torch.no_grad()
     def pipeline():
-        proposals = propose(heatmap, regression, frame, cfg, cfg.max_detections)
-        return refiner(features, proposals, frame)
+        proposals = propose(heatmap, regression, grid, cfg, cfg.max_detections)
+        return refiner(features, proposals, grid)
 
-    proposals = propose(heatmap, regression, frame, cfg, cfg.max_detections)
+    proposals = propose(heatmap, regression, grid, cfg, cfg.max_detections)
     count = int(proposals.valid.sum())
     rows.append({"case": f"decode+nms+roi_align+mlp {shape}", "impl": "lss", "ms": ctx.time(pipeline, 5, 20),
                  "floor_ms": None, "notes": f"{count} boxes kept per batch, top_k {cfg.top_k}"})
     rows.append({"case": f"decode (top-K peaks) {shape}", "impl": "lss",
-                 "ms": ctx.time(lambda: decode_peaks(heatmap, regression, frame, cfg.top_k), 5, 20),
+                 "ms": ctx.time(lambda: decode_peaks(heatmap, regression, grid, cfg.top_k), 5, 20),
                  "floor_ms": ctx.floor_ms((heatmap.numel() + regression.numel()) * 4), "notes": ""})
 
-    boxes, scores, labels = decode_peaks(heatmap, regression, frame, cfg.top_k)
+    boxes, scores, labels = decode_peaks(heatmap, regression, grid, cfg.top_k)
     keep = scores > cfg.score_threshold
     idxs = (torch.arange(B, device=device).view(B, 1) * K + labels)[keep]
     envelopes, scores = bev_envelopes(boxes[keep]), scores[keep]
@@ -58,7 +60,7 @@ def run(ctx) -> list[dict]:
     rows.append({"case": f"batched_nms {n} boxes", "impl": "lss",
                  "ms": ctx.time(lambda: batched_nms(envelopes, scores, idxs, cfg.nms_iou), 5, 20),
                  "floor_ms": None, "notes": "ego-frame boxes, negative coordinates"})
-    rois, _ = proposal_rois(proposals, frame, cfg.roi_enlarge)
+    rois, _ = proposal_rois(proposals, grid, cfg.roi_enlarge)
     out = (cfg.roi_size, cfg.roi_size)
     rows.append({"case": f"roi_align {len(rois)} rois {shape}", "impl": "lss",
                  "ms": ctx.time(lambda: roi_align(features, rois, out, 1.0, 2, True), 5, 20),
@@ -81,10 +83,10 @@ def run(ctx) -> list[dict]:
 def smoke(device) -> None:
     """Decode + NMS + RoIAlign refinement forward and backward once on small inputs."""
     device = torch.device(device)
-    config, frame, heatmap, regression, features, refiner = _setup(device, quick=True)
+    config, grid, heatmap, regression, features, refiner = _setup(device, quick=True)
     features.requires_grad_(True)
-    proposals = propose(heatmap, regression, frame, config.detection, config.detection.max_detections)
-    scores, residuals = refiner.train()(features, proposals, frame)
+    proposals = propose(heatmap, regression, grid, config.detection, config.detection.max_detections)
+    scores, residuals = refiner.train()(features, proposals, grid)
     (scores.sum() + residuals.sum()).backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

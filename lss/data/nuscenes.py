@@ -16,13 +16,11 @@ import numpy as np
 import torch
 from pyquaternion import Quaternion
 
-from lss.config import NUSCENES_CAMERAS, Config
+from lss.config import DETECTION_CLASSES, NUSCENES_CAMERAS, Config
 from lss.data import targets as T
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
 from lss.data.transforms import image_size_from_header, load_augmented_image, sample_augmentation
 
-DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
-                     "traffic_cone", "barrier")
 # Segmentation object classes: nuScenes category-name prefixes (LSS: all vehicles; all pedestrians).
 OBJECT_CLASSES = {"vehicle": "vehicle.", "pedestrian": "human.pedestrian."}
 MAP_POLYGON_LAYERS = ("drivable_area", "road_segment", "road_block", "lane", "ped_crossing", "walkway", "stop_line",

@@ -107,11 +107,26 @@ def checkpoint_config(state: dict) -> Config:
     return config_from_dict(state["config"])
 
 
+# Model state keys renamed since checkpoints were first written: (old prefix, new prefix).
+RENAMED_STATE_KEYS = (("bev.segmentation.", "segmentation.conv."),)
+
+
+def _renamed_keys(weights: dict) -> dict:
+    """The weights with the keys of RENAMED_STATE_KEYS under their current names, so older checkpoints load."""
+    renamed = {}
+    for key, value in weights.items():
+        for old, new in RENAMED_STATE_KEYS:
+            if key.startswith(old):
+                key = new + key[len(old):]
+        renamed[key] = value
+    return renamed
+
+
 def load_model_state(model: nn.Module, state: dict, path: Union[str, Path] = "checkpoint") -> None:
     """Load the checkpoint's weights into `model`, with an error that lists what does not fit."""
     target = unwrap(model)
     own = target.state_dict()
-    weights = state["model"]
+    weights = _renamed_keys(state["model"])
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
     mismatched = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v.shape)}"

@@ -14,10 +14,9 @@ import torch
 import torch.distributed as dist
 from pyquaternion import Quaternion
 
-from lss.config import Config
-from lss.data import DETECTION_CLASSES
+from lss.config import DETECTION_CLASSES, Config
 from lss.data.nuscenes import load_tables, resolve_split
-from lss.models.detection import decode_detections
+from lss.models.heads.detection import decode_detections
 
 TP_ERRORS = ("trans_err", "scale_err", "orient_err", "vel_err", "attr_err")
 _TABLE_COLUMNS = {"trans_err": "ATE (m)", "scale_err": "ASE (1-IoU)", "orient_err": "AOE (rad)",

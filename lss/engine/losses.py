@@ -1,6 +1,6 @@
 """Training losses: BEV segmentation (our sigmoid focal loss by default, or the LSS paper's BCE with pos_weight),
-plus the 3D detection losses when "detection" is in model.heads and the lidar depth loss of the camera depth
-distribution when loss.depth_weight > 0."""
+the lidar depth loss of the camera depth distribution when loss.depth_weight > 0, and their sum with the 3D
+detection losses (lss.engine.detection_loss) when "detection" is in model.heads."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lss.config import Config, ConfigError
+from lss.engine.detection_loss import detection_loss
 from lss.ops import sigmoid_focal_loss
 
 LOSS_TYPES = ("focal", "bce")
@@ -138,8 +139,6 @@ class TotalLoss(nn.Module):
         if self.detection or self.depth:
             out["loss/segmentation"] = out["loss"].detach()
         if self.detection:
-            from lss.models.detection import detection_loss
-
             terms = detection_loss(outputs, batch, self.config)
             out["loss"] = out["loss"] + sum(terms.values())
             out.update({f"loss/{k}": v.detach() for k, v in terms.items()})

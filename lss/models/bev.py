@@ -1,4 +1,5 @@
-"""BEV encoder: ResNet-18 trunk over the splatted grid, Up blocks back to full resolution, one logit map per class."""
+"""BEV encoder: ResNet-18 trunk over the splatted grid, Up blocks back to full resolution; the heads
+(lss.models.heads) read its features."""
 from __future__ import annotations
 
 import torch
@@ -10,12 +11,11 @@ from lss.ops import UpsampleBilinear
 
 
 class BevEncoder(nn.Module):
-    """forward(bev B x in_channels x nx x ny) -> (features B x 128 x nx x ny, logits B x out_channels x nx x ny);
-    nx, ny divisible by 8. The features feed further heads (3D detection)."""
+    """forward(bev B x in_channels x nx x ny) -> features B x 128 x nx x ny; nx, ny divisible by 8."""
 
     feature_channels = 128
 
-    def __init__(self, in_channels: int, out_channels: int):
+    def __init__(self, in_channels: int):
         super().__init__()
         trunk = resnet18(weights=None)
         self.stem = nn.Sequential(
@@ -28,10 +28,8 @@ class BevEncoder(nn.Module):
         self.layer3 = trunk.layer3  # stride 8, 256 channels
         self.up1 = Up(64 + 256, 256, scale_factor=4)
         self.up2 = nn.Sequential(UpsampleBilinear(scale_factor=2), *conv_bn_relu(256, self.feature_channels))
-        self.segmentation = nn.Conv2d(self.feature_channels, out_channels, kernel_size=1)
 
-    def forward(self, bev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, bev: torch.Tensor) -> torch.Tensor:
         x1 = self.layer1(self.stem(bev))
         x = self.layer3(self.layer2(x1))
-        features = self.up2(self.up1(x, x1))
-        return features, self.segmentation(features)
+        return self.up2(self.up1(x, x1))

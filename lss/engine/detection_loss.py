@@ -1,0 +1,95 @@
+"""Losses of the 3D detection head (lss.models.heads.detection): the first stage's heatmap focal loss and box
+regression against lss.data.detection_targets, and the second stage's score and residuals of the proposals matched
+to the ground truth."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lss.boxes import BOX_DIM, RESIDUAL_WEIGHT_CHANNELS, Proposals, box_residuals
+from lss.config import Config
+from lss.data.detection_targets import encode_targets
+from lss.geometry import BevGrid
+from lss.models.heads.detection import check_config
+from lss.ops import sigmoid_focal_loss
+
+
+def _pad_ground_truth(gt_boxes: Sequence[torch.Tensor], gt_labels: Sequence[torch.Tensor],
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """B x M x 9 boxes and B x M labels (-1 for padding)."""
+    B, M = len(gt_boxes), max((len(b) for b in gt_boxes), default=0)
+    boxes = torch.zeros(B, M, BOX_DIM, device=device)
+    labels = torch.full((B, M), -1, dtype=torch.long, device=device)
+    for b, (bx, lb) in enumerate(zip(gt_boxes, gt_labels)):
+        boxes[b, :len(bx)] = bx.to(device, torch.float32)
+        labels[b, :len(lb)] = lb.to(device, torch.long)
+    return boxes, labels
+
+
+def match_proposals(proposals: Proposals, gt_boxes: Sequence[torch.Tensor], gt_labels: Sequence[torch.Tensor],
+                    match_distance: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Nearest same-class ground truth (BEV centre distance) of every proposal.
+
+    Returns the matched boxes B x P x 9, the distances B x P (inf without a same-class box) and the positives
+    B x P (valid and closer than match_distance).
+    """
+    boxes, labels = _pad_ground_truth(gt_boxes, gt_labels, proposals.boxes.device)
+    B, P = proposals.valid.shape
+    if boxes.shape[1] == 0 or P == 0:
+        return (proposals.boxes.new_zeros(B, P, BOX_DIM), proposals.boxes.new_full((B, P), math.inf),
+                torch.zeros(B, P, dtype=torch.bool, device=proposals.boxes.device))
+    distance = torch.cdist(proposals.boxes[..., :2], boxes[..., :2])
+    same_class = proposals.labels.unsqueeze(2) == labels.unsqueeze(1)
+    distance = torch.where(same_class, distance, math.inf)
+    nearest, index = distance.min(dim=2)
+    matched = boxes.gather(1, index.unsqueeze(2).expand(-1, -1, BOX_DIM))
+    return matched, nearest, proposals.valid & (nearest < match_distance)
+
+
+def detection_loss(outputs: dict, batch: dict, config: Config) -> dict[str, torch.Tensor]:
+    """Weighted detection losses (sum them for the total): "det_heatmap" (penalty-reduced focal loss of the
+    heatmap logits on the gaussian targets, per object), "det_regression" (weighted L1 at the object centres, per
+    object) and, with the second stage, "det_refine_score" (BCE towards 1 - distance / match_distance) and
+    "det_refine_box" (weighted L1 of the residuals of the positive proposals)."""
+    cfg = config.detection
+    if "det_boxes" not in batch or "det_labels" not in batch:
+        raise KeyError("detection_loss: the batch has no 'det_boxes'/'det_labels'; set data.detection_targets: "
+                       "true so that the dataset provides the detection targets")
+    check_config(cfg)
+    heatmap_logits, regression = outputs["det_heatmap"], outputs["det_regression"]
+    grid = BevGrid.from_config(config.grid).with_shape(heatmap_logits.shape[-2:])
+    targets = encode_targets(batch["det_boxes"], batch["det_labels"], grid, heatmap_logits.shape[1],
+                             cfg.gaussian_overlap, cfg.min_radius, device=heatmap_logits.device)
+    num_objects = max(len(targets["labels"]), 1)
+
+    # CornerNet's penalty-reduced focal loss: positives at the centre cells, negatives down-weighted near them.
+    centres = (targets["heatmap"] == 1).float()
+    penalty = torch.where(centres.bool(), 1.0, (1 - targets["heatmap"]) ** 4)
+    focal = sigmoid_focal_loss(heatmap_logits.float(), centres, alpha=cfg.focal_alpha, gamma=cfg.focal_gamma,
+                               reduction="none")
+    heatmap_loss = (focal * penalty).sum() / num_objects
+
+    predicted = regression.float()[targets["batch"], :, targets["row"], targets["col"]]
+    code_weights = torch.tensor(cfg.code_weights, device=predicted.device)
+    l1 = (predicted - targets["regression"]).abs() * targets["regression_mask"] * code_weights
+    losses = {"det_heatmap": cfg.heatmap_weight * heatmap_loss,
+              "det_regression": cfg.regression_weight * l1.sum() / num_objects}
+
+    if "det_refine_scores" in outputs:
+        proposals = outputs["det_proposals"]
+        matched, distance, positive = match_proposals(proposals, batch["det_boxes"], batch["det_labels"],
+                                                      cfg.match_distance)
+        valid = proposals.valid
+        score_target = torch.clamp(1 - distance / cfg.match_distance, min=0.0)
+        logits = outputs["det_refine_scores"]
+        score_loss = F.binary_cross_entropy_with_logits(logits[valid], score_target[valid], reduction="sum") \
+            / max(int(valid.sum()), 1)
+        residual_target = box_residuals(proposals.boxes[positive], matched[positive])
+        residual_weight = code_weights[list(RESIDUAL_WEIGHT_CHANNELS)] * torch.isfinite(residual_target).float()
+        box_l1 = (outputs["det_refine_residuals"][positive] - torch.nan_to_num(residual_target)).abs() * residual_weight
+        losses["det_refine_score"] = cfg.refine_weight * score_loss
+        losses["det_refine_box"] = cfg.refine_weight * box_l1.sum() / max(int(positive.sum()), 1)
+    return losses

@@ -1,0 +1,69 @@
+"""Box coding (lss.boxes) and the grid methods it uses: regression and residual round trips, centre cells, the
+jittered ground-truth proposals."""
+import math
+
+import torch
+
+from lss.boxes import (REGRESSION_CHANNELS, boxes_to_regression, centre_cells, ground_truth_proposals,
+                       regression_to_boxes)
+from lss.geometry import BevGrid
+
+GRID = BevGrid((-50.0, 50.0, 0.5), (-40.0, 40.0, 0.5), (-10.0, 10.0, 20.0))
+
+
+def boxes_on_map(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    centre = torch.rand(n, 2, generator=g) * torch.tensor([98.0, 78.0]) - torch.tensor([49.0, 39.0])
+    z = torch.rand(n, 1, generator=g) * 2 - 1
+    size = torch.rand(n, 3, generator=g) * torch.tensor([2.0, 4.0, 2.0]) + 0.5
+    yaw = (torch.rand(n, 1, generator=g) * 2 - 1) * (math.pi - 1e-3)
+    velocity = torch.randn(n, 2, generator=g) * 3
+    return torch.cat([centre, z, size, yaw, velocity], 1)
+
+
+def test_with_shape_and_to_cells_place_a_coarser_map_on_the_same_area():
+    coarse = GRID.with_shape((50, 40))
+    assert (coarse.nx, coarse.ny) == (50, 40) and coarse.cell_size[:2] == (2.0, 2.0)
+    assert coarse.xbound[:2] == GRID.xbound[:2] and coarse.zbound == GRID.zbound
+    assert GRID.with_shape(GRID.shape) == GRID
+    u, v = coarse.to_cells(torch.tensor([-50.0, 0.0, 49.0]), torch.tensor([-40.0, 1.0, 39.5]))
+    assert u.tolist() == [0.0, 25.0, 49.5] and v.tolist() == [0.0, 20.5, 39.75]
+
+
+def test_regression_round_trip_recovers_the_boxes():
+    boxes = boxes_on_map(200)
+    labels = torch.arange(200) % 10
+    row, col, ok = centre_cells(boxes, labels, GRID, 10)
+    assert ok.all()
+    regression = boxes_to_regression(boxes, row, col, GRID)
+    assert regression.shape == (200, len(REGRESSION_CHANNELS))
+    assert ((regression[:, :2] >= 0) & (regression[:, :2] < 1)).all()
+    torch.testing.assert_close(regression_to_boxes(regression, row, col, GRID), boxes, atol=1e-4, rtol=1e-5)
+
+
+def test_centre_cells_flags_what_cannot_be_encoded():
+    boxes = boxes_on_map(6)
+    boxes[1, 0] = 50.0  # on the upper x bound: off the map
+    boxes[2, 4] = 0.0  # zero length
+    boxes[3, 6] = float("nan")
+    labels = torch.tensor([0, 0, 0, 0, 10, -1])
+    row, col, ok = centre_cells(boxes, labels, GRID, 10)
+    assert ok.tolist() == [True, False, False, False, False, False]
+    assert row[0] == math.floor((boxes[0, 0] + 50) / 0.5) and col[0] == math.floor((boxes[0, 1] + 40) / 0.5)
+
+
+def test_ground_truth_proposals_jitter_only_boxes_that_stay_on_the_map():
+    boxes = [boxes_on_map(5, seed=1), torch.zeros(0, 9), boxes_on_map(2, seed=2)]
+    boxes[2][1, 0] = 200.0  # far off the map, whatever the jitter
+    boxes[0][0, 7:9] = float("nan")
+    labels = [torch.arange(5), torch.zeros(0, dtype=torch.long), torch.tensor([3, 4])]
+    a = ground_truth_proposals(boxes, labels, GRID, 10, torch.device("cpu"), torch.Generator().manual_seed(3))
+    b = ground_truth_proposals(boxes, labels, GRID, 10, torch.device("cpu"), torch.Generator().manual_seed(3))
+    assert torch.equal(a.boxes, b.boxes)
+    assert a.valid.tolist() == [[True] * 5, [False] * 5, [True] + [False] * 4]
+    assert a.scores.abs().sum() == 0 and a.labels[0].tolist() == [0, 1, 2, 3, 4] and a.labels[2, 0] == 3
+    assert torch.isfinite(a.boxes).all() and a.boxes[0, 0, 7:9].tolist() == [0.0, 0.0]
+    shift = (a.boxes[0, :, :2] - boxes[0][:, :2]).norm(dim=1)
+    assert (shift > 0).all() and (shift < 3.0).all()
+    torch.testing.assert_close(a.boxes[0, 1:, 7:9], boxes[0][1:, 7:9])
+    assert (a.boxes[0, :, 3:6] / boxes[0][:, 3:6]).sub(1).abs().max() < 0.6
