@@ -179,10 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run one command. User errors (LssError: config, arguments, dataset, checkpoint; OSError: a file that is
+    missing, unreadable or not writable) print one line and return 2; anything else is a bug and raises with its
+    traceback."""
+    from lss.errors import LssError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:  # bad input (config, arguments, files): the message says what to do
+    except (LssError, OSError) as e:
         if os.environ.get("LSS_DEBUG"):
             raise
         print(f"lss {args.command}: error: {e}", file=sys.stderr)

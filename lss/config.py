@@ -1,6 +1,8 @@
 """Typed configuration: dataclass defaults (the LSS paper recipe), overridden by YAML, then by `--set` pairs.
 
-Unknown keys and wrong types are errors that name the key, where it came from and what is allowed.
+Unknown keys, wrong types and values outside a `Literal[...]` are errors that name the key, where it came from and
+what is allowed; `validate` then checks ranges and cross-field rules, so a loaded config is one the code can run
+(only what depends on the device or the data on disk is checked where that is known).
 """
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
+
+from lss.errors import ConfigError
 
 NUSCENES_CAMERAS = (
     "CAM_FRONT_LEFT",
@@ -24,10 +28,6 @@ NUSCENES_CAMERAS = (
 # The nuScenes detection benchmark's classes, in label order (the detection head's heatmap channels).
 DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
                      "traffic_cone", "barrier")
-
-
-class ConfigError(ValueError):
-    """A configuration value or key is not valid; the message says which and what is allowed."""
 
 
 @dataclass
@@ -48,7 +48,7 @@ class DataConfig:
     val_split: str = "val"
     make_synthetic_if_missing: bool = False
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    cameras: tuple[str, ...] = NUSCENES_CAMERAS
+    cameras: tuple[Literal[NUSCENES_CAMERAS], ...] = NUSCENES_CAMERAS
     num_train_cameras: Optional[int] = None  # random subset per training sample (LSS used 5 of 6); None = all
     final_dim: tuple[int, int] = (128, 352)  # network input height, width
     resize_lim: tuple[float, float] = (0.193, 0.225)
@@ -79,17 +79,17 @@ class GridConfig:
 
 @dataclass
 class ModelConfig:
-    backbone: str = "efficientnet-b0"
+    backbone: Literal["efficientnet-b0"] = "efficientnet-b0"
     pretrained: Optional[str] = None  # local path to ImageNet weights for the camera backbone
-    downsample: int = 16
+    downsample: int = 16  # the EfficientNet camera encoder's output stride: 16 only
     context_channels: int = 64
-    splat: str = "bev_pool"  # "bev_pool" (our op) or "reference" (pure PyTorch, for comparison)
-    heads: tuple[str, ...] = ("segmentation",)
+    splat: Literal["bev_pool", "reference"] = "bev_pool"  # our op, or pure PyTorch (for comparison)
+    heads: tuple[Literal["segmentation", "detection"], ...] = ("segmentation",)  # segmentation is required
 
 
 @dataclass
 class LossConfig:
-    type: str = "focal"  # "focal" (our sigmoid focal loss op) or "bce" (the LSS paper's BCE with pos_weight)
+    type: Literal["focal", "bce"] = "focal"  # our sigmoid focal loss op, or the LSS paper's BCE with pos_weight
     focal_alpha: float = 0.25
     focal_gamma: float = 2.0
     pos_weight: float = 2.13
@@ -99,11 +99,11 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adam"  # "adam" or "adamw"
+    name: Literal["adam", "adamw"] = "adam"
     lr: float = 1e-3
     weight_decay: float = 1e-7
     grad_clip: float = 5.0
-    schedule: str = "constant"  # "constant", "cosine" or "onecycle"
+    schedule: Literal["constant", "cosine", "onecycle"] = "constant"
     warmup_steps: int = 0
 
 
@@ -112,15 +112,16 @@ class TrainConfig:
     batch_size: int = 4
     max_steps: int = 30000
     grad_accum: int = 1
-    amp: str = "bf16"  # "bf16", "fp16" or "none"; autocast applies on CUDA only
+    amp: Literal["bf16", "fp16", "none"] = "bf16"  # autocast applies on CUDA only
     channels_last: bool = True
     compile: bool = False
-    compile_mode: str = "default"  # torch.compile mode: "default", "reduce-overhead" (CUDA graphs), "max-autotune..."
+    # torch.compile mode; "reduce-overhead" replays CUDA graphs
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     compile_memory_budget: float = 1.0  # with compile: < 1 recomputes activations in the backward (less memory)
     cuda_graph: bool = False  # capture the whole step (LUT, forward, loss, backward, optimizer) as one CUDA graph
     seed: int = 0
     deterministic: bool = False
-    device: str = "auto"  # "auto", "cpu" or "cuda"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs/lss"
     log_every: int = 10
     eval_every: int = 1000
@@ -187,10 +188,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _allowed(values: tuple) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     """Convert a YAML value to the annotated type, or raise ConfigError naming `where`."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is Literal:
+        if isinstance(value, bool) or value not in args:
+            raise ConfigError(f"{where}={value!r}: expected one of {_allowed(args)}")
+        return value
     if origin is Union or origin is types.UnionType:
         if value is None and type(None) in args:
             return None
@@ -208,6 +217,12 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
                 raise ConfigError(f"{where}: expected {len(args)} values, got {len(value)}: {value!r}")
             return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         elem = args[0] if args else Any
+        if typing.get_origin(elem) is Literal:
+            unknown = [v for v in value if isinstance(v, bool) or v not in typing.get_args(elem)]
+            if unknown:
+                noun = where.rsplit(".", 1)[-1].removesuffix("s")  # model.heads -> "head"
+                raise ConfigError(f"{where}={list(value)!r}: unknown {noun}(s) {unknown}; expected values from "
+                                  f"{_allowed(typing.get_args(elem))}")
         out = [_convert(v, elem, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
     if tp is Any:
@@ -246,6 +261,133 @@ def _merge(obj: Any, values: dict, where: str) -> Any:
     return obj
 
 
+CAMERA_STRIDE = 32  # the camera trunk's deepest reduction: the input height and width must divide by it
+BEV_STRIDE = 8  # the BEV trunk's deepest reduction: the grid's cell counts must divide by it
+DETECTION_CODE_SIZE = 10  # detection.code_weights: offset x, y, z, log w, l, h, sin, cos yaw, vx, vy
+MAX_DETECTIONS = 500  # boxes per sample the nuScenes detection evaluation accepts
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _at_least(section: Any, prefix: str, keys: typing.Sequence[str], low: float) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        _check(value >= low, f"{prefix}.{key}={value}: expected >= {low}")
+
+
+def _ordered_range(value: typing.Sequence[float], where: str, low: float, high: float) -> None:
+    _check(low <= value[0] <= value[1] <= high,
+           f"{where}={list(value)}: expected [min, max] with {low} <= min <= max <= {high}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check ranges and cross-field rules of a merged config (enumerations are checked as it merges); returns it.
+
+    Raises ConfigError naming the key, its value and what is allowed. Rules that need the device or the dataset
+    on disk (a CUDA GPU, class names of the nuScenes vocabulary, split sizes) are checked where those are known.
+    """
+    from lss.geometry import BevGrid, depth_bins
+
+    data, grid, model, loss, t = cfg.data, cfg.grid, cfg.model, cfg.loss, cfg.train
+    _check(len(data.cameras) > 0 and len(set(data.cameras)) == len(data.cameras),
+           f"data.cameras must be distinct names from {list(NUSCENES_CAMERAS)}, got {list(data.cameras)}")
+    _check(data.num_train_cameras is None or 1 <= data.num_train_cameras <= len(data.cameras),
+           f"data.num_train_cameras must be in [1, {len(data.cameras)}] (the number of data.cameras) or null, got "
+           f"{data.num_train_cameras}")
+    height, width = data.final_dim
+    _check(height > 0 and width > 0 and height % CAMERA_STRIDE == 0 and width % CAMERA_STRIDE == 0,
+           f"data.final_dim={list(data.final_dim)}: height and width must be multiples of {CAMERA_STRIDE}, e.g. "
+           "[128, 352] or [64, 192]")
+    _check(0 < data.resize_lim[0] <= data.resize_lim[1],
+           f"data.resize_lim={list(data.resize_lim)}: expected [min, max] with 0 < min <= max")
+    _ordered_range(data.bot_pct_lim, "data.bot_pct_lim", 0.0, 1.0)
+    _check(data.rot_lim[0] <= data.rot_lim[1], f"data.rot_lim={list(data.rot_lim)}: expected [min, max], min <= max")
+    _check(len(data.classes) > 0, "data.classes is empty: expected at least one class, e.g. [vehicle]")
+    _at_least(data, "data", ("min_visibility", "min_lidar_pts", "workers"), 0)
+    _at_least(data, "data", ("divider_width",), 1)
+    _check(all(s > 0 for s in data.image_std), f"data.image_std={list(data.image_std)}: expected values > 0")
+    _at_least(data.synthetic, "data.synthetic", ("scenes", "samples_per_scene"), 1)
+    _check(data.synthetic.image_size[0] >= 32 and data.synthetic.image_size[1] >= 18,
+           f"data.synthetic.image_size={list(data.synthetic.image_size)}: expected at least [32, 18] (nuScenes is "
+           "[1600, 900])")
+
+    try:
+        bev = BevGrid.from_config(grid)
+        depth_bins(grid.dbound)
+    except ValueError as e:
+        raise ConfigError(f"grid.{str(e).removeprefix('BevGrid: ')}") from None
+    _check(bev.nx % BEV_STRIDE == 0 and bev.ny % BEV_STRIDE == 0,
+           f"grid: the BEV grid is {bev.nx} x {bev.ny} cells; both must be multiples of {BEV_STRIDE} (adjust "
+           "grid.xbound/ybound)")
+
+    _check(model.downsample == 16,
+           f"model.downsample={model.downsample}: the EfficientNet camera encoder outputs stride 16")
+    _check("segmentation" in model.heads, f"model.heads={list(model.heads)}: the segmentation head is required "
+           "(evaluation and checkpoint selection use its IoU)")
+    _at_least(model, "model", ("context_channels",), 1)
+
+    if loss.class_weights is not None:
+        _check(len(loss.class_weights) == len(data.classes),
+               f"loss.class_weights has {len(loss.class_weights)} values but data.classes has {len(data.classes)} "
+               f"({list(data.classes)})")
+    _check(loss.depth_weight >= 0,
+           f"loss.depth_weight={loss.depth_weight}: expected >= 0 (0 turns the lidar depth loss off)")
+    _check(loss.depth_weight == 0 or data.depth_targets,
+           f"loss.depth_weight={loss.depth_weight} needs lidar depth targets: set data.depth_targets: true (the "
+           "dataset then projects each sample's LIDAR_TOP points into the cameras), or set loss.depth_weight: 0")
+    _at_least(loss, "loss", ("focal_gamma",), 0)
+    _check(loss.pos_weight > 0, f"loss.pos_weight={loss.pos_weight}: expected > 0")
+
+    _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: expected > 0")
+    _at_least(cfg.optim, "optim", ("weight_decay", "grad_clip", "warmup_steps"), 0)
+
+    _check(t.grad_accum >= 1 and t.batch_size >= 1 and t.max_steps >= 1,
+           "train.batch_size, train.grad_accum and train.max_steps must be >= 1, got "
+           f"{t.batch_size}, {t.grad_accum}, {t.max_steps}")
+    _check(0.0 < t.compile_memory_budget <= 1.0,
+           f"train.compile_memory_budget={t.compile_memory_budget}: expected a fraction in (0, 1] (1 keeps what "
+           "the compiler's default partition keeps)")
+    _at_least(t, "train", ("log_every", "eval_every", "ckpt_every", "viz_every"), 0)
+    if t.cuda_graph:
+        problems = []
+        if t.grad_accum != 1:
+            problems.append(f"it needs train.grad_accum: 1 (got {t.grad_accum})")
+        if t.amp == "fp16":
+            problems.append("it needs train.amp: bf16 or none (fp16 needs a loss scaler)")
+        if t.compile and t.compile_mode == "reduce-overhead":
+            problems.append("train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the "
+                            "other")
+        if "detection" in model.heads:
+            problems.append("the detection head's decoding has data-dependent sizes")
+        _check(not problems, "train.cuda_graph: true cannot be used here: " + "; ".join(problems) +
+               ". Set train.cuda_graph: false")
+
+    e = cfg.eval
+    for threshold in (e.threshold, *e.sweep):
+        _check(0.0 < threshold < 1.0, f"eval.threshold/eval.sweep: IoU thresholds must lie in (0, 1), got {threshold}")
+    _at_least(e, "eval", ("batch_size",), 1)
+    _check(e.max_batches is None or e.max_batches >= 1, f"eval.max_batches={e.max_batches}: expected >= 1 or null")
+    _at_least(cfg.viz, "viz", ("num",), 0)
+
+    d = cfg.detection
+    _check(len(d.code_weights) == DETECTION_CODE_SIZE,
+           f"detection.code_weights: expected {DETECTION_CODE_SIZE} weights (offset x, offset y, z, log w, log l, "
+           f"log h, sin yaw, cos yaw, vx, vy), got {len(d.code_weights)}")
+    _check(1 <= d.max_detections <= MAX_DETECTIONS,
+           f"detection.max_detections={d.max_detections}: expected 1 to {MAX_DETECTIONS} (the nuScenes evaluation "
+           "accepts at most 500 boxes per sample)")
+    _at_least(d, "detection", ("head_channels", "top_k", "roi_size", "refine_hidden", "refine_proposals"), 1)
+    _at_least(d, "detection", ("min_radius",), 0)
+    _check(0 < d.gaussian_overlap < 1, f"detection.gaussian_overlap={d.gaussian_overlap}: expected a fraction in "
+           "(0, 1)")
+    _check(d.match_distance > 0 and d.roi_enlarge > 0, "detection: match_distance and roi_enlarge must be "
+           f"positive; got {d.match_distance}, {d.roi_enlarge}")
+    return cfg
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.max_steps=100")
@@ -279,7 +421,7 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: typing.Seque
             _merge(cfg, nested, "")
         except ConfigError as e:
             raise ConfigError(f"--set {item}: {e}") from None
-    return cfg
+    return validate(cfg)
 
 
 def config_to_dict(cfg: Any) -> dict:
@@ -296,7 +438,7 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def config_from_dict(values: dict) -> Config:
-    return _merge(Config(), values, "config")
+    return validate(_merge(Config(), values, "config"))
 
 
 def dump_config(cfg: Config) -> str:

@@ -5,7 +5,10 @@ Conventions (nuScenes):
 - Ego frame: x forward, y left, z up, metres. Camera frame: x right, y down, z forward.
 - sensor2ego rotation/translation come from `calibrated_sensor` (rotation quaternion w, x, y, z); intrinsics 3x3.
 - Image augmentation is a 2-D affine per camera: pixel_aug = post_rot @ pixel + post_trans (post_rot 3x3 with
-  identity z row/column, post_trans 3 with z = 0). Pixel (0, 0) is the centre of the top-left pixel.
+  identity z row/column, post_trans 3 with z = 0). Pixel (0, 0) is the centre of the top-left pixel. A resize
+  scales pixel EDGES (pixel k covers [k - 0.5, k + 0.5), so u -> s u + (s - 1) / 2), as the JPEG reduced decode and
+  the area resize of the data path do; crop, flip and rotation act on pixel centres. This module owns the
+  convention (ImageAugmentation and its affines); lss.data.transforms decodes the pixels through it.
 - BEV cell i on an axis = floor((p - min) / size), kept iff 0 <= i < n on all three axes. Row i of the BEV map is
   ego x, column j is ego y.
 """
@@ -17,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 NUSCENES_RIG_PATH = Path(__file__).resolve().parent / "data" / "nuscenes_rig.json"
@@ -60,6 +64,20 @@ class BevGrid:
     def cell_centers_y(self) -> torch.Tensor:
         """ny ego-y coordinates (metres) of the cell centres, float32."""
         return self.lower[1] + self.cell_size[1] * (torch.arange(self.ny, dtype=torch.float64) + 0.5).float()
+
+    @classmethod
+    def planar(cls, xbound: Sequence[float], ybound: Sequence[float]) -> "BevGrid":
+        """The x-y grid of a 2-D raster (BEV targets, masks): one z cell."""
+        return cls(xbound, ybound, (0.0, 1.0, 1.0))
+
+    def to_cells(self, coord, axis: int):
+        """Ego coordinates (metres, array or tensor) along `axis` (0 = x, 1 = y, 2 = z) -> continuous cell
+        coordinates: cell i covers [i, i + 1), 0 is the grid's lower edge."""
+        return (coord - self.lower[axis]) / self.cell_size[axis]
+
+    def to_metres(self, cells, axis: int):
+        """Inverse of `to_cells`: continuous cell coordinates along `axis` -> ego metres (i + 0.5 is a centre)."""
+        return self.lower[axis] + self.cell_size[axis] * cells
 
     def key(self) -> tuple:
         return (self.xbound, self.ybound, self.zbound)
@@ -190,48 +208,82 @@ def load_nuscenes_rig(cameras: Optional[Sequence[str]] = None, path: Optional[Pa
     return K, rot, trans
 
 
-def image_augmentation(resize: float, crop: Sequence[float], flip: bool = False, rotate_deg: float = 0.0,
-                       final_dim: Optional[Sequence[int]] = None):
-    """The 2-D affine of an LSS-style image augmentation: resize, crop at (x0, y0), optionally flip horizontally and
-    rotate by `rotate_deg` about the centre of the final_dim = (H, W) image (needed for flip/rotate).
+@dataclass(frozen=True)
+class ImageAugmentation:
+    """One camera image's augmentation, in the order applied: resize, crop, flip, rotate.
 
-    Returns (post_rot 3 x 3, post_trans 3), float32, with pixel_aug = post_rot @ pixel + post_trans.
+    resize_dims: (width, height) of the resized image; crop: (left, top) of the final_dim window in the resized
+    image; flip: mirror left-right; rotate: degrees, counter-clockwise as seen on screen, about the crop centre.
     """
-    A = torch.eye(2, dtype=torch.float64) * resize
-    b = -torch.tensor([float(crop[0]), float(crop[1])], dtype=torch.float64)
-    if flip or rotate_deg:
-        if final_dim is None:
-            raise ValueError("image_augmentation: flip/rotate need final_dim = (H, W)")
-        H, W = final_dim
-        if flip:
-            F = torch.tensor([[-1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
-            A, b = F @ A, F @ b + torch.tensor([W - 1.0, 0.0], dtype=torch.float64)
-        if rotate_deg:
-            t = math.radians(rotate_deg)
-            R = torch.tensor([[math.cos(t), math.sin(t)], [-math.sin(t), math.cos(t)]], dtype=torch.float64)
-            centre = torch.tensor([(W - 1) / 2.0, (H - 1) / 2.0], dtype=torch.float64)
-            A, b = R @ A, R @ (b - centre) + centre
-    post_rot = torch.eye(3, dtype=torch.float64)
-    post_rot[:2, :2] = A
-    post_trans = torch.zeros(3, dtype=torch.float64)
-    post_trans[:2] = b
-    return post_rot.float(), post_trans.float()
+
+    resize_dims: tuple[int, int]
+    crop: tuple[int, int]
+    flip: bool = False
+    rotate: float = 0.0
+
+
+def resized_window(image_size: Sequence[int], final_dim: Sequence[int], resize: float,
+                   bot_pct: float) -> tuple[int, int, int]:
+    """(W', H', top): the (W, H) image resized by `resize` (truncated to whole pixels) and the top row of the
+    final_dim = (H, W) window whose bottom edge lies bot_pct * H' above the resized image's bottom (the LSS crop)."""
+    new_w, new_h = int(image_size[0] * resize), int(image_size[1] * resize)
+    return new_w, new_h, int((1.0 - bot_pct) * new_h) - int(final_dim[0])
 
 
 def val_augmentation(image_size: Sequence[int], final_dim: Sequence[int],
-                     bot_pct_lim: Sequence[float] = (0.0, 0.22)):
-    """The deterministic LSS evaluation transform of a (W, H) image to final_dim = (fH, fW): resize so that the
-    image covers final_dim, centre the crop horizontally and keep the bottom (1 - mean(bot_pct_lim)) band.
+                     bot_pct_lim: Sequence[float] = (0.0, 0.22)) -> ImageAugmentation:
+    """The deterministic LSS evaluation augmentation of a (W, H) image to final_dim = (H, W): the smallest resize
+    that covers final_dim, the crop centred horizontally with its bottom edge at the mean of bot_pct_lim; no flip
+    or rotation."""
+    out_h, out_w = final_dim
+    resize = max(out_h / image_size[1], out_w / image_size[0])
+    new_w, new_h, top = resized_window(image_size, final_dim, resize, float(np.mean(bot_pct_lim)))
+    left = int(max(0, new_w - out_w) / 2)
+    return ImageAugmentation((max(new_w, 1), max(new_h, 1)), (left, top), False, 0.0)
 
-    Returns (resize, (crop_x0, crop_y0)).
-    """
-    W, H = image_size
-    fH, fW = final_dim
-    resize = max(fH / H, fW / W)
-    new_w, new_h = int(W * resize), int(H * resize)
-    crop_y0 = max(0, int((1 - sum(bot_pct_lim) / 2) * new_h) - fH)
-    crop_x0 = max(0, (new_w - fW) // 2)
-    return resize, (crop_x0, crop_y0)
+
+def resize_affine(scale_x: float, scale_y: float) -> np.ndarray:
+    """3 x 3 affine of a resize whose pixel EDGES scale by (scale_x, scale_y) (area resize, JPEG scaling)."""
+    return np.array([[scale_x, 0.0, 0.5 * (scale_x - 1.0)],
+                     [0.0, scale_y, 0.5 * (scale_y - 1.0)],
+                     [0.0, 0.0, 1.0]])
+
+
+def crop_flip_rotate_affine(aug: ImageAugmentation, final_dim: Sequence[int]) -> np.ndarray:
+    """3 x 3 affine from resized-image pixels to final_dim pixels: crop, then flip, then rotate about the centre."""
+    out_h, out_w = final_dim
+    left, top = aug.crop
+    m = np.array([[1.0, 0.0, -left], [0.0, 1.0, -top], [0.0, 0.0, 1.0]])
+    if aug.flip:
+        m = np.array([[-1.0, 0.0, out_w - 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]) @ m
+    if aug.rotate:
+        theta = math.radians(aug.rotate)
+        c, s = math.cos(theta), math.sin(theta)
+        cu, cv = (out_w - 1) / 2.0, (out_h - 1) / 2.0
+        # v points down, so this matrix turns content counter-clockwise on screen.
+        rot = np.array([[c, s, 0.0], [-s, c, 0.0], [0.0, 0.0, 1.0]])
+        to_centre = np.array([[1.0, 0.0, -cu], [0.0, 1.0, -cv], [0.0, 0.0, 1.0]])
+        from_centre = np.array([[1.0, 0.0, cu], [0.0, 1.0, cv], [0.0, 0.0, 1.0]])
+        m = from_centre @ rot @ to_centre @ m
+    return m
+
+
+def affine_to_post(affine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lift a 3 x 3 image affine to (post_rot 3 x 3, post_trans 3) acting on (u, v, depth); float32."""
+    post_rot = np.eye(3, dtype=np.float32)
+    post_rot[:2, :2] = affine[:2, :2]
+    post_trans = np.zeros(3, dtype=np.float32)
+    post_trans[:2] = affine[:2, 2]
+    return post_rot, post_trans
+
+
+def image_augmentation(aug: ImageAugmentation, image_size: Sequence[int],
+                       final_dim: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(post_rot 3 x 3, post_trans 3) float32 of `aug` applied to a (W, H) image: the matrices the data path
+    reports for an image decoded at full size (lss.data.transforms.load_augmented_image), as torch tensors."""
+    scale = (aug.resize_dims[0] / image_size[0], aug.resize_dims[1] / image_size[1])
+    post_rot, post_trans = affine_to_post(crop_flip_rotate_affine(aug, final_dim) @ resize_affine(*scale))
+    return torch.from_numpy(post_rot), torch.from_numpy(post_trans)
 
 
 def _index_dtype(*counts: int) -> torch.dtype:
@@ -298,8 +350,7 @@ class FrustumLUT:
             pts = points.reshape(B, -1, 3).float()
             # floor (not truncation) so points just below min fall outside; NaN compares false and is dropped.
             # Per axis with Python scalars: no host-to-device copy, so the build can be captured in a CUDA graph.
-            cell_f = torch.stack([torch.floor((pts[..., a] - grid.lower[a]) / grid.cell_size[a]) for a in range(3)],
-                                 dim=-1)
+            cell_f = torch.stack([torch.floor(grid.to_cells(pts[..., a], a)) for a in range(3)], dim=-1)
             kept = (cell_f[..., 0] >= 0) & (cell_f[..., 0] < nx) & (cell_f[..., 1] >= 0) & (cell_f[..., 1] < ny) \
                 & (cell_f[..., 2] >= 0) & (cell_f[..., 2] < nz)
             ijk = torch.where(kept.unsqueeze(-1), cell_f, 0.0).to(idx_dtype)

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from conftest import devices
-from lss.geometry import (BevGrid, FrustumLUT, frustum, frustum_to_ego, image_augmentation, load_nuscenes_rig,
-                          val_augmentation)
+from lss.geometry import (BevGrid, FrustumLUT, ImageAugmentation, frustum, frustum_to_ego, image_augmentation,
+                          load_nuscenes_rig, val_augmentation)
 from lss.ops import bev_pool, bev_pool_reference, has_ext
 
 needs_ext = pytest.mark.skipif(not has_ext(), reason="lss._C not built")
@@ -19,13 +19,15 @@ def random_lut(B=2, N=6, final_dim=(64, 176), downsample=16, dbound=(4.0, 45.0, 
     K, rot, trans = (t[:N].expand(B, *t[:N].shape).clone() for t in (K, rot, trans))
     post_rot = torch.empty(B, N, 3, 3)
     post_trans = torch.empty(B, N, 3)
-    base, (x0, y0) = val_augmentation((1600, 900), final_dim)
+    base = val_augmentation((1600, 900), final_dim)
+    (w0, h0), (x0, y0) = base.resize_dims, base.crop
     for b in range(B):
         for n in range(N):
             r = torch.rand(4, generator=g).tolist()
-            post_rot[b, n], post_trans[b, n] = image_augmentation(
-                base * (0.9 + 0.2 * r[0]), (x0 + 8 * r[1], y0 + 8 * r[2]), flip=r[3] > 0.5,
-                rotate_deg=10 * r[1] - 5, final_dim=final_dim)
+            scale = 0.9 + 0.2 * r[0]
+            aug = ImageAugmentation((int(w0 * scale), int(h0 * scale)), (x0 + int(8 * r[1]), y0 + int(8 * r[2])),
+                                    flip=r[3] > 0.5, rotate=10 * r[1] - 5)
+            post_rot[b, n], post_trans[b, n] = image_augmentation(aug, (1600, 900), final_dim)
     points = frustum_to_ego(frustum(final_dim, downsample, dbound), K, rot, trans, post_rot, post_trans)
     return FrustumLUT.build(points.to(device), BevGrid(*grid))
 

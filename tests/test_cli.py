@@ -1,12 +1,16 @@
-"""The command line: config show, config errors as exit code 2, and `python -m lss env`."""
+"""The command line: config show, user errors as one line and exit code 2, bugs with their traceback, and
+`python -m lss env`."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lss.cli import main
+from lss.config import ConfigError
+from lss.errors import ArgumentError, CheckpointError, DatasetError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,3 +39,50 @@ def test_python_m_lss_env_runs():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "lss._C" in out.stdout and "efficientnet-pytorch" in out.stdout
+
+
+def failing(exc):
+    def command(args):
+        raise exc
+    return command
+
+
+@pytest.mark.parametrize("exc", [
+    ConfigError("train.amp='fp8': expected one of 'bf16', 'fp16', 'none'"),
+    ArgumentError("scenes must be a positive integer, got 0"),
+    DatasetError("sample abc has no CAM_BACK image"),
+    CheckpointError("checkpoint run/last.pt does not exist"),
+    FileNotFoundError(2, "No such file or directory", "weights.pth"),
+], ids=lambda e: type(e).__name__)
+def test_user_errors_print_one_line_and_exit_2(monkeypatch, capsys, exc):
+    monkeypatch.setattr("lss.cli.cmd_config_show", failing(exc))
+    assert main(["config", "show"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"lss config: error: {exc}" and len(lines) == 2 and "LSS_DEBUG" in lines[1]
+
+
+def test_a_bad_config_value_exits_2_naming_key_and_allowed_values(capsys):
+    assert main(["config", "show", "--set", "train.amp=fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "train.amp='fp8'" in err and "'bf16', 'fp16', 'none'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("exc", [ValueError("shape mismatch 3 vs 4"), RuntimeError("CUDA error"), KeyError("det")],
+                         ids=lambda e: type(e).__name__)
+def test_unexpected_errors_keep_their_traceback(monkeypatch, exc):
+    monkeypatch.setattr("lss.cli.cmd_config_show", failing(exc))
+    with pytest.raises(type(exc)) as e:
+        main(["config", "show"])
+    assert e.value is exc
+
+
+def test_a_bug_prints_its_traceback_from_the_command_line():
+    code = ("import lss.cli as cli\n"
+            "def bug(args):\n    raise ValueError('expected 3 channels, got 4')\n"
+            "cli.cmd_config_show = bug\nraise SystemExit(cli.main(['config', 'show']))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("LSS_DEBUG", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 1
+    assert "Traceback (most recent call last)" in out.stderr and "in bug" in out.stderr
+    assert out.stderr.rstrip().endswith("ValueError: expected 3 channels, got 4")

@@ -1,9 +1,16 @@
-"""Config loading: YAML over dataclass defaults, --set overrides, clear errors, and the shipped configs."""
+"""Config loading: YAML over dataclass defaults, --set overrides, clear errors, validation at load time (enumerations,
+ranges, cross-field rules), and the shipped configs."""
+import dataclasses
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
+import yaml
 
-from lss.config import Config, ConfigError, config_to_dict, dump_config, load_config
+import lss.errors
+from lss.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config, load_config, validate
+from lss.errors import DatasetError, LssError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -17,11 +24,11 @@ def write(tmp_path, text, name="cfg.yaml"):
 
 def test_yaml_overrides_defaults_and_set_overrides_yaml(tmp_path):
     path = write(tmp_path, "train:\n  batch_size: 2\n  max_steps: 50\noptim:\n  lr: 0.01\n")
-    cfg = load_config(path, ["train.max_steps=7", "grid.xbound=[-10, 10, 1]", "model.pretrained=null"])
+    cfg = load_config(path, ["train.max_steps=7", "grid.xbound=[-8, 8, 1]", "model.pretrained=null"])
     assert cfg.train.batch_size == 2
     assert cfg.train.max_steps == 7
     assert cfg.optim.lr == 0.01
-    assert cfg.grid.xbound == (-10.0, 10.0, 1.0)
+    assert cfg.grid.xbound == (-8.0, 8.0, 1.0)
     assert cfg.model.pretrained is None
     assert cfg.data == Config().data
 
@@ -87,3 +94,103 @@ def test_demo_config_is_embedded_identically():
     assert (ROOT / "configs" / "synthetic_demo.yaml").read_text() == DEMO_CONFIG_YAML
     assert config_to_dict(demo_config()) == config_to_dict(load_config(ROOT / "configs" / "synthetic_demo.yaml"))
     assert demo_config(["train.max_steps=5"]).train.max_steps == 5
+
+
+def literal_fields():
+    """(section.key, allowed values, is a list) of every Literal-typed config field."""
+    out = []
+    for section in dataclasses.fields(Config):
+        hints = typing.get_type_hints(type(getattr(Config(), section.name)))
+        for key, tp in hints.items():
+            is_list = typing.get_origin(tp) is tuple and typing.get_args(tp)[-1] is Ellipsis
+            elem = typing.get_args(tp)[0] if is_list else tp
+            if typing.get_origin(elem) is Literal:
+                out.append((f"{section.name}.{key}", typing.get_args(elem), is_list))
+    return out
+
+
+LITERAL_FIELDS = literal_fields()
+
+
+def test_the_enumerated_fields_are_literals():
+    keys = {key for key, _, _ in LITERAL_FIELDS}
+    assert {"data.cameras", "model.backbone", "model.splat", "model.heads", "loss.type", "optim.name",
+            "optim.schedule", "train.amp", "train.compile_mode", "train.device"} <= keys
+
+
+@pytest.mark.parametrize("key, allowed, is_list", LITERAL_FIELDS, ids=[k for k, _, _ in LITERAL_FIELDS])
+def test_a_bad_enumerated_value_names_key_value_and_allowed_values(tmp_path, key, allowed, is_list):
+    value = "[segmentation, bogus_value]" if key == "model.heads" else "[bogus_value]" if is_list else "bogus_value"
+    section, name = key.split(".")
+    yaml_file = write(tmp_path, yaml.safe_dump({section: {name: yaml.safe_load(value)}}))
+    for load in (lambda: load_config(None, [f"{key}={value}"]), lambda: load_config(yaml_file)):
+        with pytest.raises(ConfigError) as e:
+            load()
+        message = str(e.value)
+        assert key in message and "bogus_value" in message
+        assert all(repr(a) in message for a in allowed), message
+    good = allowed[:1] if is_list else allowed[0]
+    assert getattr(getattr(load_config(None, [f"{key}={list(good) if is_list else good}"]), section), name) == good
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.final_dim=[40, 96]"], r"data.final_dim=\[40, 96\]: height and width must be multiples of 32"),
+    (["grid.xbound=[-5.0, 5.0, 1.0]"], "the BEV grid is 10 x 200 cells; both must be multiples of 8"),
+    (["grid.xbound=[1.0, -1.0, 0.5]"], r"grid.xbound = \(1.0, -1.0, 0.5\) needs finite min < max"),
+    (["grid.dbound=[45.0, 4.0, 1.0]"], r"grid.dbound = \(45.0, 4.0, 1.0\) needs min < max"),
+    (["model.heads=[detection]"], "segmentation head is required"),
+    (["model.downsample=8"], "model.downsample=8: the EfficientNet camera encoder outputs stride 16"),
+    (["loss.depth_weight=1.0"], "loss.depth_weight=1.0 needs lidar depth targets: set data.depth_targets: true"),
+    (["loss.depth_weight=-1.0", "data.depth_targets=true"], "loss.depth_weight=-1.0: expected >= 0"),
+    (["loss.class_weights=[1.0]"], r"loss.class_weights has 1 values but data.classes has 4"),
+    (["train.grad_accum=0"], "train.batch_size, train.grad_accum and train.max_steps must be >= 1, got 4, 0"),
+    (["train.compile_memory_budget=1.5"], r"train.compile_memory_budget=1.5: expected a fraction in \(0, 1\]"),
+    (["train.cuda_graph=true", "train.grad_accum=2"], "cuda_graph: true cannot be used.*train.grad_accum: 1"),
+    (["train.cuda_graph=true", "train.amp=fp16"], "cuda_graph: true cannot be used.*bf16 or none"),
+    (["train.cuda_graph=true", "train.compile=true", "train.compile_mode=reduce-overhead"],
+     "cuda_graph: true cannot be used.*one or the other.*cuda_graph: false"),
+    (["train.cuda_graph=true", "model.heads=[segmentation, detection]"],
+     "cuda_graph: true cannot be used.*detection head"),
+    (["data.num_train_cameras=7"], r"data.num_train_cameras must be in \[1, 6\]"),
+    (["data.cameras=[CAM_FRONT, CAM_FRONT]"], "data.cameras must be distinct"),
+    (["data.bot_pct_lim=[0.3, 0.1]"], r"data.bot_pct_lim=\[0.3, 0.1\]: expected \[min, max\]"),
+    (["data.divider_width=0"], "data.divider_width=0: expected >= 1"),
+    (["eval.sweep=[0.5, 1.0]"], r"IoU thresholds must lie in \(0, 1\), got 1.0"),
+    (["detection.max_detections=600"], "detection.max_detections=600: expected 1 to 500"),
+    (["detection.code_weights=[1, 1, 1, 1, 1, 1, 1, 1, 1]"], "detection.code_weights: expected 10 weights"),
+    (["detection.roi_size=0"], "detection.roi_size=0: expected >= 1"),
+    (["detection.gaussian_overlap=1.0"], r"detection.gaussian_overlap=1.0: expected a fraction in \(0, 1\)"),
+])
+def test_range_and_cross_field_rules(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_cross_field_rules_see_every_source_and_the_defaults_pass(tmp_path):
+    assert validate(Config()) == Config()
+    path = write(tmp_path, "data:\n  depth_targets: true\n")
+    assert load_config(path, ["loss.depth_weight=1.0"]).loss.depth_weight == 1.0  # YAML + --set together
+    with pytest.raises(ConfigError, match="needs lidar depth targets"):
+        load_config(path, ["loss.depth_weight=1.0", "data.depth_targets=false"])
+
+
+def test_load_config_and_config_from_dict_run_validate(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr("lss.config.validate", lambda cfg: seen.append(cfg) or cfg)
+    loaded = load_config(write(tmp_path, "model:\n  downsample: 8\n"))
+    rebuilt = config_from_dict({"model": {"downsample": 8}})
+    assert seen == [loaded, rebuilt] and loaded.model.downsample == 8
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="model.downsample=8"):
+        load_config(write(tmp_path, "model:\n  downsample: 8\n"))
+    with pytest.raises(ConfigError, match="model.downsample=8"):
+        config_from_dict({"model": {"downsample": 8}})
+
+
+def test_user_error_types():
+    from lss.data.nuscenes import DatasetNotFoundError
+    from lss.engine.checkpoint import CheckpointError
+
+    assert issubclass(ConfigError, LssError) and issubclass(ConfigError, ValueError)
+    assert issubclass(DatasetNotFoundError, DatasetError) and issubclass(DatasetNotFoundError, FileNotFoundError)
+    assert CheckpointError is lss.errors.CheckpointError and issubclass(CheckpointError, LssError)

@@ -10,7 +10,7 @@ from nuscenes.utils.data_classes import Box
 from PIL import Image
 from pyquaternion import Quaternion
 
-from lss.config import NUSCENES_CAMERAS, Config
+from lss.config import NUSCENES_CAMERAS, Config, validate
 from lss.data import DETECTION_CLASSES, NuScenesBEV, collate, locate_dataroot
 from lss.engine.build import build_dataset, build_eval_loader, build_loader, ensure_dataset
 from lss.engine.distributed import EpochSampler
@@ -278,7 +278,7 @@ def test_camera_dropout_and_augmentation(tiny_root):
     assert full[0]["images"].shape[0] == 6
     assert torch.equal(full[0]["images"], full[0]["images"])
     with pytest.raises(ValueError, match="num_train_cameras"):
-        NuScenesBEV(tiny_root, VERSION, "train", make_config(num_train_cameras=7))
+        validate(make_config(num_train_cameras=7))  # checked when the config loads
     sub = NuScenesBEV(tiny_root, VERSION, "train", make_config(cameras=("CAM_FRONT", "CAM_BACK")), verbose=False)
     assert sub[1]["images"].shape[0] == 2
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import devices
-from lss.geometry import (BevGrid, FrustumLUT, FrustumLUTCache, depth_bins, frustum, frustum_to_ego,
-                          image_augmentation, load_nuscenes_rig, val_augmentation)
+from lss.geometry import (BevGrid, FrustumLUT, FrustumLUTCache, ImageAugmentation, depth_bins, frustum,
+                          frustum_to_ego, image_augmentation, load_nuscenes_rig, val_augmentation)
 
 FINAL_DIM = (128, 352)
 IMAGE_SIZE = (1600, 900)
@@ -15,8 +15,7 @@ def rig(B=1, aug=None):
     """The real nuScenes rig, B copies, with one augmentation (post_rot, post_trans) for every camera."""
     K, rot, trans = load_nuscenes_rig()
     if aug is None:
-        resize, crop = val_augmentation(IMAGE_SIZE, FINAL_DIM)
-        aug = image_augmentation(resize, crop)
+        aug = image_augmentation(val_augmentation(IMAGE_SIZE, FINAL_DIM), IMAGE_SIZE, FINAL_DIM)
     post_rot, post_trans = aug
     N = K.shape[0]
     return (K.expand(B, N, 3, 3), rot.expand(B, N, 3, 3), trans.expand(B, N, 3),
@@ -53,17 +52,36 @@ def test_frustum_uses_feature_cell_centres():
 
 
 def test_val_augmentation_matches_lss_recipe():
-    resize, (x0, y0) = val_augmentation(IMAGE_SIZE, FINAL_DIM, (0.0, 0.22))
+    aug = val_augmentation(IMAGE_SIZE, FINAL_DIM, (0.0, 0.22))
+    resize = max(128 / 900, 352 / 1600)
     assert resize == pytest.approx(0.22)
-    assert (x0, y0) == (0, int((1 - 0.11) * int(900 * 0.22)) - 128)
+    assert aug.resize_dims == (int(1600 * resize), int(900 * resize))
+    assert aug.crop == (0, int((1 - 0.11) * int(900 * resize)) - 128)
+    assert not aug.flip and aug.rotate == 0.0
+
+
+def test_resize_scales_pixel_edges():
+    """Resize then crop: pixel edges (u = -0.5, W - 0.5) scale with the image, so the centre of source pixel k lands
+    at s (k + 0.5) - 0.5 - crop; flip mirrors the final_dim window."""
+    aug = ImageAugmentation((400, 225), (10, 20))
+    post_rot, post_trans = image_augmentation(aug, IMAGE_SIZE, FINAL_DIM)
+    s = 0.25
+    torch.testing.assert_close(post_rot, torch.diag(torch.tensor([s, s, 1.0])))
+    torch.testing.assert_close(post_trans, torch.tensor([0.5 * (s - 1) - 10, 0.5 * (s - 1) - 20, 0.0]))
+    edges = torch.tensor([[-0.5, -0.5, 1.0], [1599.5, 899.5, 1.0]]) @ post_rot.T + post_trans
+    torch.testing.assert_close(edges[:, :2], torch.tensor([[-10.5, -20.5], [389.5, 204.5]]))
+    flip_rot, flip_trans = image_augmentation(ImageAugmentation((400, 225), (10, 20), flip=True), IMAGE_SIZE,
+                                              FINAL_DIM)
+    u = torch.tensor([7.0, 3.0, 1.0])
+    assert (flip_rot @ u + flip_trans)[0].item() == pytest.approx(FINAL_DIM[1] - 1 - (post_rot @ u + post_trans)[0])
 
 
 @pytest.mark.parametrize("aug", ["val", "flip_rot"])
 def test_known_point_comes_back_at_its_depth_bin(aug):
     """Ego points at the frustum's (u, v, d) project back to (u, v) at depth d through the real rig."""
-    resize, crop = val_augmentation(IMAGE_SIZE, FINAL_DIM)
-    post = (image_augmentation(resize, crop) if aug == "val" else
-            image_augmentation(0.21, (5, 40), flip=True, rotate_deg=4.0, final_dim=FINAL_DIM))
+    params = (val_augmentation(IMAGE_SIZE, FINAL_DIM) if aug == "val" else
+              ImageAugmentation((336, 189), (5, 40), flip=True, rotate=4.0))
+    post = image_augmentation(params, IMAGE_SIZE, FINAL_DIM)
     K, rot, trans, post_rot, post_trans = rig(1, post)
     fr = frustum(FINAL_DIM, 16, (4.0, 45.0, 1.0))
     ego = frustum_to_ego(fr, K, rot, trans, post_rot, post_trans)[0]  # N x D x fH x fW x 3

@@ -83,18 +83,11 @@ def test_batches_that_do_not_fit_the_static_buffers_are_rejected():
         GraphedTrainStep(model, loss_fn, optimizer, None, 5.0, warmup=0)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ([], "needs a CUDA device"),
-    (["train.grad_accum=2"], "train.grad_accum: 1"),
-    (["train.amp=fp16"], "bf16 or none"),
-    (["train.compile=true", "train.compile_mode=reduce-overhead"], "one or the other"),
-    (["model.heads=[segmentation, detection]"], "detection head"),
-])
-def test_configs_the_captured_step_cannot_serve_are_rejected(overrides, message):
-    cfg = tiny_cfg("train.cuda_graph=true", *overrides)
-    device = torch.device("cpu") if not overrides else torch.device("cuda", 0)
-    with pytest.raises(ConfigError, match=f"train.cuda_graph: true cannot be used.*{message}.*cuda_graph: false"):
-        check_graph_config(cfg, device, distributed=False)
+def test_configs_the_captured_step_cannot_serve_are_rejected():
+    """The device and process rules; the others are checked when the config loads (tests/test_config.py)."""
+    cfg = tiny_cfg("train.cuda_graph=true")
+    with pytest.raises(ConfigError, match="cuda_graph: true cannot be used.*needs a CUDA device.*cuda_graph: false"):
+        check_graph_config(cfg, torch.device("cpu"), distributed=False)
     with pytest.raises(ConfigError, match="one process only"):
         check_graph_config(tiny_cfg("train.cuda_graph=true"), torch.device("cuda", 0), distributed=True)
 

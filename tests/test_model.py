@@ -6,7 +6,7 @@ from efficientnet_pytorch import EfficientNet
 
 from lss.config import ConfigError, load_config
 from lss.engine.losses import depth_loss
-from lss.geometry import image_augmentation, load_nuscenes_rig
+from lss.geometry import image_augmentation, load_nuscenes_rig, val_augmentation
 from lss.models import LiftSplatShoot
 from lss.models.camera import CameraEncoder, EfficientNetTrunk
 
@@ -24,8 +24,8 @@ def rig_batch(cfg, batch_size=2, seed=0):
     h, w = cfg.data.final_dim
     K, rot, trans = load_nuscenes_rig(cfg.data.cameras)
     n = K.shape[0]
-    scale = w / 1600
-    post_rot, post_trans = image_augmentation(scale, (0.0, 900 * scale - h))
+    # resize to the image width, keep the bottom rows
+    post_rot, post_trans = image_augmentation(val_augmentation((1600, 900), (h, w), (0.0, 0.0)), (1600, 900), (h, w))
     expand = lambda t: t.unsqueeze(0).expand(batch_size, *t.shape).clone()  # noqa: E731
     return {
         "images": torch.randn(batch_size, n, 3, h, w, generator=g),

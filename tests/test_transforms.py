@@ -10,8 +10,9 @@ from nuscenes.utils.geometry_utils import view_points
 from PIL import Image
 from pyquaternion import Quaternion
 
-from lss.data.transforms import (ImageAugmentation, crop_flip_rotate_affine, decode_resized, image_size_from_header,
-                                 jpeg_scale, load_augmented_image, sample_augmentation)
+from lss.data.transforms import (decode_resized, image_size_from_header, jpeg_scale, load_augmented_image,
+                                 sample_augmentation)
+from lss.geometry import ImageAugmentation, crop_flip_rotate_affine, image_augmentation
 
 FINAL_DIM = (128, 352)
 LSS_TRAIN = dict(resize_lim=(0.193, 0.225), bot_pct_lim=(0.0, 0.22), rot_lim=(-5.4, 5.4), rand_flip=True)
@@ -84,6 +85,32 @@ def test_markers_land_where_post_rot_and_post_trans_send_them(tmp_path, size, su
             assert abs(found[0] - u) < 0.3 and abs(found[1] - v) < 0.3, (trial, aug, k, found, (u, v))
             checked += 1
     assert checked > 25
+
+
+@pytest.mark.parametrize("size,suffix", [((1600, 900), ".jpg"), ((640, 360), ".png")])
+def test_data_path_and_geometry_build_the_same_augmentation(tmp_path, size, suffix):
+    """NuScenesBEV's path (sample_augmentation, then load_augmented_image) reports exactly the post_rot/post_trans
+    of lss.geometry.image_augmentation, and a source point goes to the same output pixel through both: the one
+    where the decoded image shows it."""
+    rng = np.random.default_rng(5)
+    point = np.array([0.5 * size[0] + 3.3, 0.7 * size[1] - 1.7])
+    path = tmp_path / f"cam{suffix}"
+    marker_image(path, size, point[:, None], radius=7.0 * size[0] / 400)
+    flips = rotations = 0
+    for trial in range(8):
+        aug = sample_augmentation(size, FINAL_DIM, is_train=trial > 0, rng=rng,
+                                  **{**LSS_TRAIN, "resize_lim": (0.193 * 1600 / size[0], 0.225 * 1600 / size[0])})
+        image, post_rot, post_trans = load_augmented_image(path.read_bytes(), size, aug, FINAL_DIM)
+        geo_rot, geo_trans = image_augmentation(aug, size, FINAL_DIM)
+        assert np.array_equal(post_rot, geo_rot.numpy()) and np.array_equal(post_trans, geo_trans.numpy()), aug
+        data_uv = (post_rot @ [*point, 1.0] + post_trans)[:2]
+        geo_uv = (geo_rot.double() @ torch.tensor([*point, 1.0], dtype=torch.float64) + geo_trans.double())[:2]
+        assert np.array_equal(np.floor(data_uv + 0.5), np.floor(geo_uv.numpy() + 0.5))
+        found = blob_centroid(image, COLORS[0])
+        assert found is not None and np.abs(np.array(found) - geo_uv.numpy()).max() < 0.3, (aug, found, geo_uv)
+        flips += aug.flip
+        rotations += aug.rotate != 0.0
+    assert flips and rotations
 
 
 def test_projected_devkit_box_corners_hit_drawn_corners(tmp_path):

@@ -34,8 +34,8 @@ CASES = [
 def camera_inputs(case: SplatCase, device):
     """Frustum and the real nuScenes rig with the LSS evaluation transform (resize to cover, bottom crop)."""
     K, rot, trans = load_nuscenes_rig()
-    resize, crop = val_augmentation((1600, 900), case.final_dim)
-    post_rot, post_trans = image_augmentation(resize, crop)
+    aug = val_augmentation((1600, 900), case.final_dim)
+    post_rot, post_trans = image_augmentation(aug, (1600, 900), case.final_dim)
     B, N = case.B, case.N
     rig = [t[:N].expand(B, *t[:N].shape) for t in (K, rot, trans)]
     rig += [post_rot.expand(B, N, 3, 3), post_trans.expand(B, N, 3)]

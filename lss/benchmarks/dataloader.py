@@ -24,7 +24,8 @@ from PIL import Image
 
 from lss.config import Config
 from lss.data import NuScenesBEV, collate
-from lss.data.transforms import crop_flip_rotate_affine, sample_augmentation
+from lss.data.transforms import sample_augmentation
+from lss.geometry import crop_flip_rotate_affine
 
 BATCH = 4
 STALL_S = 60  # a DataLoader batch taking longer than this is reported as stalled

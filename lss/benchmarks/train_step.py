@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 
 import torch
 
@@ -37,12 +38,13 @@ def random_batches(cfg: Config, batch_size: int, device: torch.device, variants:
     h, w = cfg.data.final_dim
     K, rot, trans = load_nuscenes_rig(cfg.data.cameras)
     n = K.shape[0]
-    resize, (x0, y0) = val_augmentation((1600, 900), (h, w), cfg.data.bot_pct_lim)
+    aug = val_augmentation((1600, 900), (h, w), cfg.data.bot_pct_lim)
+    x0, y0 = aug.crop
     images = torch.randn(batch_size, n, 3, h, w, generator=g).to(device)
     targets = (torch.rand(batch_size, len(cfg.data.classes), *_grid_shape(cfg), generator=g) > 0.9).float()
     batches = []
     for v in range(variants):
-        post_rot, post_trans = image_augmentation(resize, (x0 + v, y0 + v))
+        post_rot, post_trans = image_augmentation(replace(aug, crop=(x0 + v, y0 + v)), (1600, 900), (h, w))
         rig = {"intrinsics": K, "sensor2ego_rot": rot, "sensor2ego_trans": trans,
                "post_rot": post_rot.expand(n, 3, 3), "post_trans": post_trans.expand(n, 3)}
         batch = {k: t.unsqueeze(0).expand(batch_size, *t.shape).contiguous().to(device) for k, t in rig.items()}

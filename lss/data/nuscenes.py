@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from pyquaternion import Quaternion
 
-from lss.config import DETECTION_CLASSES, NUSCENES_CAMERAS, Config
+from lss.config import DETECTION_CLASSES, Config
 from lss.data import targets as T
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
 from lss.data.transforms import image_size_from_header, load_augmented_image, sample_augmentation
+from lss.errors import ConfigError, DatasetError
 
 # Segmentation object classes: nuScenes category-name prefixes (LSS: all vehicles; all pedestrians).
 OBJECT_CLASSES = {"vehicle": "vehicle.", "pedestrian": "human.pedestrian."}
@@ -30,11 +31,11 @@ MAP_LINE_LAYERS = ("road_divider", "lane_divider")
 _LSS_LAYOUT_FOLDER = {"v1.0-mini": "mini", "v1.0-trainval": "trainval", "v1.0-test": "test"}
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(DatasetError, FileNotFoundError):
     """The dataroot holds no nuScenes tables for the requested version."""
 
 
-class MapNotFoundError(FileNotFoundError):
+class MapNotFoundError(DatasetError, FileNotFoundError):
     """A map-expansion file needed for a map class is missing."""
 
 
@@ -78,7 +79,7 @@ def resolve_split(version: str, split: str) -> tuple[str, list[str]]:
     splits = create_splits_scenes()
     name = f"mini_{split}" if version.endswith("mini") and split in ("train", "val") else split
     if name not in splits:
-        raise ValueError(f"unknown split {split!r} for {version}; expected 'train', 'val' or one of the devkit "
+        raise ConfigError(f"unknown split {split!r} for {version}; expected 'train', 'val' or one of the devkit "
                          f"splits {sorted(splits)}")
     return name, list(splits[name])
 
@@ -197,7 +198,7 @@ def _class_kinds(classes: Sequence[str]) -> list[str]:
             kinds.append("map")
         else:
             allowed = list(OBJECT_CLASSES) + [c for c in DETECTION_CLASSES if c != "pedestrian"]
-            raise ValueError(f"data.classes: unknown class {name!r}. Object classes: {', '.join(allowed)}; map "
+            raise ConfigError(f"data.classes: unknown class {name!r}. Object classes: {', '.join(allowed)}; map "
                              f"classes: {', '.join(MAP_POLYGON_LAYERS + MAP_LINE_LAYERS)}")
     return kinds
 
@@ -246,13 +247,6 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.version, self.split = version, split
         self.is_train = ("train" in split) if is_train is None else is_train
         self.cameras = tuple(data.cameras)
-        unknown = [c for c in self.cameras if c not in NUSCENES_CAMERAS]
-        if unknown or not self.cameras or len(set(self.cameras)) != len(self.cameras):
-            raise ValueError(f"data.cameras must be distinct names from {list(NUSCENES_CAMERAS)}, got "
-                             f"{list(self.cameras)}")
-        if data.num_train_cameras is not None and not 1 <= data.num_train_cameras <= len(self.cameras):
-            raise ValueError(f"data.num_train_cameras must be in [1, {len(self.cameras)}] (the number of "
-                             f"data.cameras) or null, got {data.num_train_cameras}")
         self.classes = tuple(data.classes)
         self.class_kinds = _class_kinds(self.classes)
         self.xbound, self.ybound = tuple(self.config.grid.xbound), tuple(self.config.grid.ybound)
@@ -267,7 +261,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
         scenes = sorted((s for s in nusc.scene if s["name"] in set(split_scenes)), key=lambda s: s["name"])
         if not scenes:
             have = sorted(s["name"] for s in nusc.scene)
-            raise ValueError(f"split {split!r} ({self.devkit_split}) has none of its {len(split_scenes)} scenes in "
+            raise DatasetError(f"split {split!r} ({self.devkit_split}) has none of its {len(split_scenes)} scenes in "
                              f"{self.root / version}: the tables hold {have[:12]}{' ...' if len(have) > 12 else ''}")
         self._extract(nusc, scenes)
         map_layers = sorted({c for c, k in zip(self.classes, self.class_kinds) if k == "map"})
@@ -305,8 +299,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
         for i, (_, sample) in enumerate(samples):
             for k, cam in enumerate(self.cameras):
                 if cam not in sample["data"]:
-                    raise ValueError(f"sample {sample['token']} has no {cam} image; its channels: "
-                                     f"{sorted(sample['data'])}")
+                    raise DatasetError(f"sample {sample['token']} has no {cam} image; its channels: "
+                                       f"{sorted(sample['data'])}")
                 sd = nusc.get("sample_data", sample["data"][cam])
                 calib = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
                 paths[i][k] = str(self.root / sd["filename"])
@@ -315,8 +309,9 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 self.sensor2ego_rot[i, k] = Quaternion(calib["rotation"]).rotation_matrix
                 self.sensor2ego_trans[i, k] = calib["translation"]
             if "LIDAR_TOP" not in sample["data"]:
-                raise ValueError(f"sample {sample['token']} has no LIDAR_TOP sample_data (the ego pose of the "
-                                 f"targets and the depth targets come from it); its channels: {sorted(sample['data'])}")
+                raise DatasetError(f"sample {sample['token']} has no LIDAR_TOP sample_data (the ego pose of the "
+                                   f"targets and the depth targets come from it); its channels: "
+                                   f"{sorted(sample['data'])}")
             lidar_sd = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
             if data.depth_targets:
                 lidar_paths[i] = str(self.root / lidar_sd["filename"])

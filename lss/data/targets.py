@@ -1,8 +1,8 @@
 """BEV target rasterization: object footprints, map polygons and lines, camera visibility.
 
-Raster convention (the model's output layout): `raster[i, j]` with row i along ego x (forward) and column j along
-ego y (left); cell (i, j) covers x in [xmin + i*dx, xmin + (i+1)*dx) and its centre is xmin + (i + 0.5)*dx (same
-for y). Each bound is (min, max, cell size) in metres and n = round((max - min) / size).
+Raster convention (the model's output layout, lss.geometry.BevGrid): `raster[i, j]` with row i along ego x
+(forward) and column j along ego y (left); cell (i, j) covers x in [xmin + i*dx, xmin + (i+1)*dx) and its centre is
+xmin + (i + 0.5)*dx (same for y). Each bound is (min, max, cell size) in metres and n = round((max - min) / size).
 
 OpenCV draws with integer pixel coordinates at pixel centres and (col, row) order, so an ego point (x, y) is drawn
 at (col, row) = ((y - ymin)/dy - 0.5, (x - xmin)/dx - 0.5), with SHIFT fractional bits of sub-cell precision.
@@ -16,6 +16,8 @@ from typing import Sequence
 import cv2
 import numpy as np
 
+from lss.geometry import BevGrid
+
 SHIFT = 4
 _SCALE = float(1 << SHIFT)
 
@@ -24,22 +26,23 @@ Bound = tuple[float, float, float]
 
 def grid_shape(xbound: Bound, ybound: Bound) -> tuple[int, int]:
     """(nx, ny) of the BEV grid."""
-    for name, b in (("xbound", xbound), ("ybound", ybound)):
-        if len(b) != 3 or not b[2] > 0 or not b[1] > b[0]:
-            raise ValueError(f"{name} must be (min, max, cell size) with max > min and size > 0, got {tuple(b)}")
-    return int(round((xbound[1] - xbound[0]) / xbound[2])), int(round((ybound[1] - ybound[0]) / ybound[2]))
+    return BevGrid.planar(xbound, ybound).shape
 
 
 def cell_centers(xbound: Bound, ybound: Bound) -> tuple[np.ndarray, np.ndarray]:
-    """Cell-centre coordinates: (nx,) along ego x and (ny,) along ego y, metres."""
-    nx, ny = grid_shape(xbound, ybound)
-    return (xbound[0] + (np.arange(nx) + 0.5) * xbound[2], ybound[0] + (np.arange(ny) + 0.5) * ybound[2])
+    """Cell-centre coordinates: (nx,) along ego x and (ny,) along ego y, metres (float64)."""
+    grid = BevGrid.planar(xbound, ybound)
+    return grid.to_metres(np.arange(grid.nx) + 0.5, 0), grid.to_metres(np.arange(grid.ny) + 0.5, 1)
 
 
 def ego_to_raster_points(points_xy: np.ndarray, xbound: Bound, ybound: Bound) -> np.ndarray:
     """... x 2 ego (x, y) metres -> ... x 2 int32 OpenCV points (col, row) with SHIFT fractional bits."""
-    cells = np.stack([(points_xy[..., 0] - xbound[0]) / xbound[2], (points_xy[..., 1] - ybound[0]) / ybound[2]], -1)
-    return _cells_to_points(cells)
+    return _cells_to_points(_ego_to_cells(points_xy, BevGrid.planar(xbound, ybound)))
+
+
+def _ego_to_cells(points_xy: np.ndarray, grid: BevGrid) -> np.ndarray:
+    """... x 2 ego (x, y) metres -> ... x 2 continuous (row, col) cell coordinates of `grid`."""
+    return np.stack([grid.to_cells(points_xy[..., 0], 0), grid.to_cells(points_xy[..., 1], 1)], -1)
 
 
 def box_footprints(centers_xy: np.ndarray, sizes_wl: np.ndarray, yaws: np.ndarray) -> np.ndarray:
@@ -63,8 +66,9 @@ def rasterize_polygons(canvas: np.ndarray, polygons: Sequence[Sequence[np.ndarra
                        ybound: Bound) -> np.ndarray:
     """Fill polygons (each a list of rings K x 2 in ego metres: exterior first, then holes) into `canvas` (nx x ny
     uint8) with 1. Polygons are drawn one by one, so overlaps stay filled and holes only cut their own polygon."""
+    grid = BevGrid.planar(xbound, ybound)
     for rings in polygons:
-        pts = [ego_to_raster_points(np.asarray(r), xbound, ybound) for r in rings if len(r) >= 3]
+        pts = [_cells_to_points(_ego_to_cells(np.asarray(r), grid)) for r in rings if len(r) >= 3]
         if pts:
             cv2.fillPoly(canvas, pts, 1, lineType=cv2.LINE_8, shift=SHIFT)
     return canvas
@@ -88,13 +92,14 @@ def rasterize_lines(canvas: np.ndarray, lines: Sequence[np.ndarray], xbound: Bou
     if width <= 0:
         raise ValueError(f"line width must be > 0 cells, got {width}")
     half = width / 2.0
+    grid = BevGrid.planar(xbound, ybound)
     radius = int(round(half * _SCALE))
     for line in lines:
         line = np.asarray(line, dtype=np.float64)
         if len(line) < 2:
             continue
         # Work in cell units so that the band width is the same along x and y.
-        cells = np.stack([(line[:, 0] - xbound[0]) / xbound[2], (line[:, 1] - ybound[0]) / ybound[2]], -1)
+        cells = _ego_to_cells(line, grid)
         start, end = cells[:-1], cells[1:]
         direction = end - start
         length = np.linalg.norm(direction, axis=1, keepdims=True)

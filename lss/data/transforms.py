@@ -1,8 +1,9 @@
 """Camera image augmentation (the LSS recipe) with exact bookkeeping of the image-plane affine.
 
-Pixel convention: integer (u, v) is the CENTRE of a pixel (as in OpenCV and in the nuScenes intrinsics), u to the
-right, v down. Every augmentation is one affine map `A` from source pixels to augmented pixels; `post_rot` /
-`post_trans` are that map lifted to 3-D so that `post_rot @ (u, v, d) + post_trans = (A(u, v), d)`.
+Pixel convention (owned by lss.geometry, which builds every matrix used here): integer (u, v) is the CENTRE of a
+pixel (as in OpenCV and in the nuScenes intrinsics), u to the right, v down, and a resize scales pixel EDGES. Every
+augmentation is one affine map `A` from source pixels to augmented pixels; `post_rot` / `post_trans` are that map
+lifted to 3-D so that `post_rot @ (u, v, d) + post_trans = (A(u, v), d)`.
 
 Decoding path (fast and anti-aliased): JPEG DCT-domain downscaling by 1/2, 1/4 or 1/8 (OpenCV's reduced-size
 libjpeg decode, as PIL's `draft` picks the scale), an area resize to the sampled resize size, then one
@@ -12,31 +13,18 @@ The reported matrix is the composition of exactly these maps, so projected point
 from __future__ import annotations
 
 import io
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import cv2
 import numpy as np
 from PIL import Image
 
+from lss.geometry import (ImageAugmentation, affine_to_post, crop_flip_rotate_affine, resize_affine, resized_window,
+                          val_augmentation)
+
 # One OpenCV thread per process (forked loader workers inherit it): parallelism comes from the workers, and a
 # thread pool started in the parent before DataLoader forks them can deadlock them (seen on a 16-core machine).
 cv2.setNumThreads(1)
-
-
-@dataclass(frozen=True)
-class ImageAugmentation:
-    """One camera image's augmentation, in the order applied: resize, crop, flip, rotate.
-
-    resize_dims: (width, height) of the resized image; crop: (left, top) of the final_dim window in the resized
-    image; flip: mirror left-right; rotate: degrees, counter-clockwise as seen on screen, about the crop centre.
-    """
-
-    resize_dims: tuple[int, int]
-    crop: tuple[int, int]
-    flip: bool = False
-    rotate: float = 0.0
 
 
 def sample_augmentation(image_size: tuple[int, int], final_dim: tuple[int, int], resize_lim: tuple[float, float],
@@ -53,59 +41,17 @@ def sample_augmentation(image_size: tuple[int, int], final_dim: tuple[int, int],
     out_h, out_w = final_dim
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive (W, H), got {image_size}")
-    if is_train:
-        if rng is None:
-            raise ValueError("sample_augmentation(is_train=True) needs an rng (numpy Generator)")
-        resize = rng.uniform(*resize_lim)
-        bot_pct = rng.uniform(*bot_pct_lim)
-    else:
-        resize = max(out_h / height, out_w / width)
-        bot_pct = float(np.mean(bot_pct_lim))
-    new_w, new_h = int(width * resize), int(height * resize)
-    top = int((1.0 - bot_pct) * new_h) - out_h
-    if is_train:
-        left = int(rng.uniform(0, max(0, new_w - out_w)))
-        flip = bool(rand_flip and rng.uniform() < 0.5)
-        rotate = float(rng.uniform(*rot_lim))
-    else:
-        left = int(max(0, new_w - out_w) / 2)
-        flip, rotate = False, 0.0
+    if not is_train:
+        return val_augmentation(image_size, final_dim, bot_pct_lim)
+    if rng is None:
+        raise ValueError("sample_augmentation(is_train=True) needs an rng (numpy Generator)")
+    resize = rng.uniform(*resize_lim)
+    bot_pct = rng.uniform(*bot_pct_lim)
+    new_w, new_h, top = resized_window(image_size, final_dim, resize, bot_pct)
+    left = int(rng.uniform(0, max(0, new_w - out_w)))
+    flip = bool(rand_flip and rng.uniform() < 0.5)
+    rotate = float(rng.uniform(*rot_lim))
     return ImageAugmentation((max(new_w, 1), max(new_h, 1)), (left, top), flip, rotate)
-
-
-def resize_affine(scale_x: float, scale_y: float) -> np.ndarray:
-    """3 x 3 affine of a resize whose pixel EDGES scale by (scale_x, scale_y) (area resize, JPEG scaling)."""
-    return np.array([[scale_x, 0.0, 0.5 * (scale_x - 1.0)],
-                     [0.0, scale_y, 0.5 * (scale_y - 1.0)],
-                     [0.0, 0.0, 1.0]])
-
-
-def crop_flip_rotate_affine(aug: ImageAugmentation, final_dim: tuple[int, int]) -> np.ndarray:
-    """3 x 3 affine from resized-image pixels to final_dim pixels: crop, then flip, then rotate about the centre."""
-    out_h, out_w = final_dim
-    left, top = aug.crop
-    m = np.array([[1.0, 0.0, -left], [0.0, 1.0, -top], [0.0, 0.0, 1.0]])
-    if aug.flip:
-        m = np.array([[-1.0, 0.0, out_w - 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]) @ m
-    if aug.rotate:
-        theta = math.radians(aug.rotate)
-        c, s = math.cos(theta), math.sin(theta)
-        cu, cv = (out_w - 1) / 2.0, (out_h - 1) / 2.0
-        # v points down, so this matrix turns content counter-clockwise on screen.
-        rot = np.array([[c, s, 0.0], [-s, c, 0.0], [0.0, 0.0, 1.0]])
-        to_centre = np.array([[1.0, 0.0, -cu], [0.0, 1.0, -cv], [0.0, 0.0, 1.0]])
-        from_centre = np.array([[1.0, 0.0, cu], [0.0, 1.0, cv], [0.0, 0.0, 1.0]])
-        m = from_centre @ rot @ to_centre @ m
-    return m
-
-
-def affine_to_post(affine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Lift a 3 x 3 image affine to (post_rot 3 x 3, post_trans 3) acting on (u, v, depth); float32."""
-    post_rot = np.eye(3, dtype=np.float32)
-    post_rot[:2, :2] = affine[:2, :2]
-    post_trans = np.zeros(3, dtype=np.float32)
-    post_trans[:2] = affine[:2, 2]
-    return post_rot, post_trans
 
 
 _JPEG_SCALES = (8, 4, 2, 1)

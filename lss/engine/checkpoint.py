@@ -11,13 +11,10 @@ from torch import nn
 
 import lss
 from lss.config import Config, config_from_dict, config_to_dict
+from lss.errors import CheckpointError
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format", "model", "step", "config", "version")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, corrupt or does not fit the model; the message says which and what to do."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:

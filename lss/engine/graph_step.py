@@ -6,10 +6,10 @@ host; a replay is one launch. The graph's private memory pool reuses freed block
 step does, so the step needs about the eager step's memory (per-module CUDA graphs, `train.compile_mode:
 reduce-overhead`, keep forward and backward memory apart and need about twice that).
 
-Requirements, checked by `check_graph_config`: one CUDA process, gradient accumulation 1, bf16 or no autocast (fp16
-needs a GradScaler and its host-side skip logic), Adam/AdamW, the segmentation model without the detection head
-(its decoding has data-dependent sizes), and batches of one fixed set of shapes (the train loader drops the last
-partial batch).
+Requirements: gradient accumulation 1, bf16 or no autocast (fp16 needs a GradScaler and its host-side skip logic),
+Adam/AdamW, the segmentation model without the detection head (its decoding has data-dependent sizes), no per-module
+CUDA graphs (checked when the config loads, lss.config.validate); one CUDA process (checked by `check_graph_config`
+once the device is known); and batches of one fixed set of shapes (the train loader drops the last partial batch).
 """
 from __future__ import annotations
 
@@ -23,21 +23,13 @@ from lss.config import Config, ConfigError
 
 
 def check_graph_config(cfg: Config, device: torch.device, distributed: bool) -> None:
-    """Raise a ConfigError naming the setting to change when `train.cuda_graph` cannot be used."""
-    t = cfg.train
+    """Raise a ConfigError naming the setting to change when `train.cuda_graph` cannot be used on this device and
+    process layout (the rules that need neither are checked when the config loads)."""
     problems = []
     if device.type != "cuda":
         problems.append(f"it needs a CUDA device (training runs on {device})")
     if distributed:
         problems.append("it runs in one process only (use train.compile_mode: reduce-overhead with torchrun)")
-    if t.grad_accum != 1:
-        problems.append(f"it needs train.grad_accum: 1 (got {t.grad_accum})")
-    if t.amp == "fp16":
-        problems.append("it needs train.amp: bf16 or none (fp16 needs a loss scaler)")
-    if t.compile and t.compile_mode == "reduce-overhead":
-        problems.append("train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the other")
-    if "detection" in cfg.model.heads:
-        problems.append("the detection head's decoding has data-dependent sizes")
     if problems:
         raise ConfigError("train.cuda_graph: true cannot be used here: " + "; ".join(problems) +
                           ". Set train.cuda_graph: false")

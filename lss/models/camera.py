@@ -8,6 +8,7 @@ import torch
 from efficientnet_pytorch import EfficientNet
 from torch import nn
 
+from lss.errors import ConfigError
 from lss.models.blocks import Up
 
 # Modules of the classification network that the encoder never runs (dropping them keeps DDP free of unused params).
@@ -15,7 +16,8 @@ _UNUSED_TRUNK_MODULES = ("_conv_head", "_bn1", "_avg_pooling", "_dropout", "_fc"
 
 
 class EfficientNetTrunk(nn.Module):
-    """EfficientNet-B0 up to its last block; returns the stride-16 and stride-32 feature maps.
+    """EfficientNet-B0 (model.backbone, checked when the config loads) up to its last block; returns the stride-16
+    and stride-32 feature maps.
 
     forward(images B x 3 x H x W) -> (B x 112 x H/16 x W/16, B x 320 x H/32 x W/32).
     """
@@ -25,8 +27,6 @@ class EfficientNetTrunk(nn.Module):
 
     def __init__(self, name: str = "efficientnet-b0", pretrained: Optional[str] = None):
         super().__init__()
-        if name != "efficientnet-b0":
-            raise ValueError(f"model.backbone={name!r}: only 'efficientnet-b0' is supported")
         net = EfficientNet.from_name(name)
         net.set_swish(memory_efficient=False)  # plain x*sigmoid(x): traceable by torch.compile and ONNX export
         for attr in _UNUSED_TRUNK_MODULES:
@@ -47,7 +47,7 @@ class EfficientNetTrunk(nn.Module):
         state = {k: v for k, v in state.items() if k.split(".")[0] not in _UNUSED_TRUNK_MODULES}
         missing, unexpected = self.net.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(
+            raise ConfigError(
                 f"model.pretrained={path!r} is not an efficientnet-b0 state dict: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}"
             )

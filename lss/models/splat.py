@@ -7,21 +7,18 @@ from torch import nn
 from lss.geometry import BevGrid, FrustumLUT, FrustumLUTCache, frustum, frustum_to_ego
 from lss.ops import bev_pool, bev_pool_reference
 
-SPLAT_IMPLS = ("bev_pool", "reference")
-
 
 class Splat(nn.Module):
     """Pools per-pixel depth x context outer products into the BEV grid.
 
     lut(batch) -> FrustumLUT for the batch's camera rig and augmentation (float32 geometry, autocast off);
     forward(depth B x N x D x fH x fW, context B x N x C x fH x fW, lut) -> B x (nz*C) x nx x ny.
+    impl is model.splat ("bev_pool" or "reference", checked when the config loads).
     """
 
     def __init__(self, grid: BevGrid, final_dim: tuple[int, int], downsample: int,
                  dbound: tuple[float, float, float], impl: str = "bev_pool"):
         super().__init__()
-        if impl not in SPLAT_IMPLS:
-            raise ValueError(f"model.splat={impl!r}: expected one of {SPLAT_IMPLS}")
         self.grid = grid
         self.impl = impl
         # D x fH x fW x 3 (u, v, depth) in augmented-image pixels; a constant that follows the module's device

@@ -9,6 +9,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from lss.errors import ArgumentError
+
 from . import lidar as lidar_mod
 from .maps import location_geometry, write_map_expansion, write_semantic_prior
 from .render import CameraModel, build_ground_texture, render_camera, scene_boxes
@@ -29,7 +31,7 @@ def scene_names(version: str, scenes: int) -> list[str]:
     train, val = (splits.mini_train, splits.mini_val) if version == "v1.0-mini" else (splits.train, splits.val)
     limit = len(train) + len(val)
     if scenes > limit:
-        raise ValueError(f"{scenes} scenes requested for {version}, but its official split lists name only "
+        raise ArgumentError(f"{scenes} scenes requested for {version}, but its official split lists name only "
                          f"{limit} ({len(train)} train + {len(val)} val): pass --scenes {limit} or fewer, or use "
                          f"{'v1.0-trainval' if version == 'v1.0-mini' else 'fewer scenes'}")
     n_val = 0 if scenes < 2 else max(1, round(scenes * len(val) / limit))
@@ -48,17 +50,17 @@ def scene_location(version: str, name: str, index: int) -> str:
 
 def _check_args(out_dir, version, scenes, samples_per_scene, image_size, force) -> tuple[Path, tuple[int, int]]:
     if version not in VERSIONS:
-        raise ValueError(f"unknown version {version!r}: expected one of {', '.join(VERSIONS)}")
+        raise ArgumentError(f"unknown version {version!r}: expected one of {', '.join(VERSIONS)}")
     if not isinstance(scenes, int) or scenes < 1:
-        raise ValueError(f"scenes must be a positive integer, got {scenes!r}")
+        raise ArgumentError(f"scenes must be a positive integer, got {scenes!r}")
     if not isinstance(samples_per_scene, int) or samples_per_scene < 1:
-        raise ValueError(f"samples_per_scene must be a positive integer, got {samples_per_scene!r}")
+        raise ArgumentError(f"samples_per_scene must be a positive integer, got {samples_per_scene!r}")
     try:
         w, h = (int(v) for v in image_size)
     except (TypeError, ValueError):
-        raise ValueError(f"image_size must be (width, height), e.g. (1600, 900), got {image_size!r}") from None
+        raise ArgumentError(f"image_size must be (width, height), e.g. (1600, 900), got {image_size!r}") from None
     if w < 32 or h < 18:
-        raise ValueError(f"image_size {w}x{h} is too small: expected at least 32x18 (nuScenes is 1600x900)")
+        raise ArgumentError(f"image_size {w}x{h} is too small: expected at least 32x18 (nuScenes is 1600x900)")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output path {out} exists and is not a directory: choose a directory")
@@ -144,7 +146,7 @@ def generate(out_dir, version: str = "v1.0-mini", scenes: int = 10, samples_per_
     out, size = _check_args(out_dir, version, scenes, samples_per_scene, image_size, force)
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+        raise ArgumentError(f"workers must be >= 1, got {workers}")
     names = scene_names(version, scenes)
     for sub in (version,) + OUTPUTS:
         if (out / sub).exists():
