@@ -81,3 +81,35 @@ def test_quick_benchmark_writes_table_json_and_plot(tmp_path):
     png = (out / "accuracy.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert result["runs"] == saved["runs"]
+
+
+def test_loop_rates_prefer_elapsed_and_fall_back_to_the_wrapper_clock():
+    from lss.benchmarks.train_loop import loop_rates
+
+    seen = {s: 10.0 + 0.5 * s for s in range(1, 11)}
+    records = [{"kind": "train", "step": s, "elapsed": 4.0 + 0.25 * (s - 1)} for s in range(1, 11)]
+    records.append({"kind": "val", "step": 10})
+    rates = loop_rates(records, seen)
+    assert rates["steady_steps_per_s"] == pytest.approx(4.0) and rates["first_step_s"] == pytest.approx(10.5)
+    assert rates["train_call_s"] == pytest.approx(6.5) and rates["train_to_first_step_s"] == pytest.approx(4.0)
+    plain = loop_rates([{k: v for k, v in r.items() if k != "elapsed"} for r in records], seen)
+    assert plain["steady_steps_per_s"] == pytest.approx(2.0) and "train_call_s" not in plain
+    with pytest.raises(ValueError, match="3 train records"):
+        loop_rates(records[:2], seen)
+
+
+@pytest.mark.slow
+def test_train_loop_suite_quick(tmp_path, monkeypatch):
+    import torch
+
+    from lss.bench import BenchContext
+    from lss.benchmarks import train_loop
+
+    monkeypatch.setenv("LSS_LOOP_OUT", str(tmp_path))
+    rows = train_loop.run(BenchContext(torch.device("cpu"), quick=True))
+    by_impl = {r["impl"].split(" (")[0]: r for r in rows}
+    assert {"first_step", "loop", "step alone", "loop/step", "eval"} <= set(by_impl), rows
+    assert by_impl["first_step"]["ms"] > 0 and by_impl["loop"]["steps_per_s"] > 0
+    assert by_impl["loop/step"]["ratio"] == pytest.approx(by_impl["loop"]["steps_per_s"]
+                                                          / by_impl["step alone"]["steps_per_s"])
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
