@@ -98,10 +98,16 @@ def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * n * 4 / (ms * 1e-3)
 
 
-def available_suites() -> list[str]:
+# suites that train models for minutes instead of timing ops: they run only when named (--suite accuracy)
+OPT_IN_SUITES = ("accuracy", "train_loop")
+
+
+def available_suites(opt_in: bool = False) -> list[str]:
+    """The suites a plain `lss bench` runs; with `opt_in`, also OPT_IN_SUITES."""
     import lss.benchmarks as pkg
 
-    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+    return [n for n in names if opt_in or n not in OPT_IN_SUITES]
 
 
 def device_meta(device: torch.device) -> dict:
@@ -142,9 +148,9 @@ def run(suites: Optional[list[str]] = None, device: Optional[str] = None, out_di
         quick: bool = False) -> list[dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = suites or available_suites()
-    unknown = sorted(set(names) - set(available_suites()))
+    unknown = sorted(set(names) - set(available_suites(opt_in=True)))
     if unknown:
-        raise SystemExit(f"unknown benchmark suite(s) {unknown}; available: {available_suites()}")
+        raise SystemExit(f"unknown benchmark suite(s) {unknown}; available: {available_suites(opt_in=True)}")
     ctx = BenchContext(dev, quick=quick, bandwidth=measure_bandwidth(dev))
     ctx.meta = device_meta(dev)
     ctx.meta["bandwidth_GBps"] = ctx.bandwidth / 1e9

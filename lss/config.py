@@ -55,6 +55,10 @@ class DataConfig:
     bot_pct_lim: tuple[float, float] = (0.0, 0.22)
     rot_lim: tuple[float, float] = (-5.4, 5.4)  # degrees
     rand_flip: bool = True
+    # BEV-space augmentation of training samples (BEVDet): the ego frame, camera extrinsics and targets together
+    bev_rot_lim: tuple[float, float] = (0.0, 0.0)  # degrees about z
+    bev_scale_lim: tuple[float, float] = (1.0, 1.0)
+    bev_flip: bool = False  # mirror ego x and ego y, each with p = 0.5
     classes: tuple[str, ...] = ("vehicle", "pedestrian", "drivable_area", "lane_divider")
     min_visibility: int = 0  # keep boxes whose visibility token >= this (0 keeps all)
     min_lidar_pts: int = 0

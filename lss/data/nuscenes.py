@@ -18,6 +18,7 @@ from pyquaternion import Quaternion
 
 from lss.config import DETECTION_CLASSES, Config
 from lss.data import targets as T
+from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
 from lss.data.transforms import image_size_from_header, load_augmented_image, sample_augmentation
 from lss.errors import ConfigError, DatasetError
@@ -113,11 +114,17 @@ class MapGeometry:
     line_bounds: dict[str, np.ndarray]
 
     def rasterize(self, layer: str, ego_xy: Sequence[float], ego_yaw: float, xbound: T.Bound, ybound: T.Bound,
-                  line_width: int) -> np.ndarray:
-        """nx x ny uint8 raster of `layer` in the ego frame at (ego_xy, ego_yaw)."""
+                  line_width: int, bev: Optional[BevAugmentation] = None) -> np.ndarray:
+        """nx x ny uint8 raster of `layer` in the ego frame at (ego_xy, ego_yaw), moved by `bev` when given."""
         canvas = np.zeros(T.grid_shape(xbound, ybound), dtype=np.uint8)
         reach = np.hypot(max(abs(xbound[0]), abs(xbound[1])), max(abs(ybound[0]), abs(ybound[1])))
         reach += line_width * max(xbound[2], ybound[2])
+        reach /= bev.scale if bev is not None else 1.0
+
+        def to_ego(points: np.ndarray) -> np.ndarray:
+            ego = T.global_to_ego_xy(points, ego_xy, ego_yaw)
+            return bev.apply_to_points_xy(ego) if bev is not None else ego
+
         lo, hi = np.asarray(ego_xy[:2]) - reach, np.asarray(ego_xy[:2]) + reach
 
         def near(bounds: np.ndarray) -> np.ndarray:
@@ -127,11 +134,11 @@ class MapGeometry:
             return np.flatnonzero(keep)
 
         if layer in self.polygons:
-            polys = [[T.global_to_ego_xy(r, ego_xy, ego_yaw) for r in self.polygons[layer][i]]
+            polys = [[to_ego(r) for r in self.polygons[layer][i]]
                      for i in near(self.polygon_bounds[layer])]
             T.rasterize_polygons(canvas, polys, xbound, ybound)
         else:
-            lines = [T.global_to_ego_xy(self.lines[layer][i], ego_xy, ego_yaw) for i in near(self.line_bounds[layer])]
+            lines = [to_ego(self.lines[layer][i]) for i in near(self.line_bounds[layer])]
             T.rasterize_lines(canvas, lines, xbound, ybound, line_width)
         return canvas
 
@@ -237,7 +244,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
       "depth_targets" N x fH x fW int64 when config.data.depth_targets: per camera feature cell (fH, fW =
       final_dim // model.downsample) the grid.dbound bin of the nearest LIDAR_TOP return, -1 where there is none
       (lss.data.depth).
-    Boxes, map and targets are in the ego frame of the sample's LIDAR_TOP ego pose.
+    Boxes, map and targets are in the ego frame of the sample's LIDAR_TOP ego pose; in training, data.bev_* move that
+    frame, the extrinsics with it (lss.data.bev_augmentation).
     """
 
     def __init__(self, dataroot: str | Path, version: str = "v1.0-mini", split: str = "train",
@@ -399,24 +407,25 @@ class NuScenesBEV(torch.utils.data.Dataset):
         return (normalize_images(images, self._pixel_lut), torch.from_numpy(np.stack(post_rots)),
                 torch.from_numpy(np.stack(post_trans)), np.asarray(sizes))
 
-    def bev_targets(self, index: int) -> np.ndarray:
-        """K x nx x ny float32 targets of sample `index` (no augmentation touches the BEV)."""
+    def bev_targets(self, index: int, bev: Optional[BevAugmentation] = None) -> np.ndarray:
+        """K x nx x ny float32 targets of sample `index`, in the frame moved by the BEV augmentation `bev`."""
         targets = np.zeros((len(self.classes), *self.grid_shape), dtype=np.float32)
         for k in range(len(self.classes)):
-            targets[k] = self.class_raster(index, k)
+            targets[k] = self.class_raster(index, k, bev)
         return targets
 
-    def class_raster(self, index: int, k: int) -> np.ndarray:
-        """nx x ny uint8 raster of class `k` (data.classes order) for sample `index`."""
+    def class_raster(self, index: int, k: int, bev: Optional[BevAugmentation] = None) -> np.ndarray:
+        """nx x ny uint8 raster of class `k` (data.classes order) for sample `index` (moved by `bev`)."""
         if self.class_kinds[k] == "object":
             lo, hi = self.object_offsets[index], self.object_offsets[index + 1]
             bit = self.class_kinds[:k].count("object")
             chosen = self.object_footprints[lo:hi][(self.object_class_bits[lo:hi] >> bit) & 1 == 1]
+            chosen = bev.apply_to_points_xy(chosen) if bev is not None else chosen
             return T.rasterize_footprints(np.zeros(self.grid_shape, dtype=np.uint8), chosen, self.xbound, self.ybound)
         x, y, yaw = self.ego_pose[index]
         location = self.locations[self.location_index[index]]
         return self.maps[location].rasterize(self.classes[k], (x, y), yaw, self.xbound, self.ybound,
-                                             self.config.data.divider_width)
+                                             self.config.data.divider_width, bev)
 
     def lidar_depth_targets(self, index: int, cams: np.ndarray, post_rot: np.ndarray, post_trans: np.ndarray,
                             image_sizes: np.ndarray) -> np.ndarray:
@@ -427,10 +436,11 @@ class NuScenesBEV(torch.utils.data.Dataset):
                                      post_rot, post_trans, image_sizes, tuple(self.config.data.final_dim),
                                      self.config.model.downsample, tuple(self.config.grid.dbound))
 
-    def detection_targets(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(M x 9 boxes, M labels) of detection-class objects whose centre lies inside the BEV grid."""
+    def detection_targets(self, index: int, bev: Optional[BevAugmentation] = None) -> tuple[np.ndarray, np.ndarray]:
+        """(M x 9 boxes, M labels) of detection-class objects whose centre lies inside the BEV grid (after `bev`)."""
         lo, hi = self.object_offsets[index], self.object_offsets[index + 1]
         boxes, labels = self.det_boxes[lo:hi], self.det_labels[lo:hi]
+        boxes = bev.apply_to_boxes(boxes) if bev is not None else boxes
         inside = ((labels >= 0) & (boxes[:, 0] >= self.xbound[0]) & (boxes[:, 0] < self.xbound[1])
                   & (boxes[:, 1] >= self.ybound[0]) & (boxes[:, 1] < self.ybound[1]))
         return boxes[inside], labels[inside]
@@ -441,27 +451,33 @@ class NuScenesBEV(torch.utils.data.Dataset):
         rng = np.random.default_rng(int(torch.randint(0, 2**62, ()))) if self.is_train else None
         cams = self._camera_subset(rng)
         images, post_rot, post_trans, image_sizes = self._load_images(index, cams, rng)
+        data = self.config.data
+        bev = (sample_bev_augmentation(data.bev_rot_lim, data.bev_scale_lim, data.bev_flip, rng) if self.is_train
+               else None)
+        rot, trans = self.sensor2ego_rot[index, cams], self.sensor2ego_trans[index, cams]
+        rot, trans = bev.apply_to_extrinsics(rot, trans) if bev is not None else (rot, trans)
         item = {
             "images": images,
             "intrinsics": torch.from_numpy(self.intrinsics[index, cams]),
-            "sensor2ego_rot": torch.from_numpy(self.sensor2ego_rot[index, cams]),
-            "sensor2ego_trans": torch.from_numpy(self.sensor2ego_trans[index, cams]),
+            "sensor2ego_rot": torch.from_numpy(rot),
+            "sensor2ego_trans": torch.from_numpy(trans),
             "post_rot": post_rot,
             "post_trans": post_trans,
-            "targets": torch.from_numpy(self.bev_targets(index)),
+            "targets": torch.from_numpy(self.bev_targets(index, bev)),
             "sample_token": str(self.sample_tokens[index]),
         }
         if self.config.data.visibility_mask:
             dbound = self.config.grid.dbound
+            # the mask inverts rot by transposing: pass its orthonormal part, and depths measured in scaled metres
+            scale = bev.scale if bev is not None else 1.0
             item["visibility_mask"] = torch.from_numpy(T.camera_visibility_mask(
-                self.intrinsics[index, cams], self.sensor2ego_rot[index, cams], self.sensor2ego_trans[index, cams],
-                post_rot.numpy(), post_trans.numpy(), tuple(self.config.data.final_dim), self.xbound, self.ybound,
-                (dbound[0], dbound[1])))
+                self.intrinsics[index, cams], rot / scale, trans, post_rot.numpy(), post_trans.numpy(),
+                tuple(self.config.data.final_dim), self.xbound, self.ybound, (dbound[0] * scale, dbound[1] * scale)))
         if self.config.data.depth_targets:
             item["depth_targets"] = torch.from_numpy(self.lidar_depth_targets(
                 index, cams, post_rot.numpy(), post_trans.numpy(), image_sizes))
         if self.config.data.detection_targets:
-            boxes, labels = self.detection_targets(index)
+            boxes, labels = self.detection_targets(index, bev)
             item["det_boxes"] = torch.from_numpy(boxes.copy())
             item["det_labels"] = torch.from_numpy(labels.copy())
         return item

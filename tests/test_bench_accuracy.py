@@ -1,0 +1,115 @@
+"""The accuracy benchmark: recipe parsing, the mean/std aggregation, and a quick CPU run end to end."""
+import json
+
+import numpy as np
+import pytest
+
+from lss.benchmarks import accuracy
+from lss.benchmarks.accuracy import best_thresholds, mean_std, parse_recipe, summarize
+
+
+def test_mean_std_matches_numpy():
+    values = [0.31, 0.342, 0.297, 0.365]
+    mean, std = mean_std(values)
+    assert mean == pytest.approx(np.mean(values)) and std == pytest.approx(np.std(values, ddof=1))
+    assert mean_std([0.25]) == (0.25, None)
+    with pytest.raises(ValueError):
+        mean_std([])
+
+
+def _run(seed, iou05, sweep, curve):
+    return {"recipe": "r", "seed": seed, "status": "ok", "iou": {"vehicle": iou05}, "sweep": sweep,
+            "best": best_thresholds(sweep), "curve": [{"step": s, "iou": {"vehicle": v}} for s, v in curve]}
+
+
+def test_summarize_against_numpy():
+    sweeps = [{"0.3": {"vehicle": 0.20}, "0.5": {"vehicle": 0.25}, "0.7": {"vehicle": 0.22}},
+              {"0.3": {"vehicle": 0.31}, "0.5": {"vehicle": 0.30}, "0.7": {"vehicle": 0.10}},
+              {"0.3": {"vehicle": 0.10}, "0.5": {"vehicle": 0.12}, "0.7": {"vehicle": 0.13}}]
+    runs = [_run(s, sw["0.5"]["vehicle"], sw, [(10, 0.1 * (s + 1)), (20, 0.2 + s / 10), (30, 0.5)])
+            for s, sw in enumerate(sweeps)]
+    runs[2]["curve"] = runs[2]["curve"][1:]  # a seed without step 10: the curve keeps the common steps only
+    runs.append({"recipe": "r", "seed": 9, "status": "failed"})
+    row = summarize(runs)["table"]["r"]["vehicle"]
+    np.testing.assert_allclose(row["iou_0.5"], [np.mean([0.25, 0.30, 0.12]), np.std([0.25, 0.30, 0.12], ddof=1)])
+    np.testing.assert_allclose(row["iou_best"], [np.mean([0.25, 0.31, 0.13]), np.std([0.25, 0.31, 0.13], ddof=1)])
+    assert row["best_threshold"] == pytest.approx(np.mean([0.5, 0.3, 0.7])) and row["seeds"] == [0, 1, 2]
+    curve = summarize(runs)["curves"]["r"]["vehicle"]
+    assert curve["steps"] == [20, 30]
+    np.testing.assert_allclose(curve["mean"], [np.mean([0.2, 0.3, 0.4]), 0.5])
+    np.testing.assert_allclose(curve["std"], [np.std([0.2, 0.3, 0.4], ddof=1), 0.0], atol=1e-12)
+
+
+def test_parse_recipe():
+    paper = parse_recipe("paper")
+    assert paper.config == "configs/lss_paper.yaml" and paper.overrides == ()
+    r = parse_recipe("wide=configs/lss_paper.yaml,data.final_dim=[256, 704],optim.lr=0.002")
+    assert (r.name, r.config, r.overrides) == ("wide", "configs/lss_paper.yaml",
+                                              ("data.final_dim=[256, 704]", "optim.lr=0.002"))
+    assert parse_recipe("flip=paper,data.bev_flip=true").config == "configs/lss_paper.yaml"
+    with pytest.raises(ValueError, match="named recipes"):
+        parse_recipe("nonesuch")
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_table_json_and_plot(tmp_path):
+    opts = accuracy.quick_options(str(tmp_path / "out"))
+    opts.recipes = [parse_recipe("paper"), parse_recipe("default"),
+                    parse_recipe("broken=configs/lss_paper.yaml,optim.no_such_key=1")]
+    result = accuracy.benchmark(opts, {"device": "cpu"})
+    out = tmp_path / "out"
+    saved = json.loads((out / "accuracy.json").read_text())
+    assert saved["settings"]["seeds"] == [0, 1] and list(saved["settings"]["recipes"]) == ["paper", "default",
+                                                                                         "broken"]
+    table = saved["summary"]["table"]
+    assert list(table) == ["paper", "default"]  # the broken recipe has no successful run
+    assert list(table["paper"]) == ["vehicle"]
+    assert list(table["default"]) == ["vehicle", "pedestrian", "drivable_area", "lane_divider"]
+    for recipe, classes in table.items():
+        runs = [r for r in saved["runs"] if r["recipe"] == recipe]
+        assert sorted(r["seed"] for r in runs) == [0, 1] and all(r["status"] == "ok" for r in runs)
+        for c, row in classes.items():
+            values = [r["iou"][c] for r in runs]
+            np.testing.assert_allclose(row["iou_0.5"], [np.mean(values), np.std(values, ddof=1)])
+            assert row["seeds"] == [r["seed"] for r in runs]
+            assert saved["summary"]["curves"][recipe][c]["steps"] == [2]
+    failed = [r for r in saved["runs"] if r["status"] == "failed"]
+    assert [r["recipe"] for r in failed] == ["broken", "broken"] and "no_such_key" in failed[0]["log_tail"]
+    md = (out / "accuracy.md").read_text()
+    assert "| paper | vehicle |" in md and "| default | lane_divider |" in md
+    assert "FAILED: broken seed 0" in md and "no_such_key" in md
+    png = (out / "accuracy.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert result["runs"] == saved["runs"]
+
+
+def test_loop_rates_prefer_elapsed_and_fall_back_to_the_wrapper_clock():
+    from lss.benchmarks.train_loop import loop_rates
+
+    seen = {s: 10.0 + 0.5 * s for s in range(1, 11)}
+    records = [{"kind": "train", "step": s, "elapsed": 4.0 + 0.25 * (s - 1)} for s in range(1, 11)]
+    records.append({"kind": "val", "step": 10})
+    rates = loop_rates(records, seen)
+    assert rates["steady_steps_per_s"] == pytest.approx(4.0) and rates["first_step_s"] == pytest.approx(10.5)
+    assert rates["train_call_s"] == pytest.approx(6.5) and rates["train_to_first_step_s"] == pytest.approx(4.0)
+    plain = loop_rates([{k: v for k, v in r.items() if k != "elapsed"} for r in records], seen)
+    assert plain["steady_steps_per_s"] == pytest.approx(2.0) and "train_call_s" not in plain
+    with pytest.raises(ValueError, match="3 train records"):
+        loop_rates(records[:2], seen)
+
+
+@pytest.mark.slow
+def test_train_loop_suite_quick(tmp_path, monkeypatch):
+    import torch
+
+    from lss.bench import BenchContext
+    from lss.benchmarks import train_loop
+
+    monkeypatch.setenv("LSS_LOOP_OUT", str(tmp_path))
+    rows = train_loop.run(BenchContext(torch.device("cpu"), quick=True))
+    by_impl = {r["impl"].split(" (")[0]: r for r in rows}
+    assert {"first_step", "loop", "step alone", "loop/step", "eval"} <= set(by_impl), rows
+    assert by_impl["first_step"]["ms"] > 0 and by_impl["loop"]["steps_per_s"] > 0
+    assert by_impl["loop/step"]["ratio"] == pytest.approx(by_impl["loop"]["steps_per_s"]
+                                                          / by_impl["step alone"]["steps_per_s"])
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
