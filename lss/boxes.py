@@ -62,7 +62,7 @@ def centre_cells(boxes: torch.Tensor, labels: torch.Tensor, grid: BevGrid,
                  num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Centre cells (row, col), int64 M each, of boxes M x 9 on the grid's map and whether each box can be encoded
     (M bool): centre on the map, a label in [0, num_classes), finite geometry and positive sizes."""
-    u, v = grid.to_cells(boxes[:, 0], boxes[:, 1])
+    u, v = grid.xy_to_cells(boxes[:, 0], boxes[:, 1])
     row, col = torch.floor(u).long(), torch.floor(v).long()
     ok = (row >= 0) & (row < grid.nx) & (col >= 0) & (col < grid.ny) & (labels >= 0) & (labels < num_classes) \
         & torch.isfinite(boxes[:, :7]).all(1) & (boxes[:, 3:6] > 0).all(1)
@@ -88,7 +88,7 @@ def gaussian_radius(length: torch.Tensor, width: torch.Tensor, min_overlap: floa
 def boxes_to_regression(boxes: torch.Tensor, row: torch.Tensor, col: torch.Tensor, grid: BevGrid) -> torch.Tensor:
     """Regression values N x 10 (REGRESSION_CHANNELS) of boxes N x 9 at their cells (row, col) of the grid's map:
     the sub-cell centre offset, z, log size, sin/cos yaw and the velocity (NaN where the box's is)."""
-    u, v = grid.to_cells(boxes[:, 0], boxes[:, 1])
+    u, v = grid.xy_to_cells(boxes[:, 0], boxes[:, 1])
     yaw = boxes[:, 6]
     return torch.cat([(u - row).unsqueeze(1), (v - col).unsqueeze(1), boxes[:, 2:3], torch.log(boxes[:, 3:6]),
                       torch.sin(yaw).unsqueeze(1), torch.cos(yaw).unsqueeze(1), boxes[:, 7:9]], dim=1)

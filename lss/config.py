@@ -16,15 +16,9 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from lss.errors import ConfigError
+from lss.boxes import REGRESSION_CHANNELS
+from lss.geometry import NUSCENES_CAMERAS, BevGrid, depth_bins
 
-NUSCENES_CAMERAS = (
-    "CAM_FRONT_LEFT",
-    "CAM_FRONT",
-    "CAM_FRONT_RIGHT",
-    "CAM_BACK_LEFT",
-    "CAM_BACK",
-    "CAM_BACK_RIGHT",
-)
 # The nuScenes detection benchmark's classes, in label order (the detection head's heatmap channels).
 DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
                      "traffic_cone", "barrier")
@@ -96,7 +90,8 @@ class LossConfig:
     type: Literal["focal", "bce"] = "focal"  # our sigmoid focal loss op, or the LSS paper's BCE with pos_weight
     focal_alpha: float = 0.25
     focal_gamma: float = 2.0
-    pos_weight: float = 2.13
+    pos_weight: float = 2.13  # BCE weight of the positive cells, every class
+    class_pos_weights: Optional[tuple[float, ...]] = None  # BCE: one pos_weight per class (replaces pos_weight)
     class_weights: Optional[tuple[float, ...]] = None
     depth_weight: float = 0.0  # lidar depth cross-entropy on the camera depth distribution; needs data.depth_targets
 
@@ -267,7 +262,6 @@ def _merge(obj: Any, values: dict, where: str) -> Any:
 
 CAMERA_STRIDE = 32  # the camera trunk's deepest reduction: the input height and width must divide by it
 BEV_STRIDE = 8  # the BEV trunk's deepest reduction: the grid's cell counts must divide by it
-DETECTION_CODE_SIZE = 10  # detection.code_weights: offset x, y, z, log w, l, h, sin, cos yaw, vx, vy
 MAX_DETECTIONS = 500  # boxes per sample the nuScenes detection evaluation accepts
 
 
@@ -293,7 +287,6 @@ def validate(cfg: Config) -> Config:
     Raises ConfigError naming the key, its value and what is allowed. Rules that need the device or the dataset
     on disk (a CUDA GPU, class names of the nuScenes vocabulary, split sizes) are checked where those are known.
     """
-    from lss.geometry import BevGrid, depth_bins
 
     data, grid, model, loss, t = cfg.data, cfg.grid, cfg.model, cfg.loss, cfg.train
     _check(len(data.cameras) > 0 and len(set(data.cameras)) == len(data.cameras),
@@ -333,10 +326,16 @@ def validate(cfg: Config) -> Config:
            "(evaluation and checkpoint selection use its IoU)")
     _at_least(model, "model", ("context_channels",), 1)
 
-    if loss.class_weights is not None:
-        _check(len(loss.class_weights) == len(data.classes),
-               f"loss.class_weights has {len(loss.class_weights)} values but data.classes has {len(data.classes)} "
-               f"({list(data.classes)})")
+    for key in ("class_weights", "class_pos_weights"):
+        values = getattr(loss, key)
+        if values is not None:
+            _check(len(values) == len(data.classes),
+                   f"loss.{key} has {len(values)} values but data.classes has {len(data.classes)} "
+                   f"({list(data.classes)}): give one value per class, in the same order")
+            _check(all(v > 0 for v in values), f"loss.{key}={list(values)}: expected values > 0")
+    _check(loss.class_pos_weights is None or loss.type == "bce",
+           f"loss.class_pos_weights is set but loss.type={loss.type!r}: it weighs the positives of the BCE loss; "
+           "set loss.type: bce or remove loss.class_pos_weights")
     _check(loss.depth_weight >= 0,
            f"loss.depth_weight={loss.depth_weight}: expected >= 0 (0 turns the lidar depth loss off)")
     _check(loss.depth_weight == 0 or data.depth_targets,
@@ -377,8 +376,8 @@ def validate(cfg: Config) -> Config:
     _at_least(cfg.viz, "viz", ("num",), 0)
 
     d = cfg.detection
-    _check(len(d.code_weights) == DETECTION_CODE_SIZE,
-           f"detection.code_weights: expected {DETECTION_CODE_SIZE} weights (offset x, offset y, z, log w, log l, "
+    _check(len(d.code_weights) == len(REGRESSION_CHANNELS),
+           f"detection.code_weights: expected {len(REGRESSION_CHANNELS)} weights (offset x, offset y, z, log w, log l, "
            f"log h, sin yaw, cos yaw, vx, vy), got {len(d.code_weights)}")
     _check(1 <= d.max_detections <= MAX_DETECTIONS,
            f"detection.max_detections={d.max_detections}: expected 1 to {MAX_DETECTIONS} (the nuScenes evaluation "

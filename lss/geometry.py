@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 NUSCENES_RIG_PATH = Path(__file__).resolve().parent / "data" / "nuscenes_rig.json"
+# The six nuScenes cameras in the order lss stacks them (the default of data.cameras).
+NUSCENES_CAMERAS = ("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT", "CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT")
 INDEX32_LIMIT = 2**31 - 1
 
 
@@ -98,10 +100,10 @@ class BevGrid:
         (x_lo, x_hi, _), (y_lo, y_hi, _) = self.xbound, self.ybound
         return BevGrid((x_lo, x_hi, (x_hi - x_lo) / H), (y_lo, y_hi, (y_hi - y_lo) / W), self.zbound)
 
-    def to_cells(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def xy_to_cells(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Continuous cell coordinates of ego points x, y (metres): u along the rows, v along the columns; cell
         (i, j) covers [i, i + 1) x [j, j + 1)."""
-        return (x - self.lower[0]) / self.cell_size[0], (y - self.lower[1]) / self.cell_size[1]
+        return self.to_cells(x, 0), self.to_cells(y, 1)
 
 
 def depth_bins(dbound: Sequence[float]) -> torch.Tensor:
@@ -188,11 +190,9 @@ def load_nuscenes_rig(cameras: Optional[Sequence[str]] = None, path: Optional[Pa
     """The real nuScenes camera rig (lss/data/nuscenes_rig.json, 1600 x 900 images).
 
     Returns (intrinsics N x 3 x 3, sensor2ego_rot N x 3 x 3, sensor2ego_trans N x 3), float32, in `cameras` order
-    (default: the six cameras in lss.config.NUSCENES_CAMERAS order).
+    (default: the six cameras in NUSCENES_CAMERAS order).
     """
     from pyquaternion import Quaternion
-
-    from lss.config import NUSCENES_CAMERAS
 
     path = Path(path) if path is not None else NUSCENES_RIG_PATH
     if not path.exists():

@@ -21,12 +21,12 @@ def boxes_on_map(n: int, seed: int = 0) -> torch.Tensor:
     return torch.cat([centre, z, size, yaw, velocity], 1)
 
 
-def test_with_shape_and_to_cells_place_a_coarser_map_on_the_same_area():
+def test_with_shape_and_xy_to_cells_place_a_coarser_map_on_the_same_area():
     coarse = GRID.with_shape((50, 40))
     assert (coarse.nx, coarse.ny) == (50, 40) and coarse.cell_size[:2] == (2.0, 2.0)
     assert coarse.xbound[:2] == GRID.xbound[:2] and coarse.zbound == GRID.zbound
     assert GRID.with_shape(GRID.shape) == GRID
-    u, v = coarse.to_cells(torch.tensor([-50.0, 0.0, 49.0]), torch.tensor([-40.0, 1.0, 39.5]))
+    u, v = coarse.xy_to_cells(torch.tensor([-50.0, 0.0, 49.0]), torch.tensor([-40.0, 1.0, 39.5]))
     assert u.tolist() == [0.0, 25.0, 49.5] and v.tolist() == [0.0, 20.5, 39.75]
 
 

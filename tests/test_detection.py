@@ -8,7 +8,7 @@ import torch
 from conftest import devices
 
 from lss.boxes import Proposals, apply_residuals, bev_envelopes, box_residuals, ground_truth_proposals
-from lss.config import DETECTION_CLASSES, Config, ConfigError
+from lss.config import DETECTION_CLASSES, Config, ConfigError, validate
 from lss.data.detection_targets import encode_targets
 from lss.engine.detection_loss import detection_loss
 from lss.geometry import BevGrid
@@ -258,11 +258,11 @@ def test_bad_inputs_have_clear_errors():
     config = Config()
     config.detection.max_detections = 600
     with pytest.raises(ConfigError, match="at most 500 boxes"):
-        DetectionHead(8, config)
+        validate(config)
     config = Config()
     config.detection.code_weights = (1.0,) * 9
     with pytest.raises(ConfigError, match="expected 10 weights"):
-        DetectionHead(8, config)
+        validate(config)
     with pytest.raises(KeyError, match="data.detection_targets"):
         detection_loss({"det_heatmap": torch.zeros(1, 10, 8, 8), "det_regression": torch.zeros(1, 10, 8, 8)}, {},
                        Config())

@@ -13,7 +13,6 @@ from lss.boxes import BOX_DIM, RESIDUAL_WEIGHT_CHANNELS, Proposals, box_residual
 from lss.config import Config
 from lss.data.detection_targets import encode_targets
 from lss.geometry import BevGrid
-from lss.models.heads.detection import check_config
 from lss.ops import sigmoid_focal_loss
 
 
@@ -58,7 +57,6 @@ def detection_loss(outputs: dict, batch: dict, config: Config) -> dict[str, torc
     if "det_boxes" not in batch or "det_labels" not in batch:
         raise KeyError("detection_loss: the batch has no 'det_boxes'/'det_labels'; set data.detection_targets: "
                        "true so that the dataset provides the detection targets")
-    check_config(cfg)
     heatmap_logits, regression = outputs["det_heatmap"], outputs["det_regression"]
     grid = BevGrid.from_config(config.grid).with_shape(heatmap_logits.shape[-2:])
     targets = encode_targets(batch["det_boxes"], batch["det_labels"], grid, heatmap_logits.shape[1],

@@ -41,9 +41,6 @@ class Trainer:
                  out_dir: Path, device: torch.device, dist_info: DistInfo, collate_fn: Callable = collate):
         self.cfg, self.out_dir, self.device, self.dist = cfg, out_dir, device, dist_info
         t = cfg.train
-        if t.grad_accum < 1 or t.batch_size < 1 or t.max_steps < 1:
-            raise ConfigError("train.batch_size, train.grad_accum and train.max_steps must be >= 1, got "
-                              f"{t.batch_size}, {t.grad_accum}, {t.max_steps}")
         self.model = model.to(device)
         if t.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)

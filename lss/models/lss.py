@@ -7,16 +7,13 @@ import torch
 from torch import nn
 
 from lss.boxes import Proposals, ground_truth_proposals
-from lss.config import Config, ConfigError
+from lss.config import Config
 from lss.geometry import BevGrid
 from lss.models.bev import BevEncoder
 from lss.models.camera import CameraEncoder
 from lss.models.heads import DetectionHead, SegmentationHead
 from lss.models.splat import Splat
 
-SUPPORTED_HEADS = ("segmentation", "detection")
-CAMERA_STRIDE = 32  # the camera trunk's deepest reduction: input sizes must divide by it
-BEV_STRIDE = 8  # the BEV trunk's deepest reduction
 
 
 class LiftSplatShoot(nn.Module):
@@ -34,22 +31,7 @@ class LiftSplatShoot(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
         model, data = config.model, config.data
-        unknown = [h for h in model.heads if h not in SUPPORTED_HEADS]
-        if unknown:
-            raise ConfigError(f"model.heads: unknown head(s) {unknown}; supported: {list(SUPPORTED_HEADS)}")
-        if "segmentation" not in model.heads:
-            raise ConfigError(f"model.heads={list(model.heads)}: the segmentation head is required (evaluation and "
-                              "checkpoint selection use its IoU)")
-        if model.downsample != 16:
-            raise ConfigError(f"model.downsample={model.downsample}: the EfficientNet camera encoder outputs stride 16")
-        height, width = data.final_dim
-        if height % CAMERA_STRIDE or width % CAMERA_STRIDE:
-            raise ConfigError(f"data.final_dim={list(data.final_dim)}: height and width must be multiples of "
-                              f"{CAMERA_STRIDE}, e.g. [128, 352] or [64, 192]")
-        grid = BevGrid.from_config(config.grid)
-        if grid.nx % BEV_STRIDE or grid.ny % BEV_STRIDE:
-            raise ConfigError(f"grid: the BEV grid is {grid.nx} x {grid.ny} cells; both must be multiples of "
-                              f"{BEV_STRIDE} (adjust grid.xbound/ybound)")
+        grid = BevGrid.from_config(config.grid)  # its sizes were checked when the config loaded (lss.config.validate)
         self.classes = tuple(data.classes)
         self.grid = grid
         self.refine_gt_proposals = config.detection.refine and config.detection.refine_gt_proposals

@@ -12,12 +12,11 @@ from torch import nn
 
 from lss.boxes import (BOX_DIM, REGRESSION_CHANNELS, Proposals, apply_residuals, bev_envelopes,
                        regression_to_boxes)
-from lss.config import DETECTION_CLASSES, Config, ConfigError, DetectionConfig
+from lss.config import DETECTION_CLASSES, Config, DetectionConfig
 from lss.geometry import BevGrid
 from lss.models.blocks import conv_bn_relu
 from lss.ops import batched_nms, roi_align
 
-MAX_BOXES_PER_SAMPLE = 500  # the nuScenes detection evaluation's limit
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -92,7 +91,7 @@ def score_by_heatmap(proposals: Proposals, heatmap_logits: torch.Tensor, grid: B
     cell) as their score; each valid proposal's centre must lie on the grid's H x W map."""
     sample, slot = torch.nonzero(proposals.valid, as_tuple=True)
     boxes = proposals.boxes[sample, slot]
-    u, v = grid.to_cells(boxes[:, 0], boxes[:, 1])
+    u, v = grid.xy_to_cells(boxes[:, 0], boxes[:, 1])
     row, col = torch.floor(u).long(), torch.floor(v).long()
     peak = heatmap_logits[sample, proposals.labels[sample, slot], row, col].float()
     scores = proposals.scores.index_put((sample, slot), torch.sigmoid(peak))
@@ -142,7 +141,7 @@ def proposal_rois(proposals: Proposals, grid: BevGrid, enlarge: float,
     centre_x, centre_y = (env[:, 0] + env[:, 2]) / 2, (env[:, 1] + env[:, 3]) / 2
     half_rows = torch.clamp((env[:, 2] - env[:, 0]) / (2 * grid.cell_size[0]), min=min_cells / 2)
     half_cols = torch.clamp((env[:, 3] - env[:, 1]) / (2 * grid.cell_size[1]), min=min_cells / 2)
-    u, v = grid.to_cells(centre_x, centre_y)
+    u, v = grid.xy_to_cells(centre_x, centre_y)
     rois = torch.stack([sample.float(), v - half_cols, u - half_rows, v + half_cols, u + half_rows], dim=1)
     return rois, torch.stack([sample, slot])
 
@@ -202,24 +201,6 @@ class BoxRefiner(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_config(cfg: DetectionConfig) -> None:
-    """Raise ConfigError naming the detection.* value that cannot work."""
-    if len(cfg.code_weights) != len(REGRESSION_CHANNELS):
-        raise ConfigError(f"detection.code_weights: expected {len(REGRESSION_CHANNELS)} weights "
-                          f"({', '.join(REGRESSION_CHANNELS)}), got {len(cfg.code_weights)}")
-    if not 1 <= cfg.max_detections <= MAX_BOXES_PER_SAMPLE:
-        raise ConfigError(f"detection.max_detections={cfg.max_detections}: expected 1 to {MAX_BOXES_PER_SAMPLE} (the "
-                          "nuScenes evaluation accepts at most 500 boxes per sample)")
-    for key in ("head_channels", "top_k", "roi_size", "refine_hidden", "refine_proposals"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"detection.{key}={getattr(cfg, key)}: expected a positive integer")
-    if cfg.min_radius < 0:
-        raise ConfigError(f"detection.min_radius={cfg.min_radius}: expected 0 or more heatmap cells")
-    if not 0 < cfg.gaussian_overlap < 1 or cfg.match_distance <= 0 or cfg.roi_enlarge <= 0:
-        raise ConfigError("detection: gaussian_overlap must lie in (0, 1), match_distance and roi_enlarge must be "
-                          f"positive; got {cfg.gaussian_overlap}, {cfg.match_distance}, {cfg.roi_enlarge}")
-
-
 class DetectionHead(nn.Module):
     """CenterPoint-style head on B x C x H x W BEV features (H x W covering config.grid's x/y bounds).
 
@@ -232,7 +213,6 @@ class DetectionHead(nn.Module):
 
     def __init__(self, in_channels: int, config: Config, num_classes: int = len(DETECTION_CLASSES)):
         super().__init__()
-        check_config(config.detection)
         self.cfg = config.detection
         self.grid = BevGrid.from_config(config.grid)
         self.num_classes = num_classes
