@@ -83,6 +83,9 @@ class ModelConfig:
     context_channels: int = 64
     splat: Literal["bev_pool", "reference"] = "bev_pool"  # our op, or pure PyTorch (for comparison)
     heads: tuple[Literal["segmentation", "detection"], ...] = ("segmentation",)  # segmentation is required
+    # coordinate mode of every bilinear upsampling in the camera and BEV decoders (lss.ops.upsample_bilinear): the
+    # original LSS code used align_corners; a deployment runtime may need half_pixel or asymmetric
+    upsample_mode: Literal["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric"] = "pytorch_half_pixel"
 
 
 @dataclass

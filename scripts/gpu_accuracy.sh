@@ -33,7 +33,8 @@ if ! ls lss/_C*.so > /dev/null 2>&1; then
   stage build "$(cap 300 240)" python3 setup.py build_ext --inplace || { tail -n 30 "$OUT/build.log"; exit 1; }
 fi
 stage env 60 python3 -m lss env
-SCENES=${ACC_SCENES:-48} SAMPLES=${ACC_SAMPLES:-20}
+read -r SCENES SAMPLES < <(python3 -c "from lss.benchmarks.accuracy import BENCHMARK_SET as B; print(B.scenes, B.samples_per_scene)")
+SCENES=${ACC_SCENES:-$SCENES} SAMPLES=${ACC_SAMPLES:-$SAMPLES}
 stage generate "$(cap 240 120)" python3 -c "
 from pathlib import Path
 from lss.benchmarks._runs import ensure_synthetic_set

@@ -76,7 +76,7 @@ def test_quick_benchmark_writes_table_json_and_plot(tmp_path):
     failed = [r for r in saved["runs"] if r["status"] == "failed"]
     assert [r["recipe"] for r in failed] == ["broken", "broken"] and "no_such_key" in failed[0]["log_tail"]
     md = (out / "accuracy.md").read_text()
-    assert "| paper | vehicle |" in md and "| default | lane_divider |" in md
+    assert "| paper | 2 | vehicle |" in md and "| default | 2 | lane_divider |" in md
     assert "FAILED: broken seed 0" in md and "no_such_key" in md
     png = (out / "accuracy.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

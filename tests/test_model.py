@@ -199,3 +199,24 @@ def test_cuda_bf16_forward_backward():
     assert depth.dtype == torch.float32 and torch.isfinite(depth)
     (out.float().mean() + depth).backward()
     assert torch.isfinite(out.float()).all() and model.camera.head.weight.grad is not None
+
+
+def test_upsample_mode_reaches_every_decoder_upsampling_and_matches_f_interpolate():
+    import torch.nn.functional as F
+
+    from lss.models.blocks import Up
+    from lss.ops import UpsampleBilinear
+
+    model = LiftSplatShoot(tiny_cfg("model.upsample_mode=align_corners"))
+    modes = [m.mode for m in model.modules() if isinstance(m, UpsampleBilinear)]
+    assert len(modes) == 3 and set(modes) == {"align_corners"}  # camera fuse, BEV up1, BEV up2
+    assert {m.mode for m in LiftSplatShoot(tiny_cfg()).modules()
+            if isinstance(m, UpsampleBilinear)} == {"pytorch_half_pixel"}
+    torch.manual_seed(0)
+    up = Up(6, 4, scale_factor=2, upsample_mode="align_corners").eval()
+    coarse, skip = torch.randn(2, 4, 5, 7), torch.randn(2, 2, 10, 14)
+    expected = up.conv(torch.cat([skip, F.interpolate(coarse, scale_factor=2, mode="bilinear", align_corners=True)],
+                                 dim=1))
+    torch.testing.assert_close(up(coarse, skip), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="model.upsample_mode"):
+        tiny_cfg("model.upsample_mode=nearest")

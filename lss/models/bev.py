@@ -15,7 +15,7 @@ class BevEncoder(nn.Module):
 
     feature_channels = 128
 
-    def __init__(self, in_channels: int):
+    def __init__(self, in_channels: int, upsample_mode: str = "pytorch_half_pixel"):
         super().__init__()
         trunk = resnet18(weights=None)
         self.stem = nn.Sequential(
@@ -26,8 +26,9 @@ class BevEncoder(nn.Module):
         self.layer1 = trunk.layer1  # stride 2, 64 channels
         self.layer2 = trunk.layer2  # stride 4, 128 channels
         self.layer3 = trunk.layer3  # stride 8, 256 channels
-        self.up1 = Up(64 + 256, 256, scale_factor=4)
-        self.up2 = nn.Sequential(UpsampleBilinear(scale_factor=2), *conv_bn_relu(256, self.feature_channels))
+        self.up1 = Up(64 + 256, 256, scale_factor=4, upsample_mode=upsample_mode)
+        self.up2 = nn.Sequential(UpsampleBilinear(scale_factor=2, mode=upsample_mode),
+                                 *conv_bn_relu(256, self.feature_channels))
 
     def forward(self, bev: torch.Tensor) -> torch.Tensor:
         x1 = self.layer1(self.stem(bev))

@@ -16,14 +16,15 @@ def conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int = 3) -> l
 
 
 class Up(nn.Module):
-    """Upsample the coarse map (bilinear, our op), concatenate the skip map, then two 3x3 conv-BN-ReLU.
+    """Upsample the coarse map (bilinear, our op, in the coordinate mode `upsample_mode`), concatenate the skip map, then two 3x3 conv-BN-ReLU.
 
     forward(coarse B x Cc x h x w, skip B x Cs x (h*s) x (w*s)) -> B x out_channels x (h*s) x (w*s).
     """
 
-    def __init__(self, in_channels: int, out_channels: int, scale_factor: int = 2):
+    def __init__(self, in_channels: int, out_channels: int, scale_factor: int = 2,
+                 upsample_mode: str = "pytorch_half_pixel"):
         super().__init__()
-        self.upsample = UpsampleBilinear(scale_factor=scale_factor)
+        self.upsample = UpsampleBilinear(scale_factor=scale_factor, mode=upsample_mode)
         self.conv = nn.Sequential(*conv_bn_relu(in_channels, out_channels), *conv_bn_relu(out_channels, out_channels))
 
     def forward(self, coarse: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:

@@ -77,12 +77,13 @@ class CameraEncoder(nn.Module):
     """
 
     def __init__(self, depth_bins: int, context_channels: int, backbone: str = "efficientnet-b0",
-                 pretrained: Optional[str] = None):
+                 pretrained: Optional[str] = None, upsample_mode: str = "pytorch_half_pixel"):
         super().__init__()
         self.depth_bins = depth_bins
         self.context_channels = context_channels
         self.trunk = EfficientNetTrunk(backbone, pretrained)
-        self.fuse = Up(EfficientNetTrunk.stride16_channels + EfficientNetTrunk.stride32_channels, 512)
+        self.fuse = Up(EfficientNetTrunk.stride16_channels + EfficientNetTrunk.stride32_channels, 512,
+                       upsample_mode=upsample_mode)
         self.head = nn.Conv2d(512, depth_bins + context_channels, kernel_size=1)
 
     def forward(self, images: torch.Tensor, return_logits: bool = False) -> tuple[torch.Tensor, ...]:

@@ -36,8 +36,9 @@ class LiftSplatShoot(nn.Module):
         self.grid = grid
         self.refine_gt_proposals = config.detection.refine and config.detection.refine_gt_proposals
         self.splat = Splat(grid, data.final_dim, model.downsample, config.grid.dbound, model.splat)
-        self.camera = CameraEncoder(self.splat.depth_bins, model.context_channels, model.backbone, model.pretrained)
-        self.bev = BevEncoder(grid.nz * model.context_channels)
+        self.camera = CameraEncoder(self.splat.depth_bins, model.context_channels, model.backbone, model.pretrained,
+                                    model.upsample_mode)
+        self.bev = BevEncoder(grid.nz * model.context_channels, model.upsample_mode)
         self.segmentation = SegmentationHead(BevEncoder.feature_channels, len(self.classes))
         self.detection = DetectionHead(BevEncoder.feature_channels, config) if "detection" in model.heads else None
 
