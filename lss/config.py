@@ -305,6 +305,10 @@ def validate(cfg: Config) -> Config:
            f"data.resize_lim={list(data.resize_lim)}: expected [min, max] with 0 < min <= max")
     _ordered_range(data.bot_pct_lim, "data.bot_pct_lim", 0.0, 1.0)
     _check(data.rot_lim[0] <= data.rot_lim[1], f"data.rot_lim={list(data.rot_lim)}: expected [min, max], min <= max")
+    _check(data.bev_rot_lim[0] <= data.bev_rot_lim[1],
+           f"data.bev_rot_lim={list(data.bev_rot_lim)}: expected [min, max] in degrees, min <= max")
+    _check(0 < data.bev_scale_lim[0] <= data.bev_scale_lim[1],
+           f"data.bev_scale_lim={list(data.bev_scale_lim)}: expected [min, max] with 0 < min <= max (1.0: no scaling)")
     _check(len(data.classes) > 0, "data.classes is empty: expected at least one class, e.g. [vehicle]")
     _at_least(data, "data", ("min_visibility", "min_lidar_pts", "workers"), 0)
     _at_least(data, "data", ("divider_width",), 1)

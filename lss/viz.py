@@ -123,7 +123,7 @@ def bev_grid_image(probs: torch.Tensor, targets: torch.Tensor, classes: Sequence
 def render_sample(item: dict, probs: np.ndarray, cfg: Config, title: str = "",
                   detections: Optional[dict] = None) -> np.ndarray:
     """One picture (H x W x 3 uint8) of a dataset item and the model's K x nx x ny probabilities; with the
-    detection head, its boxes (`detections`, lss.models.detection.decode_detections) and the item's ground truth."""
+    detection head, its boxes (`detections`, lss.models.heads.detection.decode_detections) and the item's ground truth."""
     from lss.detection_viz import draw_bev_detections, draw_camera_detections
     from lss.geometry import BevGrid
 

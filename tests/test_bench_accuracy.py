@@ -51,6 +51,17 @@ def test_parse_recipe():
         parse_recipe("nonesuch")
 
 
+def test_a_recipes_own_max_steps_wins_over_the_benchmark_steps():
+    opts = accuracy.AccuracyOptions(out_dir="unused", steps=2000)
+    overrides = accuracy.run_overrides(opts, parse_recipe("default_4k"), seed=1)
+    steps = [o for o in overrides if o.startswith("train.max_steps=")]
+    assert steps == ["train.max_steps=2000", "train.max_steps=4000"]  # the later one wins in the config loader
+    from lss.config import load_config
+
+    cfg = load_config("configs/synthetic.yaml", overrides)
+    assert cfg.train.max_steps == 4000 and cfg.train.seed == 1
+
+
 @pytest.mark.slow
 def test_quick_benchmark_writes_table_json_and_plot(tmp_path):
     opts = accuracy.quick_options(str(tmp_path / "out"))

@@ -343,6 +343,13 @@ def test_perfect_detections_score_map_one_in_the_official_evaluation(synthetic_r
         assert 0.5 < shifted["per_class"][name]["trans_err"] < 1.0, name
     assert 0.6 < shifted["mAP_classes_with_gt"] <= 0.75
 
+    # Detections of a sample outside the evaluated split are a user error that names the config key.
+    from lss.errors import DatasetError
+
+    train_token = split_sample_tokens(nusc, "mini_train")[0]
+    with pytest.raises(DatasetError, match=f"sample {train_token} is not in the evaluation split 'mini_val'.*val_split"):
+        build_submission({train_token: collector.detections[tokens[0]]}, nusc, "mini_val")
+
 
 def test_camera_projection_inverts_frustum_to_ego():
     from lss.detection_viz import project_to_image

@@ -4,6 +4,7 @@ code must not change what the trainer computes."""
 import json
 
 import pytest
+import torch
 
 from lss.config import load_config
 from lss.engine.train import train
@@ -39,7 +40,12 @@ RECORDED = {
 RECORDED_VAL_IOU = {"vehicle": 0.16341145833333334, "drivable_area": 0.23395149786019973}
 
 
+RECORDED_TORCH = "2.14"  # other torch versions compute the same model with other float roundings (CPU kernels)
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not torch.__version__.startswith(RECORDED_TORCH),
+                    reason=f"losses recorded with torch {RECORDED_TORCH}.x (the pinned version), got {torch.__version__}")
 def test_fixed_seed_run_reproduces_the_recorded_losses(synthetic_root, tmp_path):
     cfg = load_config(None, TINY + [f"data.dataroot={synthetic_root}"])
     final = train(cfg, str(tmp_path / "run"))

@@ -28,6 +28,9 @@ QUICK_SET = SyntheticSet("v1.0-mini", scenes=2, samples_per_scene=3, image_size=
 DEFAULT_RECIPES = {  # name -> (config, overrides)
     "paper": ("configs/lss_paper.yaml", ()),
     "default": ("configs/synthetic.yaml", ()),
+    # the same recipes at twice the benchmark's steps (the 2K rows; a recipe's max_steps wins over --steps)
+    "paper_4k": ("configs/lss_paper.yaml", ("train.max_steps=4000",)),
+    "default_4k": ("configs/synthetic.yaml", ("train.max_steps=4000",)),
     # the default recipe trained on vehicles alone: what the other classes cost (or give) the vehicle class
     "default_vehicle": ("configs/synthetic.yaml", ("data.classes=[vehicle]", "loss.class_pos_weights=[4.0]")),
 }
@@ -228,14 +231,16 @@ def plot_curves(summary: dict, path: Path) -> None:
 
     classes = list(dict.fromkeys(c for per in summary["curves"].values() for c in per))
     fig, axes = plt.subplots(1, max(1, len(classes)), figsize=(5 * max(1, len(classes)), 4), squeeze=False)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {recipe: palette[i % len(palette)] for i, recipe in enumerate(summary["curves"])}  # one per recipe
     for ax, c in zip(axes[0], classes):
         for recipe, per in summary["curves"].items():
             if c not in per or not per[c]["steps"]:
                 continue
             steps, mean, std = per[c]["steps"], per[c]["mean"], per[c]["std"]
-            ax.plot(steps, [100 * m for m in mean], marker="o", label=recipe)
+            ax.plot(steps, [100 * m for m in mean], marker="o", label=recipe, color=color[recipe])
             ax.fill_between(steps, [100 * (m - d) for m, d in zip(mean, std)],
-                            [100 * (m + d) for m, d in zip(mean, std)], alpha=0.25)
+                            [100 * (m + d) for m, d in zip(mean, std)], alpha=0.25, color=color[recipe])
         ax.set_title(f"{c}: validation IoU @0.5")
         ax.set_xlabel("step")
         ax.set_ylabel("IoU (%)")

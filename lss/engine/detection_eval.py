@@ -16,6 +16,7 @@ from pyquaternion import Quaternion
 
 from lss.config import DETECTION_CLASSES, Config
 from lss.data.nuscenes import load_tables, resolve_split
+from lss.errors import DatasetError
 from lss.models.heads.detection import decode_detections
 
 TP_ERRORS = ("trans_err", "scale_err", "orient_err", "vel_err", "attr_err")
@@ -88,7 +89,7 @@ def build_submission(detections: dict, nusc, eval_set: str,
     results = {token: [] for token in split_sample_tokens(nusc, eval_set)}
     for token, det in detections.items():
         if token not in results:
-            raise ValueError(f"sample {token} is not in the evaluation split {eval_set!r}; evaluate the split the "
+            raise DatasetError(f"sample {token} is not in the evaluation split {eval_set!r}; evaluate the split the "
                              "detections were made on (config data.val_split)")
         translation, rotation = lidar_ego_pose(nusc, token)
         results[token] = ego_boxes_to_submission(token, _numpy(det["boxes"]), _numpy(det["scores"]),
