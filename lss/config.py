@@ -123,6 +123,9 @@ class TrainConfig:
     cuda_graph: bool = False  # capture the whole step (LUT, forward, loss, backward, optimizer) as one CUDA graph
     seed: int = 0
     deterministic: bool = False
+    # cuDNN autotuning: tries the convolution algorithms of every new shape (tens of seconds in the first step);
+    # false: cuDNN's heuristics pick them, for a faster start (docs/benchmarks.md, training loop)
+    cudnn_benchmark: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs/lss"
     log_every: int = 10

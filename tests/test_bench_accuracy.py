@@ -124,3 +124,16 @@ def test_train_loop_suite_quick(tmp_path, monkeypatch):
     assert by_impl["loop/step"]["ratio"] == pytest.approx(by_impl["loop"]["steps_per_s"]
                                                           / by_impl["step alone"]["steps_per_s"])
     assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+
+
+def test_the_table_follows_the_recipe_order_not_the_order_runs_finish(tmp_path, monkeypatch):
+    sweep = {"0.5": {"vehicle": 0.2}}
+    finished = [dict(_run(s, 0.2, sweep, [(2, 0.2)]), recipe=name) for name, s in
+                (("b", 1), ("a", 0), ("b", 0), ("a", 1))]
+    monkeypatch.setattr(accuracy, "train_runs", lambda opts: finished)
+    monkeypatch.setattr(accuracy, "ensure_synthetic_set", lambda *a, **k: 0.0)
+    monkeypatch.setattr(accuracy, "plot_curves", lambda *a, **k: None)
+    opts = accuracy.AccuracyOptions(out_dir=str(tmp_path), recipes=[parse_recipe("a=x.yaml"), parse_recipe("b=x.yaml")])
+    result = accuracy.benchmark(opts)
+    assert list(result["summary"]["table"]) == ["a", "b"]
+    assert [(r["recipe"], r["seed"]) for r in result["runs"]] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]

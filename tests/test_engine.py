@@ -598,3 +598,43 @@ def test_importing_the_trainer_does_not_import_viz():
             "assert 'lss.viz' not in sys.modules, 'lss.viz imported'; print('clean')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr
+
+
+def test_seeding_sets_cudnn_autotuning_from_the_config():
+    from lss.engine.build import seed_everything
+
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+             torch.are_deterministic_algorithms_enabled())
+    try:
+        for flag in (True, False):
+            seed_everything(0, deterministic=False, cudnn_benchmark=flag)
+            assert torch.backends.cudnn.benchmark is flag
+        seed_everything(0, deterministic=True, cudnn_benchmark=True)  # determinism wins: no autotuning
+        assert torch.backends.cudnn.benchmark is False and torch.backends.cudnn.deterministic is True
+        assert load_config(None, ["train.cudnn_benchmark=false"]).train.cudnn_benchmark is False
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[0], saved[1]
+        torch.use_deterministic_algorithms(saved[2])
+
+
+class _PidSet(torch.utils.data.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        import os
+
+        return {"index": torch.tensor(i), "pid": torch.tensor(os.getpid())}
+
+
+def test_a_persistent_eval_loader_keeps_its_workers_between_passes_in_order():
+    from lss.engine.build import build_eval_loader
+
+    cfg = load_config(None, ["data.workers=1", "eval.batch_size=4"])
+    for persistent in (True, False):
+        loader = build_eval_loader(cfg, _PidSet(), torch.device("cpu"), persistent=persistent)
+        passes = [[b for b in loader] for _ in range(2)]
+        for batches in passes:  # every sample once, in order, batches of eval.batch_size
+            assert [b["index"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5]]
+        pids = [{int(p) for b in batches for p in b["pid"]} for batches in passes]
+        assert (pids[0] == pids[1]) is persistent, (persistent, pids)

@@ -259,7 +259,8 @@ def benchmark(opts: AccuracyOptions, meta: Optional[dict] = None) -> dict:
     if len(set(names)) != len(names):
         raise ValueError(f"recipe names must be distinct, got {names}")
     gen_seconds = ensure_synthetic_set(Path(opts.data_dir), opts.dataset)
-    runs = train_runs(opts)
+    order = {name: i for i, name in enumerate(names)}
+    runs = sorted(train_runs(opts), key=lambda r: (order[r["recipe"]], r["seed"]))  # not the order runs finished in
     result = {"meta": meta or {}, "summary": summarize(runs), "runs": runs,
               "settings": {"recipes": {r.name: {"config": r.config, "overrides": list(r.overrides)}
                                        for r in opts.recipes},

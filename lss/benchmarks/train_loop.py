@@ -7,7 +7,8 @@ of the step alone at the same config (lss.benchmarks.train_step's step on random
 ratio, and validation samples/s of `lss eval` (two runs of different length, so that start-up cancels).
 
 Environment: LSS_LOOP_CONFIG (default configs/synthetic.yaml), LSS_LOOP_STEPS, LSS_LOOP_DATA (a synthetic set to
-reuse; LSS_LOOP_VERSION its version, default v1.0-mini), LSS_LOOP_OUT (run directory; default a temporary one).
+reuse; LSS_LOOP_VERSION its version, default v1.0-mini), LSS_LOOP_OUT (run directory; default a temporary one),
+LSS_LOOP_SET (more config overrides, separated by ";", e.g. "train.cudnn_benchmark=false;data.workers=8").
 """
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def step_rate(ctx, config: str, overrides: list[str]) -> tuple[float, str]:
     from lss.config import NUSCENES_CAMERAS, load_config
 
     cfg = load_config(resolve_config(config), overrides)
+    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark  # as the trainer sets it
     device = ctx.device
     impl = step_impl(cfg, device)
     if cfg.data.num_train_cameras:
@@ -159,6 +161,7 @@ def run(ctx) -> list[dict]:
     overrides = loop_overrides(dataroot.resolve(), version, steps, quick)
     if not quick and torch.cuda.is_available():
         overrides.append(f"data.workers={min(12, os.cpu_count() or 1)}")
+    overrides += [o.strip() for o in env.get("LSS_LOOP_SET", "").split(";") if o.strip()]
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = lss_command("train", config, overrides, "--out", str(run_dir))

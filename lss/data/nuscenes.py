@@ -303,7 +303,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
         # lidar frame -> camera frame per sample and camera (through both ego poses); filled for data.depth_targets
         self.lidar_to_camera = np.zeros((n if data.depth_targets else 0, c, 4, 4), dtype=np.float64)
         object_classes = [k for k, kind in enumerate(self.class_kinds) if kind == "object"]
-        footprints, class_bits, det_boxes, det_labels, offsets = [], [], [], [], [0]
+        class_bits, det_boxes, det_labels, offsets = [], [], [], [0]
         for i, (_, sample) in enumerate(samples):
             for k, cam in enumerate(self.cameras):
                 if cam not in sample["data"]:
@@ -346,17 +346,17 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 if data.detection_targets and label >= 0:
                     v = ego_rot.T @ np.nan_to_num(nusc.box_velocity(ann_token), nan=0.0)
                     velocity = v[:2]
-                footprints.append(T.box_footprints(center[None, :2], np.array([[w, l]]), np.array([yaw]))[0])
                 class_bits.append(bits)
                 det_boxes.append([*center, w, l, h, yaw, *velocity])
                 det_labels.append(label)
-            offsets.append(len(footprints))
+            offsets.append(len(det_boxes))
         self.image_paths = np.asarray(paths, dtype=str).reshape(n, c)
         self.lidar_paths = np.asarray(lidar_paths, dtype=str)
         self.object_offsets = np.asarray(offsets, dtype=np.int64)
-        self.object_footprints = np.asarray(footprints, dtype=np.float32).reshape(-1, 4, 2)
+        boxes = np.asarray(det_boxes, dtype=np.float64).reshape(-1, 9)  # x y z w l h yaw vx vy, ego frame
+        self.object_footprints = T.box_footprints(boxes[:, :2], boxes[:, 3:5], boxes[:, 6]).astype(np.float32)
         self.object_class_bits = np.asarray(class_bits, dtype=np.int64)
-        self.det_boxes = np.asarray(det_boxes, dtype=np.float32).reshape(-1, 9)
+        self.det_boxes = boxes.astype(np.float32)
         self.det_labels = np.asarray(det_labels, dtype=np.int64)
 
     def _check_first_images(self) -> None:

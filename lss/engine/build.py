@@ -42,7 +42,7 @@ def select_device(cfg: Config, dist_info: Optional[DistInfo] = None) -> torch.de
     return torch.device("cuda", dist_info.local_rank if dist_info else torch.cuda.current_device())
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
+def seed_everything(seed: int, deterministic: bool, cudnn_benchmark: bool = True) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -52,7 +52,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
     else:
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = cudnn_benchmark
 
 
 def rng_state() -> dict:
@@ -135,13 +135,15 @@ def build_loader(cfg: Config, dataset: Dataset, sampler: Sampler, batch_size: in
 
 
 def build_eval_loader(cfg: Config, dataset: Dataset, device: torch.device, dist_info: Optional[DistInfo] = None,
-                      collate_fn: Callable = collate) -> DataLoader:
-    """Every sample of `dataset` once, in order, in eval.batch_size batches (this rank's share under torchrun)."""
+                      collate_fn: Callable = collate, persistent: bool = False) -> DataLoader:
+    """Every sample of `dataset` once, in order, in eval.batch_size batches (this rank's share under torchrun).
+    `persistent`: keep the workers between passes (the trainer's periodic evaluations; starting and stopping them
+    cost seconds per evaluation)."""
     dist_info = dist_info or DistInfo()
     sampler = EpochSampler(len(dataset), shuffle=False, rank=dist_info.rank, world_size=dist_info.world_size,
                            pad=False)
     return build_loader(cfg, dataset, sampler, cfg.eval.batch_size, False, device, cfg.train.seed,
-                        collate_fn=collate_fn)
+                        persistent=persistent, collate_fn=collate_fn)
 
 
 def _seed_worker(worker_id: int) -> None:

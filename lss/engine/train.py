@@ -71,7 +71,7 @@ class Trainer:
                                          persistent=True, collate_fn=collate_fn)
         self.val_loader = None
         if val_set is not None and len(val_set) > 0:
-            self.val_loader = build_eval_loader(cfg, val_set, device, dist_info, collate_fn)
+            self.val_loader = build_eval_loader(cfg, val_set, device, dist_info, collate_fn, persistent=True)
         self.step = 0
         self.epoch = 0
         self.state: dict = {"best_iou": None}  # hook state that a checkpoint carries
@@ -261,7 +261,7 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, m
     dist_info = init_distributed(device_type(cfg))
     try:
         device = select_device(cfg, dist_info)
-        seed_everything(cfg.train.seed + dist_info.rank, cfg.train.deterministic)
+        seed_everything(cfg.train.seed + dist_info.rank, cfg.train.deterministic, cfg.train.cudnn_benchmark)
         if cfg.data.make_synthetic_if_missing:
             ensure_dataset(cfg, dist_info)
         train_set = dataset_fn(cfg, cfg.data.train_split, True)
