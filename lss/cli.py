@@ -32,6 +32,16 @@ def _image_size(text: str) -> tuple[int, int]:
     return w, h
 
 
+def _sample_count(text: str) -> int:
+    try:
+        count: int | None = int(text)
+    except ValueError:
+        count = None
+    if count is None or count < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of samples >= 0, got {text!r}")
+    return count
+
+
 def cmd_env(args) -> int:
     import torch
 
@@ -160,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--num", type=int, default=None, help="number of samples (default: viz.num)")
+    p.add_argument("--num", type=_sample_count, default=None, help="number of samples (default: viz.num)")
     p.set_defaults(func=cmd_viz)
 
     p = sub.add_parser("demo", help="generate the synthetic set if missing, train, evaluate and render (CPU ok)")
@@ -180,14 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Run one command. User errors (LssError: config, arguments, dataset, checkpoint; OSError: a file that is
-    missing, unreadable or not writable) print one line and return 2; anything else is a bug and raises with its
-    traceback."""
+    missing, unreadable or not writable; FloatingPointError: a NaN/inf loss, its message names the step) print one
+    line and return 2; anything else is a bug and raises with its traceback."""
     from lss.errors import LssError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (LssError, OSError) as e:
+    except (LssError, OSError, FloatingPointError) as e:
         if os.environ.get("LSS_DEBUG"):
             raise
         print(f"lss {args.command}: error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from lss.config_io import parse_override, read_number, read_yaml_file
 from lss.errors import ConfigError
 from lss.boxes import REGRESSION_CHANNELS
 from lss.geometry import NUSCENES_CAMERAS, BevGrid, depth_bins
@@ -237,13 +238,19 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        number = read_number(value)
+        if isinstance(number, float) and number.is_integer():
+            number = int(number)  # 1e3 or 1000.0 written for a count
+        if isinstance(number, int):
+            return number
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        number = read_number(value)
+        if number is None:
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if number != number:
+            raise ConfigError(f"{where}: expected a number (not NaN), got {value!r}")
+        return float(number)
     if tp is str:
         if isinstance(value, str):
             return value
@@ -266,6 +273,7 @@ def _merge(obj: Any, values: dict, where: str) -> Any:
     return obj
 
 
+MAX_VISIBILITY = 4  # nuScenes visibility tokens: 1 (0-40 % visible) to 4 (80-100 %)
 CAMERA_STRIDE = 32  # the camera trunk's deepest reduction: the input height and width must divide by it
 BEV_STRIDE = 8  # the BEV trunk's deepest reduction: the grid's cell counts must divide by it
 MAX_DETECTIONS = 500  # boxes per sample the nuScenes detection evaluation accepts
@@ -280,11 +288,6 @@ def _at_least(section: Any, prefix: str, keys: typing.Sequence[str], low: float)
     for key in keys:
         value = getattr(section, key)
         _check(value >= low, f"{prefix}.{key}={value}: expected >= {low}")
-
-
-def _ordered_range(value: typing.Sequence[float], where: str, low: float, high: float) -> None:
-    _check(low <= value[0] <= value[1] <= high,
-           f"{where}={list(value)}: expected [min, max] with {low} <= min <= max <= {high}")
 
 
 def validate(cfg: Config) -> Config:
@@ -302,18 +305,23 @@ def validate(cfg: Config) -> Config:
            f"{data.num_train_cameras}")
     height, width = data.final_dim
     _check(height > 0 and width > 0 and height % CAMERA_STRIDE == 0 and width % CAMERA_STRIDE == 0,
-           f"data.final_dim={list(data.final_dim)}: height and width must be multiples of {CAMERA_STRIDE}, e.g. "
-           "[128, 352] or [64, 192]")
+           f"data.final_dim={list(data.final_dim)}: height and width must be multiples of {CAMERA_STRIDE} and > 0, "
+           "e.g. [128, 352] or [64, 192]")
     _check(0 < data.resize_lim[0] <= data.resize_lim[1],
            f"data.resize_lim={list(data.resize_lim)}: expected [min, max] with 0 < min <= max")
-    _ordered_range(data.bot_pct_lim, "data.bot_pct_lim", 0.0, 1.0)
+    _check(0.0 <= data.bot_pct_lim[0] <= data.bot_pct_lim[1] < 1.0,
+           f"data.bot_pct_lim={list(data.bot_pct_lim)}: expected [min, max] with 0 <= min <= max < 1 (fractions of "
+           "the resized image height below the crop)")
     _check(data.rot_lim[0] <= data.rot_lim[1], f"data.rot_lim={list(data.rot_lim)}: expected [min, max], min <= max")
     _check(data.bev_rot_lim[0] <= data.bev_rot_lim[1],
            f"data.bev_rot_lim={list(data.bev_rot_lim)}: expected [min, max] in degrees, min <= max")
     _check(0 < data.bev_scale_lim[0] <= data.bev_scale_lim[1],
            f"data.bev_scale_lim={list(data.bev_scale_lim)}: expected [min, max] with 0 < min <= max (1.0: no scaling)")
     _check(len(data.classes) > 0, "data.classes is empty: expected at least one class, e.g. [vehicle]")
-    _at_least(data, "data", ("min_visibility", "min_lidar_pts", "workers"), 0)
+    _at_least(data, "data", ("min_lidar_pts", "workers"), 0)
+    _check(0 <= data.min_visibility <= MAX_VISIBILITY,
+           f"data.min_visibility={data.min_visibility}: expected 0 to {MAX_VISIBILITY} (the nuScenes visibility "
+           "levels; 0 keeps every box)")
     _at_least(data, "data", ("divider_width",), 1)
     _check(all(s > 0 for s in data.image_std), f"data.image_std={list(data.image_std)}: expected values > 0")
     _at_least(data.synthetic, "data.synthetic", ("scenes", "samples_per_scene"), 1)
@@ -401,35 +409,17 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.max_steps=100")
-    key, raw = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw)
-
-
 def load_config(path: Optional[Union[str, Path]] = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Defaults, then the YAML file at `path`, then `overrides` ("section.key=value", value parsed as YAML)."""
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist (see configs/ for the shipped ones)")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
+        values = read_yaml_file(path)
         try:
             _merge(cfg, values, "")
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
     for item in overrides:
-        keys, value = _parse_override(item)
-        nested: Any = value
-        for k in reversed(keys):
-            nested = {k: nested}
+        nested = parse_override(item)
         try:
             _merge(cfg, nested, "")
         except ConfigError as e:

@@ -53,6 +53,7 @@ def failing(exc):
     DatasetError("sample abc has no CAM_BACK image"),
     CheckpointError("checkpoint run/last.pt does not exist"),
     FileNotFoundError(2, "No such file or directory", "weights.pth"),
+    FloatingPointError("loss is nan at step 12; lower optim.lr, check the data, or train.amp: none"),
 ], ids=lambda e: type(e).__name__)
 def test_user_errors_print_one_line_and_exit_2(monkeypatch, capsys, exc):
     monkeypatch.setattr("lss.cli.cmd_config_show", failing(exc))
@@ -65,6 +66,30 @@ def test_a_bad_config_value_exits_2_naming_key_and_allowed_values(capsys):
     assert main(["config", "show", "--set", "train.amp=fp8"]) == 2
     err = capsys.readouterr().err
     assert "train.amp='fp8'" in err and "'bf16', 'fp16', 'none'" in err and "Traceback" not in err
+
+
+def test_a_set_value_that_is_not_yaml_exits_2_naming_the_argument(capsys):
+    assert main(["config", "show", "--set", "data.classes=[unclosed"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("lss config: error: --set 'data.classes=[unclosed': the value is not valid YAML")
+    assert len(lines) == 2 and "Traceback" not in lines[0]
+
+
+@pytest.mark.parametrize("num", ["-3", "two"])
+def test_viz_num_must_be_a_count(capsys, num):
+    with pytest.raises(SystemExit) as e:
+        main(["viz", "--config", "c.yaml", "--ckpt", "c.pt", "--out", "v", "--num", num])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --num: expected a number of samples >= 0, got {num!r}" in err and "Traceback" not in err
+
+
+def test_viz_num_passes_a_count_on(monkeypatch):
+    seen = []
+    monkeypatch.setattr("lss.cli.cmd_viz", lambda args: seen.append(args.num) or 0)
+    assert main(["viz", "--config", "c.yaml", "--ckpt", "c.pt", "--out", "v", "--num", "3"]) == 0
+    assert main(["viz", "--config", "c.yaml", "--ckpt", "c.pt", "--out", "v"]) == 0
+    assert seen == [3, None]
 
 
 @pytest.mark.parametrize("exc", [ValueError("shape mismatch 3 vs 4"), RuntimeError("CUDA error"), KeyError("det")],

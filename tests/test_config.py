@@ -197,3 +197,100 @@ def test_user_error_types():
     assert issubclass(ConfigError, LssError) and issubclass(ConfigError, ValueError)
     assert issubclass(DatasetNotFoundError, DatasetError) and issubclass(DatasetNotFoundError, FileNotFoundError)
     assert CheckpointError is lss.errors.CheckpointError and issubclass(CheckpointError, LssError)
+
+
+@pytest.mark.parametrize("written, key, expected", [
+    ("1e-7", "optim.weight_decay", 1e-7),
+    ("1E3", "optim.grad_clip", 1000.0),
+    ("inf", "optim.grad_clip", float("inf")),
+    ("-2.5E-1", "detection.focal_alpha", -0.25),
+    ("4e-3", "optim.lr", 4e-3),
+])
+def test_float_fields_read_every_python_float_literal_in_yaml_and_set(tmp_path, written, key, expected):
+    section, name = key.split(".")
+    from_set = load_config(None, [f"{key}={written}"])
+    from_yaml = load_config(write(tmp_path, f"{section}:\n  {name}: {written}\n"))
+    for cfg in (from_set, from_yaml):
+        value = getattr(getattr(cfg, section), name)
+        assert value == expected and type(value) is float
+
+
+def test_float_tuples_read_exponents_and_nan_is_refused(tmp_path):
+    cfg = load_config(write(tmp_path, "grid:\n  xbound: [-5e1, 5E1, 5e-1]\n"), ["eval.sweep=[4e-1, 5e-1]"])
+    assert cfg.grid.xbound == (-50.0, 50.0, 0.5) and cfg.eval.sweep == (0.4, 0.5)
+    with pytest.raises(ConfigError, match=r"optim.lr: expected a number \(not NaN\), got 'nan'"):
+        load_config(None, ["optim.lr=nan"])
+    with pytest.raises(ConfigError, match=r"data.image_mean\[1\]: expected a number \(not NaN\)"):
+        load_config(write(tmp_path, "data:\n  image_mean: [0.5, .nan, 0.5]\n"))
+
+
+def test_int_fields_take_integral_exponents_and_refuse_fractions(tmp_path):
+    cfg = load_config(write(tmp_path, "train:\n  max_steps: 1e3\n"), ["train.eval_every=2E2", "train.seed=7.0"])
+    assert (cfg.train.max_steps, cfg.train.eval_every, cfg.train.seed) == (1000, 200, 7)
+    assert all(type(v) is int for v in (cfg.train.max_steps, cfg.train.eval_every, cfg.train.seed))
+    for bad, shown in (("1.5", "1.5"), ("1e-3", "'1e-3'"), ("inf", "'inf'"), ("true", "True")):
+        with pytest.raises(ConfigError, match=f"train.max_steps: expected an integer, got {shown}"):
+            load_config(None, [f"train.max_steps={bad}"])
+    with pytest.raises(ConfigError, match=r"train.max_steps: expected an integer, got 2.5"):
+        load_config(write(tmp_path, "train:\n  max_steps: 2.5\n"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.final_dim=[0, 0]"], r"data.final_dim=\[0, 0\]: height and width must be multiples of 32 and > 0"),
+    (["data.final_dim=[-128, 352]"], r"data.final_dim=\[-128, 352\]: height and width must be multiples of 32 "
+                                     "and > 0"),
+    (["data.workers=-1"], "data.workers=-1: expected >= 0"),
+    (["eval.batch_size=0"], "eval.batch_size=0: expected >= 1"),
+    (["data.resize_lim=[0.3, 0.2]"], r"data.resize_lim=\[0.3, 0.2\]: expected \[min, max\] with 0 < min <= max"),
+    (["data.rot_lim=[5.0, -5.0]"], r"data.rot_lim=\[5.0, -5.0\]: expected \[min, max\], min <= max"),
+    (["model.context_channels=0"], "model.context_channels=0: expected >= 1"),
+    (["data.classes=[]"], "data.classes is empty: expected at least one class"),
+    (["data.image_std=[0.229, 0.0, 0.225]"], r"data.image_std=\[0.229, 0.0, 0.225\]: expected values > 0"),
+    (["eval.max_batches=-1"], "eval.max_batches=-1: expected >= 1 or null"),
+    (["loss.pos_weight=-1"], "loss.pos_weight=-1.0: expected > 0"),
+    (["data.min_visibility=5"], r"data.min_visibility=5: expected 0 to 4 \(the nuScenes visibility levels"),
+    (["data.min_visibility=-1"], "data.min_visibility=-1: expected 0 to 4"),
+    (["data.bot_pct_lim=[0.0, 1.0]"], r"data.bot_pct_lim=\[0.0, 1.0\]: expected \[min, max\] with 0 <= min <= max < 1"),
+    (["data.bot_pct_lim=[-0.1, 0.2]"], r"data.bot_pct_lim=\[-0.1, 0.2\]: expected \[min, max\] with 0 <= min"),
+])
+def test_values_that_would_fail_deep_in_torch_are_refused_by_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize("item", ["data.classes=[unclosed", "train={max_steps: 1", "optim.lr='1e-3"])
+def test_a_set_value_that_is_not_yaml_names_the_argument(item):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [item])
+    message = str(e.value)
+    assert message.startswith(f"--set {item!r}: the value is not valid YAML") and "\n" not in message
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+
+def test_an_empty_config_file_is_an_error(tmp_path):
+    for text in ("", "# only a comment\n"):
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError, match=rf"config file {path} is empty.*{{}}"):
+            load_config(path)
+    assert load_config(write(tmp_path, "{}\n")) == Config()
+
+
+def test_a_key_given_twice_names_the_key_lines_and_file(tmp_path):
+    path = write(tmp_path, "train:\n  max_steps: 10\n  seed: 1\n  max_steps: 20\n")
+    with pytest.raises(ConfigError, match=rf"{path}: key 'max_steps' appears twice in one mapping \(lines 2 and 4\)"):
+        load_config(path)
+    path = write(tmp_path, "train:\n  seed: 1\noptim:\n  lr: 0.1\ntrain:\n  max_steps: 20\n")
+    with pytest.raises(ConfigError, match=rf"{path}: key 'train' appears twice"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"--set 'train=\{seed: 1, seed: 2\}': key 'seed' appears twice"):
+        load_config(None, ["train={seed: 1, seed: 2}"])
+    merged = write(tmp_path, "base: &b {seed: 3, max_steps: 9}\ntrain:\n  <<: *b\n  seed: 4\n")
+    with pytest.raises(ConfigError, match="unknown key 'base'"):  # a merge key's override is not a duplicate
+        load_config(merged)
+
+
+def test_a_yaml_syntax_error_is_one_line_with_the_position(tmp_path):
+    path = write(tmp_path, "train:\n  max_steps: [1, 2\n")
+    with pytest.raises(ConfigError, match=rf"config file {path} is not valid YAML: .*line \d+, column \d+") as e:
+        load_config(path)
+    assert "\n" not in str(e.value)
