@@ -7,6 +7,7 @@ what is allowed; `validate` then checks ranges and cross-field rules, so a loade
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -362,7 +363,9 @@ def validate(cfg: Config) -> Config:
     _at_least(loss, "loss", ("focal_gamma",), 0)
     _check(loss.pos_weight > 0, f"loss.pos_weight={loss.pos_weight}: expected > 0")
 
-    _check(cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr}: expected > 0")
+    _check(0 < cfg.optim.lr < math.inf, f"optim.lr={cfg.optim.lr}: expected a finite value > 0")
+    _check(0 <= cfg.optim.weight_decay < math.inf,
+           f"optim.weight_decay={cfg.optim.weight_decay}: expected a finite value >= 0")
     _at_least(cfg.optim, "optim", ("weight_decay", "grad_clip", "warmup_steps"), 0)
 
     _check(t.grad_accum >= 1 and t.batch_size >= 1 and t.max_steps >= 1,

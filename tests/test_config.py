@@ -155,6 +155,8 @@ def test_a_bad_enumerated_value_names_key_value_and_allowed_values(tmp_path, key
     (["data.cameras=[CAM_FRONT, CAM_FRONT]"], "data.cameras must be distinct"),
     (["data.bot_pct_lim=[0.3, 0.1]"], r"data.bot_pct_lim=\[0.3, 0.1\]: expected \[min, max\]"),
     (["data.divider_width=0"], "data.divider_width=0: expected >= 1"),
+    (["optim.lr=inf"], "optim.lr=inf: expected a finite value > 0"),
+    (["optim.weight_decay=-1e-4"], r"optim.weight_decay=-0.0001: expected a finite value >= 0"),
     (["data.bev_rot_lim=[10.0, -10.0]"], r"data.bev_rot_lim=\[10.0, -10.0\]: expected \[min, max\] in degrees"),
     (["data.bev_scale_lim=[0.0, 1.1]"], r"data.bev_scale_lim=\[0.0, 1.1\]: expected \[min, max\] with 0 < min"),
     (["data.bev_scale_lim=[1.1, 0.9]"], r"data.bev_scale_lim=\[1.1, 0.9\]"),
