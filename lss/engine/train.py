@@ -199,8 +199,8 @@ class Trainer:
         path = self.out_dir / "checkpoints" / name
         if not bool(torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()):
             raise FloatingPointError(
-                f"weights are not finite after step {self.step}; {path} was not written and {self._on_disk(name)} "
-                f"(last good checkpoint kept). Lower optim.lr (now {self.cfg.optim.lr:g}) or set optim.grad_clip, "
+                f"weights are not finite after step {self.step}; {path} was not written and {self._on_disk(name)}"
+                f"{' (the last good checkpoint is kept)' if name in self.saved else ''}. Lower optim.lr (now {self.cfg.optim.lr:g}) or set optim.grad_clip, "
                 f"check the data, then {self._continue_hint()}")
         if self.dist.is_main:
             try:
@@ -317,7 +317,10 @@ def clear_run(run_dir: Path) -> None:
     """Delete the RUN_FILES of an earlier run (--overwrite)."""
     for name in existing_run(run_dir):
         path = run_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def interrupted_message(trainer: Trainer) -> str:
