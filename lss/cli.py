@@ -98,7 +98,7 @@ def cmd_train(args) -> int:
     from lss.engine.train import train
     from lss.viz import bev_grid_image
 
-    train(_load(args), out_dir=args.out, resume=args.resume, render_fn=bev_grid_image)
+    train(_load(args), out_dir=args.out, resume=args.resume, overwrite=args.overwrite, render_fn=bev_grid_image)
     return 0
 
 
@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", default=None, help="run directory (default: train.out_dir)")
     p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/last.pt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the earlier run in RUN_DIR (metrics, checkpoints, tensorboard) and start again")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on the validation split")
@@ -190,13 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Run one command. User errors (LssError: config, arguments, dataset, checkpoint; OSError: a file that is
-    missing, unreadable or not writable; FloatingPointError: a NaN/inf loss, its message names the step) print one
-    line and return 2; anything else is a bug and raises with its traceback."""
+    missing, unreadable or not writable; FloatingPointError: a NaN/inf loss or non-finite weights, its message names
+    the step) print one line and return 2; anything else is a bug and raises with its traceback. Ctrl-C prints one
+    line (for `lss train`: the last checkpoint and how to resume) and returns 130."""
     from lss.errors import LssError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt as e:
+        if os.environ.get("LSS_DEBUG"):
+            raise
+        print(f"lss {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
+        return 130
     except (LssError, OSError, FloatingPointError) as e:
         if os.environ.get("LSS_DEBUG"):
             raise

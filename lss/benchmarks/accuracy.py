@@ -116,7 +116,8 @@ def train_runs(opts: AccuracyOptions) -> list[dict]:
             recipe, seed = pending.pop(0)
             run_dir = Path(opts.out_dir) / "runs" / recipe.name / f"seed{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = lss_command("train", recipe.config, run_overrides(opts, recipe, seed), "--out", str(run_dir))
+            cmd = lss_command("train", recipe.config, run_overrides(opts, recipe, seed), "--out", str(run_dir),
+                               "--overwrite")  # a benchmark run replaces an earlier run of the same name
             log = (run_dir / "train.log").open("w")
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(threads))
             running.append((proc, log, recipe, seed, run_dir, time.perf_counter()))

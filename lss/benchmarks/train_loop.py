@@ -164,7 +164,7 @@ def run(ctx) -> list[dict]:
     overrides += [o.strip() for o in env.get("LSS_LOOP_SET", "").split(";") if o.strip()]
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = lss_command("train", config, overrides, "--out", str(run_dir))
+    cmd = lss_command("train", config, overrides, "--out", str(run_dir), "--overwrite")
     total, seen, code = watch_train(cmd, run_dir, timeout=float(env.get("LSS_LOOP_TIMEOUT", 540)))
     case = f"{Path(config).stem}, {steps} steps"
     if code != 0:

@@ -80,7 +80,8 @@ def demo(config: Optional[str] = None, overrides: Sequence[str] = (), out_dir: s
     cfg = load_config(config, overrides) if config else demo_config(overrides)
     cfg.data.make_synthetic_if_missing = True
     run_dir = Path(out_dir)
-    final = train(cfg, out_dir=str(run_dir), render_fn=bev_grid_image)
+    # a demo run replaces the previous demo run in the same directory
+    final = train(cfg, out_dir=str(run_dir), render_fn=bev_grid_image, overwrite=True)
     ckpt = run_dir / "checkpoints" / ("best.pt" if (run_dir / "checkpoints" / "best.pt").is_file() else "last.pt")
     result = evaluate_checkpoint(cfg, str(ckpt), str(run_dir))
     pictures = render_checkpoint(cfg, str(ckpt), str(run_dir / "viz"))

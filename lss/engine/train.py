@@ -3,8 +3,10 @@ checkpoints and BEV pictures. Single process or `torchrun --nproc_per_node=K -m 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -28,9 +30,19 @@ from lss.engine.eval import evaluate
 from lss.engine.graph_step import GraphedTrainStep, check_graph_config
 from lss.engine.hooks import CheckpointHook, EvalHook, Hook, LogHook, MetricsWriter, VizHook
 from lss.engine.losses import TotalLoss, check_depth_targets
+from lss.errors import ArgumentError
 
 # probs, targets (B x K x nx x ny, CPU), class names -> H x W x 3 uint8 picture (lss.viz.bev_grid_image)
 RenderFn = Callable[[torch.Tensor, torch.Tensor, Sequence[str]], np.ndarray]
+
+# What a run leaves in its directory (besides config.yaml, rewritten by every run): their presence means "a run is
+# here", and --overwrite deletes them.
+RUN_FILES = ("metrics.jsonl", "final.json", "checkpoints/last.pt", "checkpoints/best.pt", "tensorboard")
+RESUME_HINT = "lss train (the same --config/--set) --out {} --resume"
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; the message says which checkpoint is on disk and how to continue."""
 
 
 # --------------------------------------------------------------------------------------------------- trainer
@@ -75,6 +87,7 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.state: dict = {"best_iou": None}  # hook state that a checkpoint carries
+        self.saved: dict[str, int] = {}  # checkpoint name -> step of the file on disk
         self.hooks: list[Hook] = []
 
     def register_hooks(self, hooks: Sequence[Hook]) -> None:
@@ -181,11 +194,34 @@ class Trainer:
         return final
 
     def save(self, name: str) -> None:
-        if not self.dist.is_main:
-            return
-        ckpt_io.save_checkpoint(self.out_dir / "checkpoints" / name, self.model, self.step, self.cfg,
-                                self.optimizer, self.scheduler, self.scaler,
-                                extra={"rng": rng_state(), "state": dict(self.state)})
+        """checkpoints/`name` of the current step, on rank 0 (every rank checks the weights, so all stop together).
+        Non-finite weights are never written, and a failed write leaves the previous file in place."""
+        path = self.out_dir / "checkpoints" / name
+        if not bool(torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()):
+            raise FloatingPointError(
+                f"weights are not finite after step {self.step}; {path} was not written and {self._on_disk(name)}"
+                f"{' (the last good checkpoint is kept)' if name in self.saved else ''}. Lower optim.lr (now {self.cfg.optim.lr:g}) or set optim.grad_clip, "
+                f"check the data, then {self._continue_hint()}")
+        if self.dist.is_main:
+            try:
+                ckpt_io.save_checkpoint(path, self.model, self.step, self.cfg, self.optimizer, self.scheduler,
+                                        self.scaler, extra={"rng": rng_state(), "state": dict(self.state)})
+            except OSError as e:
+                raise OSError(e.errno, f"{e.strerror or e} while writing {path}; {self._on_disk(name)}: free some "
+                                       f"space, then {self._continue_hint()}") from e
+        self.saved[name] = self.step
+
+    def _on_disk(self, name: str) -> str:
+        """What checkpoints/`name` holds before this save, in words."""
+        step = self.saved.get(name)
+        if step is None:
+            return f"no earlier {name} exists"
+        return f"the previous {self.out_dir / 'checkpoints' / name} (step {step}) is intact"
+
+    def _continue_hint(self) -> str:
+        if "last.pt" in self.saved:
+            return f"continue with `{RESUME_HINT.format(self.out_dir)}`"
+        return "start again with --overwrite"
 
     def resume(self, path: Path) -> None:
         state = ckpt_io.load_checkpoint(path, map_location=self.device)
@@ -197,8 +233,23 @@ class Trainer:
             obj.load_state_dict(state[name])
         self.step = state["step"]
         self.state.update(state["extra"].get("state", {}))
+        self.saved["last.pt"] = self.step
+        self._adopt_best(path.parent / "best.pt")
         if "rng" in state["extra"]:
             set_rng_state(state["extra"]["rng"])
+
+    def _adopt_best(self, path: Path) -> None:
+        """last.pt is written before the evaluation of its step, so best.pt may hold a newer best than last.pt's
+        state: take it when it comes from a step the resumed run has done."""
+        if not path.is_file():
+            return
+        best = ckpt_io.load_checkpoint(path)
+        if best["step"] > self.step:
+            return
+        self.saved["best.pt"] = best["step"]
+        state = best["extra"].get("state", {})
+        if state.get("best_step") is not None and state["best_step"] > (self.state.get("best_step") or -1):
+            self.state.update(best_iou=state["best_iou"], best_step=state["best_step"])
 
 
 # ---------------------------------------------------------------------------------------------------- entry
@@ -232,21 +283,64 @@ def bev_pictures(trainer: Trainer, render_fn: RenderFn) -> Callable[[], np.ndarr
 
 def default_hooks(trainer: Trainer, writer: Optional[MetricsWriter], started: float,
                   render_fn: Optional[RenderFn]) -> list[Hook]:
-    """Logging, evaluation, checkpoints and pictures at the train.*_every periods (writers on rank 0 only)."""
+    """Logging, checkpoints, evaluation and pictures at the train.*_every periods (writers on rank 0 only)."""
     t = trainer.cfg.train
     hooks: list[Hook] = [LogHook(t.log_every, writer, started)] if writer is not None else []
+    hooks.append(CheckpointHook(t.ckpt_every))  # before evaluation: a failing evaluation keeps the step's last.pt
     if trainer.val_loader is not None:
         hooks.append(EvalHook(t.eval_every, evaluation(trainer), writer))
-    hooks.append(CheckpointHook(t.ckpt_every))
     if writer is not None and trainer.val_loader is not None and render_fn is not None:
         hooks.append(VizHook(t.viz_every, bev_pictures(trainer, render_fn), writer))
     return hooks
 
 
-def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, model_fn: ModelFn = build_model,
-          dataset_fn: DatasetFn = build_dataset, collate_fn: Callable = collate, render_fn: Optional[RenderFn] = None,
-          hooks: Sequence[Hook] = ()) -> dict:
+def existing_run(run_dir: Path) -> list[str]:
+    """The files of RUN_FILES that `run_dir` holds."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """A new run never lands on an earlier one by accident: it needs --resume or --overwrite."""
+    if resume and overwrite:
+        raise ArgumentError("--resume continues the run in the directory and --overwrite deletes it; pass one")
+    last = run_dir / "checkpoints" / "last.pt"
+    if resume and not last.is_file():
+        raise FileNotFoundError(f"--resume: {last} does not exist; train without --resume to start the run")
+    found = existing_run(run_dir)
+    if found and not resume and not overwrite:
+        raise ArgumentError(f"run directory {run_dir} already holds a run ({', '.join(found)}); continue it with "
+                            f"--resume, start it again with --overwrite (deletes those files), or choose a new --out "
+                            "directory")
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete the RUN_FILES of an earlier run (--overwrite)."""
+    for name in existing_run(run_dir):
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def interrupted_message(trainer: Trainer) -> str:
+    """Ctrl-C: which checkpoint is on disk and how to continue."""
+    step = trainer.saved.get("last.pt")
+    if step is None:
+        return (f"training interrupted at step {trainer.step}; no checkpoint was written (train.ckpt_every="
+                f"{trainer.cfg.train.ckpt_every}): start again with --overwrite")
+    return (f"training interrupted at step {trainer.step}; the last checkpoint is step {step} in "
+            f"{trainer.out_dir / 'checkpoints' / 'last.pt'}: continue with `{RESUME_HINT.format(trainer.out_dir)}`")
+
+
+def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, overwrite: bool = False,
+          model_fn: ModelFn = build_model, dataset_fn: DatasetFn = build_dataset, collate_fn: Callable = collate,
+          render_fn: Optional[RenderFn] = None, hooks: Sequence[Hook] = ()) -> dict:
     """Train from `cfg` into `out_dir` (default train.out_dir); returns the final metrics.
+
+    A directory that holds an earlier run (RUN_FILES) needs `resume` (continue from checkpoints/last.pt) or
+    `overwrite` (delete its files and start again); otherwise ArgumentError. Ctrl-C raises TrainingInterrupted,
+    whose message names the last checkpoint.
 
     model_fn / dataset_fn / collate_fn build the model and the train/val datasets (defaults: LiftSplatShoot and
     lss.data.NuScenesBEV on data.train_split / data.val_split). `render_fn` (e.g. lss.viz.bev_grid_image) draws
@@ -255,10 +349,9 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, m
     """
     started = time.perf_counter()
     run_dir = Path(out_dir or cfg.train.out_dir)
-    last = run_dir / "checkpoints" / "last.pt"
-    if resume and not last.is_file():
-        raise FileNotFoundError(f"--resume: {last} does not exist; train without --resume to start the run")
+    check_run_dir(run_dir, resume, overwrite)  # on every rank, before any of them writes
     dist_info = init_distributed(device_type(cfg))
+    writer = None
     try:
         device = select_device(cfg, dist_info)
         seed_everything(cfg.train.seed + dist_info.rank, cfg.train.deterministic, cfg.train.cudnn_benchmark)
@@ -268,21 +361,25 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, m
         val_set = dataset_fn(cfg, cfg.data.val_split, False)
         trainer = Trainer(cfg, model_fn(cfg), train_set, val_set, run_dir, device, dist_info, collate_fn)
         if resume:
-            trainer.resume(last)
-        writer = None
+            trainer.resume(run_dir / "checkpoints" / "last.pt")
         if dist_info.is_main:
+            if overwrite:
+                clear_run(run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
-            if not resume:
-                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             writer = MetricsWriter(run_dir, trainer.step if resume else None)
             print(f"lss: training on {device} ({dist_info.world_size} process(es)), {len(train_set)} train / "
                   f"{len(val_set)} val samples, run directory {run_dir}")
         trainer.register_hooks(default_hooks(trainer, writer, started, render_fn) + list(hooks))
-        final = trainer.fit()
+        try:
+            final = trainer.fit()
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(interrupted_message(trainer)) from None
         final["run_dir"] = str(run_dir)
         if dist_info.is_main:
             (run_dir / "final.json").write_text(json.dumps({"config": config_to_dict(cfg), **final}, indent=1))
         return final
     finally:
+        if writer is not None:
+            writer.close()  # flushes tensorboard also when the run stops early
         shutdown(dist_info)

@@ -1,0 +1,210 @@
+"""Errors and recovery of a training run: a run directory is never overwritten by accident (--resume / --overwrite),
+a failing evaluation keeps the step's checkpoint, non-finite weights are never saved, and Ctrl-C or a full disk end
+in one line that names the checkpoint on disk."""
+import errno
+
+import pytest
+import torch
+
+import lss.engine.train as train_module
+from lss.cli import main
+from lss.config import save_config
+from lss.data import collate
+from lss.engine import checkpoint as ck
+from lss.engine.hooks import EvalHook, Hook
+from lss.engine.train import train
+from lss.errors import ArgumentError, DatasetError
+from test_engine import FakeBEVDataset, FakeModel, fake_cfg, fake_train, losses_of
+
+real_train = train
+
+
+def no_val(cfg, split, is_train):
+    return FakeBEVDataset(10 if is_train else 0)
+
+
+class InterruptAt(Hook):
+    """Ctrl-C after optimizer step `step`."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def after_step(self, trainer, logs):
+        if trainer.step == self.step:
+            raise KeyboardInterrupt
+
+
+def cli_train(monkeypatch, tmp_path, run, *args, hooks=(), cfg_extra=()):
+    """`lss train --config CFG --out RUN ARGS` on the fake model and data; returns the exit code."""
+    cfg_path = tmp_path / "cfg.yaml"
+    save_config(fake_cfg(tmp_path, "train.eval_every=0", "train.viz_every=0", *cfg_extra), cfg_path)
+    monkeypatch.setattr(train_module, "train", lambda cfg, **kw: real_train(
+        cfg, model_fn=FakeModel, dataset_fn=no_val, collate_fn=collate, hooks=hooks, **kw))
+    return main(["train", "--config", str(cfg_path), "--out", str(run), *args])
+
+
+def error_lines(capsys):
+    """The lines of stderr that the command line printed (not the progress bar's)."""
+    return [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lss train")]
+
+
+def last_step(run):
+    return ck.load_checkpoint(run / "checkpoints" / "last.pt")["step"]
+
+
+# ------------------------------------------------------------------------------------- the run directory
+def test_training_into_an_earlier_run_is_refused_and_leaves_it_alone(tmp_path):
+    run = tmp_path / "run"
+    fake_train(fake_cfg(tmp_path), run)
+    metrics, last = (run / "metrics.jsonl").read_bytes(), (run / "checkpoints" / "last.pt").read_bytes()
+    with pytest.raises(ArgumentError, match=r"already holds a run \(metrics.jsonl, final.json, checkpoints/last.pt"
+                                            r".*--resume.*--overwrite.*new --out"):
+        fake_train(fake_cfg(tmp_path, "train.max_steps=3"), run)
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert (run / "checkpoints" / "last.pt").read_bytes() == last
+    with pytest.raises(ArgumentError, match="pass one"):
+        train(fake_cfg(tmp_path), str(run), resume=True, overwrite=True, model_fn=FakeModel)
+
+
+def test_overwrite_starts_the_run_again_from_an_empty_directory(tmp_path):
+    run = tmp_path / "run"
+    fake_train(fake_cfg(tmp_path), run)
+    old_events = set((run / "tensorboard").iterdir())
+    train(fake_cfg(tmp_path, "train.max_steps=2", "train.eval_every=0"), str(run), overwrite=True,
+          model_fn=FakeModel, dataset_fn=no_val, collate_fn=collate)
+    assert [s for s, _ in losses_of(run)] == [1, 2]
+    assert last_step(run) == 2 and not (run / "checkpoints" / "best.pt").exists()  # the old run's best is gone
+    events = set((run / "tensorboard").iterdir())
+    assert events and not events & old_events
+
+
+def test_cli_refuses_an_earlier_run_in_one_line(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.pt").write_bytes(b"earlier run")
+    assert cli_train(monkeypatch, tmp_path, run) == 2
+    err = error_lines(capsys)
+    assert err[0].startswith(f"lss train: error: run directory {run} already holds a run (checkpoints/last.pt)")
+    assert "--resume" in err[0] and "--overwrite" in err[0]
+    assert (run / "checkpoints" / "last.pt").read_bytes() == b"earlier run"
+    assert cli_train(monkeypatch, tmp_path, run, "--overwrite") == 0
+    assert last_step(run) == 6
+
+
+# ------------------------------------------------------------------------------ evaluation and checkpoints
+class MissingImages(FakeBEVDataset):
+    def __getitem__(self, i):
+        raise DatasetError(f"image samples/CAM_FRONT/{i}.jpg does not exist")
+
+
+def test_a_failing_evaluation_keeps_the_checkpoint_of_its_step(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(DatasetError, match="does not exist"):
+        train(fake_cfg(tmp_path), str(run), model_fn=FakeModel, collate_fn=collate,
+              dataset_fn=lambda c, split, is_train: FakeBEVDataset(10) if is_train else MissingImages(5))
+    assert last_step(run) == 3  # eval_every = ckpt_every = 3
+
+
+def test_resume_keeps_the_best_evaluated_at_the_checkpoint_step(tmp_path):
+    def scripted(scores):
+        values = iter(scores)
+
+        def evaluate():
+            score = next(values)
+            return {"iou": {"vehicle": score}, "mean_iou": score}
+        return evaluate
+
+    def run(out, steps, scores, resume=False):
+        cfg = fake_cfg(tmp_path, f"train.max_steps={steps}", "train.ckpt_every=2", "train.eval_every=0")
+        return train(cfg, str(out), resume, model_fn=FakeModel, dataset_fn=no_val, collate_fn=collate,
+                     hooks=[EvalHook(2, scripted(scores))])
+
+    straight = run(tmp_path / "straight", 8, [0.1, 0.5, 0.3, 0.4])
+    run(tmp_path / "split", 4, [0.1, 0.5])  # last.pt of step 4 is written before step 4's best
+    resumed = run(tmp_path / "split", 8, [0.3, 0.4], resume=True)
+    assert straight["best_step"] == resumed["best_step"] == 4 and resumed["best_iou"] == 0.5
+    assert ck.load_checkpoint(tmp_path / "split" / "checkpoints" / "best.pt")["step"] == 4
+
+
+# ------------------------------------------------------------------------------------------ NaN weights
+class PoisonedAt(FakeModel):
+    """The update of training step `step` makes the weights infinite (its own loss is finite)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.calls = step, 0
+
+    def forward(self, batch):
+        out = super().forward(batch)
+        if self.training:
+            self.calls += 1
+            if self.calls == self.step:
+                self.conv.weight.data.fill_(float("inf"))
+        return out
+
+
+def test_non_finite_weights_are_never_saved_and_the_last_good_checkpoint_stays(tmp_path):
+    run = tmp_path / "run"
+    cfg = fake_cfg(tmp_path, "train.ckpt_every=2", "train.eval_every=0")
+    with pytest.raises(FloatingPointError) as error:
+        train(cfg, str(run), model_fn=lambda c: PoisonedAt(4), dataset_fn=no_val, collate_fn=collate)
+    message = str(error.value)
+    assert "weights are not finite after step 4" in message and "optim.lr" in message
+    assert f"{run / 'checkpoints' / 'last.pt'} (step 2) is intact" in message and "--resume" in message
+    state = ck.load_checkpoint(run / "checkpoints" / "last.pt")
+    assert state["step"] == 2 and all(v.isfinite().all() for v in state["model"].values())
+
+
+def test_an_infinite_learning_rate_stops_before_the_first_checkpoint(tmp_path):
+    cfg = fake_cfg(tmp_path, "train.max_steps=1")
+    cfg.optim.lr = float("inf")
+    run = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match="weights are not finite after step 1.*no earlier last.pt exists"
+                                                 ".*optim.lr \\(now inf\\).*--overwrite"):
+        fake_train(cfg, run)
+    assert not (run / "checkpoints" / "last.pt").exists()
+
+
+# ------------------------------------------------------------------------------------ Ctrl-C, full disk
+def test_ctrl_c_names_the_last_checkpoint_and_how_to_resume(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt, match=f"interrupted at step 5; the last checkpoint is step 3 in "
+                                                f"{run / 'checkpoints' / 'last.pt'}.*--out {run} --resume"):
+        train(fake_cfg(tmp_path, "train.eval_every=0"), str(run), model_fn=FakeModel, dataset_fn=no_val,
+              collate_fn=collate, hooks=[InterruptAt(5)])
+    assert last_step(run) == 3
+
+
+def test_cli_ctrl_c_exits_130_with_one_line(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    assert cli_train(monkeypatch, tmp_path, run, hooks=[InterruptAt(2)]) == 130
+    err = error_lines(capsys)
+    assert err == ["lss train: training interrupted at step 2; no checkpoint was written (train.ckpt_every=3): "
+                   "start again with --overwrite"]
+    assert cli_train(monkeypatch, tmp_path, run, "--overwrite", hooks=[InterruptAt(4)]) == 130
+    err = capsys.readouterr().err
+    assert f"the last checkpoint is step 3 in {run / 'checkpoints' / 'last.pt'}" in err and "--resume" in err
+    assert "Traceback" not in err
+
+
+def test_cli_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    writes = []
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        writes.append(1)
+        if len(writes) == 2:
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    run = tmp_path / "run"
+    assert cli_train(monkeypatch, tmp_path, run) == 2
+    err = error_lines(capsys)
+    last = run / "checkpoints" / "last.pt"
+    assert err[0].startswith(f"lss train: error: [Errno {errno.ENOSPC}] No space left on device while writing {last}; "
+                             f"the previous {last} (step 3) is intact")
+    assert "--resume" in err[0]
+    monkeypatch.setattr(torch, "save", real_save)
+    assert last_step(run) == 3 and [p.name for p in (run / "checkpoints").iterdir()] == ["last.pt"]
