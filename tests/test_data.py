@@ -446,3 +446,18 @@ def test_loader_generates_the_synthetic_set_when_asked(tmp_path, monkeypatch, ca
     assert len(calls) == 1 and calls[0][1] == VERSION and calls[0][2]["image_size"] == (1600, 900)
     assert "generating a synthetic set" in capsys.readouterr().out
     assert len(loader.dataset) == 2
+
+
+def test_ensure_dataset_never_generates_into_a_foreign_directory(tmp_path, monkeypatch):
+    import lss.data.synthetic as synthetic
+
+    monkeypatch.setattr(synthetic, "generate", lambda *a, **k: pytest.fail("generate called"))
+    root = tmp_path / "mine"
+    root.mkdir()
+    (root / "notes.txt").write_text("keep")
+    cfg = make_config(dataroot=str(root), workers=0)
+    cfg.data.make_synthetic_if_missing = True
+    with pytest.raises(DatasetError, match="holds other files.*set data.dataroot") as info:
+        ensure_dataset(cfg)
+    assert "--force" not in str(info.value)
+    assert (root / "notes.txt").read_text() == "keep"
