@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from lss.config import Config
-from lss.engine.build import build_dataset, load_for_inference, select_device
+from lss.engine.build import build_dataset, select_device
+from lss.engine.eval import load_checkpoint_model
 
 FRONT_ROW = ("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT")
 BACK_ROW = ("CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT")
@@ -161,7 +162,7 @@ def render_checkpoint(cfg: Config, ckpt: str, out_dir: str, num: Optional[int] =
     from lss.models.heads.detection import decode_detections
 
     device = select_device(cfg)
-    model, state = load_for_inference(cfg, ckpt, device)
+    model, state = load_checkpoint_model(cfg, Path(ckpt), device)
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     count = min(num if num is not None else cfg.viz.num, len(dataset))
     out = Path(out_dir)

@@ -14,6 +14,7 @@ from lss.config import NUSCENES_CAMERAS, Config, validate
 from lss.data import DETECTION_CLASSES, NuScenesBEV, collate, locate_dataroot
 from lss.engine.build import build_dataset, build_eval_loader, build_loader, ensure_dataset
 from lss.engine.distributed import EpochSampler
+from lss.errors import DatasetError
 
 VERSION = "v1.0-mini"
 EGO = [(600.0, 1600.0, 0.7), (604.0, 1603.0, 0.75)]  # global x, y, yaw per sample (scene-0061)
@@ -226,7 +227,7 @@ def test_missing_image_names_file_sample_and_channel(tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"{victim}.*sample {_token('sample', 0, 1)}, channel CAM_BACK"):
         ds[1]
     victim.write_bytes(b"not a jpeg")
-    with pytest.raises(OSError, match=r"could not be decoded \(sample .*channel CAM_BACK"):
+    with pytest.raises(DatasetError, match=r"could not be decoded \(sample .*channel CAM_BACK"):
         ds[1]
 
 
@@ -445,3 +446,18 @@ def test_loader_generates_the_synthetic_set_when_asked(tmp_path, monkeypatch, ca
     assert len(calls) == 1 and calls[0][1] == VERSION and calls[0][2]["image_size"] == (1600, 900)
     assert "generating a synthetic set" in capsys.readouterr().out
     assert len(loader.dataset) == 2
+
+
+def test_ensure_dataset_never_generates_into_a_foreign_directory(tmp_path, monkeypatch):
+    import lss.data.synthetic as synthetic
+
+    monkeypatch.setattr(synthetic, "generate", lambda *a, **k: pytest.fail("generate called"))
+    root = tmp_path / "mine"
+    root.mkdir()
+    (root / "notes.txt").write_text("keep")
+    cfg = make_config(dataroot=str(root), workers=0)
+    cfg.data.make_synthetic_if_missing = True
+    with pytest.raises(DatasetError, match="holds other files.*set data.dataroot") as info:
+        ensure_dataset(cfg)
+    assert "--force" not in str(info.value)
+    assert (root / "notes.txt").read_text() == "keep"

@@ -4,6 +4,7 @@ graph of lss has no cycle and the engine does not import lss.viz."""
 import ast
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -638,3 +639,73 @@ def test_a_persistent_eval_loader_keeps_its_workers_between_passes_in_order():
             assert [b["index"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5]]
         pids = [{int(p) for b in batches for p in b["pid"]} for batches in passes]
         assert (pids[0] == pids[1]) is persistent, (persistent, pids)
+
+
+# ------------------------------------------------------------------------ checkpoint reliability
+def test_stale_checkpoint_temp_files_are_removed_on_load(tmp_path, capsys):
+    folder = tmp_path / "checkpoints"
+    path = folder / "last.pt"
+    ck.save_checkpoint(path, FakeModel(), 3, fake_cfg(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = ck._host()
+    killed = folder / f".last.pt.{host}-{dead.pid}.abcd1234.tmp"  # the save of an exited process
+    old = folder / ".best.pt.k2j4h5g6.tmp"  # an older release's name, untouched for two hours
+    live = folder / f".last.pt.{host}-{os.getppid()}.zzzz9999.tmp"  # a save in progress
+    foreign = folder / ".notes.tmp"
+    for f in (killed, old, live, foreign):
+        f.write_bytes(b"x" * 100)
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    os.utime(foreign, (time.time() - 7200, time.time() - 7200))
+    assert ck.load_checkpoint(path)["step"] == 3
+    assert not killed.exists() and not old.exists()
+    assert live.exists() and foreign.exists()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "stale temp" in ln]
+    assert len(lines) == 1 and killed.name in lines[0] and old.name in lines[0] and str(folder) in lines[0]
+
+
+def test_checkpoint_problems_name_the_path_and_what_to_do(tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ck.CheckpointError, match=r"run is a directory: pass a checkpoint file"):
+        ck.load_checkpoint(tmp_path / "run")
+    with pytest.raises(ck.CheckpointError, match=r"none.pt does not exist: pass the path"):
+        ck.load_checkpoint(tmp_path / "none.pt")
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(ck.CheckpointError, match=r"empty.pt is empty \(0 bytes"):
+        ck.load_checkpoint(empty)
+    path = tmp_path / "c.pt"
+    ck.save_checkpoint(path, FakeModel(), 1, fake_cfg(tmp_path))
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ck.CheckpointError, match=r"cut.pt cannot be read.*truncated"):
+        ck.load_checkpoint(cut)
+    foreign = tmp_path / "foreign.pt"
+    torch.save([1, 2, 3], foreign)
+    with pytest.raises(ck.CheckpointError, match=r"foreign.pt is not an lss checkpoint.*lss train"):
+        ck.load_checkpoint(foreign)
+
+
+@pytest.mark.parametrize("override", ["grid.xbound=[-40.0, 40.0, 0.5]", "grid.dbound=[4.0, 45.0, 2.0]",
+                                      "data.final_dim=[256, 704]", "data.classes=[drivable_area, vehicle]"])
+def test_checkpoint_trained_on_another_geometry_is_refused(tmp_path, override):
+    path = tmp_path / "c.pt"
+    ck.save_checkpoint(path, FakeModel(), 1, fake_cfg(tmp_path))
+    key = override.split("=")[0]
+    with pytest.raises(ck.CheckpointError, match=rf"c.pt was trained with {key}=.*the config has {key}="):
+        ck.check_config_fits(ck.load_checkpoint(path), fake_cfg(tmp_path, override), path)
+    ck.check_config_fits(ck.load_checkpoint(path), fake_cfg(tmp_path), path)
+
+
+def test_eval_of_a_bad_checkpoint_prints_one_line(tmp_path, capsys):
+    from lss.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  classes: [vehicle, drivable_area]\n")
+    path = tmp_path / "c.pt"
+    ck.save_checkpoint(path, FakeModel(), 1, fake_cfg(tmp_path))
+    for ckpt, says in ((tmp_path, "is a directory"), (path, "grid.dbound")):
+        assert main(["eval", "--config", str(config), "--set", "grid.dbound=[4.0, 45.0, 2.0]",
+                     "--ckpt", str(ckpt)]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[0].startswith("lss eval: error: checkpoint") and says in err[0] and str(ckpt) in err[0]

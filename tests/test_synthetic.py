@@ -191,7 +191,7 @@ def test_projected_boxes_land_on_their_object(nusc, synthetic_root):
 
 @pytest.mark.slow
 def test_same_seed_same_tables(tmp_path):
-    kwargs = dict(version="v1.0-mini", scenes=1, samples_per_scene=2, image_size=(64, 36), seed=3)
+    kwargs = dict(version="v1.0-mini", scenes=2, samples_per_scene=1, image_size=(64, 36), seed=3)
     a = generate(tmp_path / "a", workers=1, **kwargs)
     b = generate(tmp_path / "b", workers=2, **kwargs)
     c = generate(tmp_path / "c", workers=1, **{**kwargs, "seed": 4})
@@ -225,19 +225,19 @@ def test_bad_arguments(tmp_path):
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not empty.*--force"):
-        generate(busy, scenes=1, samples_per_scene=1, image_size=(64, 36))
+        generate(busy, scenes=2, samples_per_scene=1, image_size=(64, 36))
     assert (busy / "keep.txt").read_text() == "mine"
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(PermissionError, match="cannot write"):
-        generate(blocker / "sub", scenes=1)
+        generate(blocker / "sub", scenes=2)
 
 
 def test_cli_refuses_non_empty_dir(tmp_path, capsys):
     from lss.cli import main
 
     (tmp_path / "x.txt").write_text("")
-    rc = main(["make-synthetic", str(tmp_path), "--scenes", "1", "--samples-per-scene", "1", "--image-size", "64x36"])
+    rc = main(["make-synthetic", str(tmp_path), "--scenes", "2", "--samples-per-scene", "1", "--image-size", "64x36"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "is not empty" in err and "--force" in err
@@ -250,3 +250,31 @@ def test_load_rig_sizes():
     full = load_rig()["CAM_BACK"].intrinsic
     assert np.allclose(k[:2], full[:2] / 2) and rig["CAM_BACK"].size == (800, 450)
     assert rig["LIDAR_TOP"].intrinsic is None
+
+
+def test_one_scene_is_refused_with_the_minimum(tmp_path, capsys):
+    from lss.cli import main
+
+    rc = main(["make-synthetic", str(tmp_path / "one"), "--scenes", "1", "--samples-per-scene", "1",
+               "--image-size", "64x36"])
+    assert rc == 2
+    err = capsys.readouterr().err.splitlines()[0]
+    assert "at least 2" in err and "--scenes 2" in err
+    assert not (tmp_path / "one").exists() or not any((tmp_path / "one").iterdir())
+
+
+def test_force_replaces_only_its_own_files(tmp_path):
+    kwargs = dict(scenes=2, samples_per_scene=1, image_size=(64, 36), workers=1)
+    out = generate(tmp_path / "set", **kwargs)
+    notes = out / "notes.txt"  # beside the dataset: never touched
+    notes.write_text("mine")
+    first = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    generate(out, force=True, **kwargs)
+    assert sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file()) == first
+    assert notes.read_text() == "mine"
+    foreign = out / "samples" / "CAM_FRONT" / "my_photo.jpg"
+    foreign.write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match=rf"{foreign}.*not written by `lss make-synthetic`"):
+        generate(out, force=True, **kwargs)
+    assert foreign.read_bytes() == b"precious" and sorted(p.relative_to(out) for p in out.rglob("*")
+                                                          if p.is_file() and p != foreign) == first

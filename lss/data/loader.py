@@ -2,12 +2,14 @@
 themselves: lss.engine.build)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from lss.config import Config
 from lss.data.nuscenes import DatasetNotFoundError, locate_dataroot
+from lss.errors import DatasetError
 
 
 # Per-object fields stay lists even when every sample happens to hold the same number of objects.
@@ -45,6 +47,11 @@ def ensure_dataset(config: Config) -> None:
         from lss.data.synthetic import generate
 
         syn = data.synthetic
+        root = Path(data.dataroot)
+        if root.is_dir() and any(root.iterdir()):
+            raise DatasetError(f"no nuScenes {data.version} at {root}, and the directory holds other files, so no "
+                               "synthetic set is generated there (data.make_synthetic_if_missing): set data.dataroot "
+                               "to the nuScenes root or to a new directory") from None
         print(f"no nuScenes {data.version} at {data.dataroot}: generating a synthetic set there "
               f"({syn.scenes} scenes x {syn.samples_per_scene} samples, data.make_synthetic_if_missing)")
         generate(data.dataroot, version=data.version, scenes=syn.scenes, samples_per_scene=syn.samples_per_scene,

@@ -6,7 +6,6 @@ images and rasterizes, and forked loader workers share the arrays without copyin
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -20,87 +19,19 @@ from lss.config import DETECTION_CLASSES, Config
 from lss.data import targets as T
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
+from lss.data.tables import (DatasetNotFoundError, MapNotFoundError, SampleError, SampleFileNotFoundError,
+                             check_annotation, load_tables, loaded_or_named, locate_dataroot, resolve_split)
 from lss.data.transforms import image_size_from_header, load_augmented_image, sample_augmentation
 from lss.errors import ConfigError, DatasetError
+
+__all__ = ["DatasetNotFoundError", "MapNotFoundError", "NuScenesBEV", "load_tables", "locate_dataroot",
+           "resolve_split"]
 
 # Segmentation object classes: nuScenes category-name prefixes (LSS: all vehicles; all pedestrians).
 OBJECT_CLASSES = {"vehicle": "vehicle.", "pedestrian": "human.pedestrian."}
 MAP_POLYGON_LAYERS = ("drivable_area", "road_segment", "road_block", "lane", "ped_crossing", "walkway", "stop_line",
                       "carpark_area")
 MAP_LINE_LAYERS = ("road_divider", "lane_divider")
-# The original LSS release nests each version one level down: DATAROOT/mini/v1.0-mini, DATAROOT/trainval/...
-_LSS_LAYOUT_FOLDER = {"v1.0-mini": "mini", "v1.0-trainval": "trainval", "v1.0-test": "test"}
-
-
-class DatasetNotFoundError(DatasetError, FileNotFoundError):
-    """The dataroot holds no nuScenes tables for the requested version."""
-
-
-class MapNotFoundError(DatasetError, FileNotFoundError):
-    """A map-expansion file needed for a map class is missing."""
-
-
-def _has_tables(folder: Path) -> bool:
-    return (folder / "sample.json").is_file() and (folder / "scene.json").is_file()
-
-
-def locate_dataroot(dataroot: str | Path, version: str) -> tuple[Path, str]:
-    """Find the devkit dataroot (the folder holding `<version>/`) for either supported layout.
-
-    Returns (devkit dataroot, layout description). Raises DatasetNotFoundError listing what was looked for and
-    which versions were found instead.
-    """
-    root = Path(dataroot).expanduser()
-    candidates = [(root, f"DATAROOT/{version}/")]
-    if version in _LSS_LAYOUT_FOLDER:
-        sub = _LSS_LAYOUT_FOLDER[version]
-        candidates.append((root / sub, f"DATAROOT/{sub}/{version}/ (original LSS layout)"))
-    for base, layout in candidates:
-        if _has_tables(base / version):
-            return base, layout
-    looked = ", ".join(str(base / version) for base, _ in candidates)
-    if not root.is_dir():
-        found = f"{root} does not exist"
-    else:
-        versions = sorted({str(p.parent) for p in root.glob("*/sample.json")} |
-                          {str(p.parent) for p in root.glob("*/*/sample.json")})
-        found = ("tables found in: " + ", ".join(versions)) if versions else f"no nuScenes tables under {root}"
-    raise DatasetNotFoundError(
-        f"nuScenes {version} not found: looked for the tables (sample.json, scene.json, ...) in {looked}; {found}. "
-        f"Set data.dataroot to the folder holding {version}/ (or mini/{version}/), set data.version to the version "
-        f"you have, or generate a synthetic set with `lss make-synthetic --out-dir {root}`.")
-
-
-def resolve_split(version: str, split: str) -> tuple[str, list[str]]:
-    """Map a split name to the devkit split ("train"/"val" become mini_train/mini_val on v1.0-mini).
-
-    Returns (devkit split name, scene names)."""
-    from nuscenes.utils.splits import create_splits_scenes
-
-    splits = create_splits_scenes()
-    name = f"mini_{split}" if version.endswith("mini") and split in ("train", "val") else split
-    if name not in splits:
-        raise ConfigError(f"unknown split {split!r} for {version}; expected 'train', 'val' or one of the devkit "
-                         f"splits {sorted(splits)}")
-    return name, list(splits[name])
-
-
-_TABLES: dict = {}
-
-
-def load_tables(root: Path, version: str):
-    """The devkit's NuScenes object for (root, version), loaded once per process."""
-    from nuscenes.nuscenes import NuScenes
-
-    key = (str(Path(root).resolve()), version)
-    if key not in _TABLES:
-        try:
-            _TABLES[key] = NuScenes(version=version, dataroot=str(root), verbose=False)
-        except (AssertionError, KeyError, json.JSONDecodeError) as e:
-            raise DatasetNotFoundError(f"nuscenes-devkit could not load the {version} tables under {root}: "
-                                       f"{type(e).__name__}: {e}. Check that the tables and the files they "
-                                       f"name (maps/*.png, samples/) are complete.") from None
-    return _TABLES[key]
 
 
 @dataclass
@@ -163,7 +94,8 @@ def load_map_geometry(root: Path, location: str, layers: Sequence[str]) -> MapGe
             f"exist, or configure only object classes ({', '.join(OBJECT_CLASSES)}) in data.classes.")
     from nuscenes.map_expansion.map_api import NuScenesMap
 
-    nmap = NuScenesMap(dataroot=str(root), map_name=location)
+    nmap = loaded_or_named(lambda: NuScenesMap(dataroot=str(root), map_name=location), [path], dict,
+                           f"the map expansion of location '{location}'")
     node_xy = {n["token"]: (n["x"], n["y"]) for n in nmap.node}
 
     def ring(tokens: Sequence[str]) -> np.ndarray:
@@ -331,6 +263,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
             self.ego_pose[i] = (ego_t[0], ego_t[1], np.arctan2(ego_rot[1, 0], ego_rot[0, 0]))
             for ann_token in sample["anns"]:
                 ann = nusc.get("sample_annotation", ann_token)
+                check_annotation(ann, self.root / self.version / "sample_annotation.json")
                 if int(ann["visibility_token"] or 0) < data.min_visibility or ann["num_lidar_pts"] < data.min_lidar_pts:
                     continue
                 category = ann["category_name"]
@@ -448,6 +381,15 @@ class NuScenesBEV(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        # SampleError keeps the message (which names the file) first when DataLoader re-raises it from a worker.
+        try:
+            return self._item(index)
+        except FileNotFoundError as e:
+            raise SampleFileNotFoundError(str(e)) from None
+        except OSError as e:
+            raise SampleError(str(e)) from None
+
+    def _item(self, index: int) -> dict:
         rng = np.random.default_rng(int(torch.randint(0, 2**62, ()))) if self.is_train else None
         cams = self._camera_subset(rng)
         images, post_rot, post_trans, image_sizes = self._load_images(index, cams, rng)

@@ -65,6 +65,8 @@ def is_jpeg(data: bytes) -> bool:
 
 def image_size_from_header(data: bytes) -> tuple[int, int]:
     """(W, H) of an encoded image from its header only (no pixel decoding)."""
+    if not data:
+        raise OSError("the file is empty (0 bytes; expected a JPEG or PNG file): re-extract it")
     with Image.open(io.BytesIO(data)) as im:
         return im.size
 
@@ -85,8 +87,14 @@ def decode_resized(data: bytes, image_size: tuple[int, int],
     Raises OSError when the data cannot be decoded or its size is not `image_size`.
     """
     width, height = image_size
+    if not data:
+        raise OSError("the file is empty (0 bytes; expected a JPEG or PNG file): re-extract it")
     k = jpeg_scale(image_size, resize_dims) if is_jpeg(data) else 1
-    decoded = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), _REDUCED_FLAGS[k] | cv2.IMREAD_IGNORE_ORIENTATION)
+    try:
+        decoded = cv2.imdecode(np.frombuffer(data, dtype=np.uint8),
+                               _REDUCED_FLAGS[k] | cv2.IMREAD_IGNORE_ORIENTATION)
+    except cv2.error as e:  # OpenCV asserts on some corrupt streams instead of returning None
+        raise OSError(f"not a decodable image ({len(data)} bytes; OpenCV: {str(e).strip().splitlines()[-1]})") from None
     if decoded is None:
         raise OSError(f"not a decodable image ({len(data)} bytes; expected a JPEG or PNG file)")
     expected = (-(-height // k), -(-width // k))

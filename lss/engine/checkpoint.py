@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -15,6 +18,13 @@ from lss.errors import CheckpointError
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format", "model", "step", "config", "version")
+# Config keys that fix what the weights mean: a checkpoint is only evaluated or resumed with the same values.
+FIXED_KEYS = ("grid.xbound", "grid.ybound", "grid.zbound", "grid.dbound", "data.final_dim", "data.classes",
+              "model.heads")
+# Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases: .<name>.<random>.tmp).
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+?)\.(?:(?P<host>[^.]+)-(?P<pid>\d+)\.)?[a-z0-9_]{8}\.tmp$")
+# A temp file whose writer cannot be checked (another host, older name) is stale once untouched this long.
+STALE_TEMP_SECONDS = 3600
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -32,7 +42,7 @@ def atomic_save(obj: Any, path: Union[str, Path]) -> None:
     """torch.save to a temp file in the same directory, then os.replace: readers never see a partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_host()}-{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -42,6 +52,51 @@ def atomic_save(obj: Any, path: Union[str, Path]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _host() -> str:
+    return socket.gethostname().replace(".", "_") or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_stale_temp(file: Path) -> bool:
+    """A temp file of atomic_save whose writer is gone: its process on this host has exited, or (writer on another
+    host, or a name without the writer) it has not been written to for STALE_TEMP_SECONDS."""
+    match = _TEMP_NAME.match(file.name)
+    if match is None or not file.is_file():
+        return False
+    if match["host"] == _host() and int(match["pid"]) != os.getpid():
+        return not _pid_alive(int(match["pid"]))
+    return time.time() - file.stat().st_mtime > STALE_TEMP_SECONDS
+
+
+def remove_stale_temp_files(folder: Union[str, Path]) -> list[Path]:
+    """Delete the temp files that interrupted checkpoint saves left in `folder` (only names of atomic_save's
+    pattern); say so in one line. Returns the removed paths."""
+    folder = Path(folder)
+    removed, size = [], 0
+    for file in sorted(folder.glob(".*.tmp")) if folder.is_dir() else []:
+        try:
+            if _is_stale_temp(file):
+                file_size = file.stat().st_size
+                file.unlink()
+                removed.append(file)
+                size += file_size
+        except OSError:
+            continue  # gone meanwhile, or not ours to delete: leave it
+    if removed:
+        print(f"removed {len(removed)} stale temp file(s) of interrupted checkpoint saves in {folder} "
+              f"({size / 1e6:.1f} MB): {', '.join(f.name for f in removed)}")
+    return removed
 
 
 def save_checkpoint(path: Union[str, Path], model: nn.Module, step: int, config: Config,
@@ -80,23 +135,53 @@ def _portable_scheduler(state: dict) -> dict:
 
 
 def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> dict:
-    """Read and validate a checkpoint; raises CheckpointError naming the file and the problem."""
+    """Read and validate a checkpoint; raises CheckpointError naming the file and the problem. Removes the stale
+    temp files of interrupted saves next to it (remove_stale_temp_files)."""
     path = Path(path)
+    if path.is_dir():
+        found = sorted(str(p) for p in list(path.glob("*.pt")) + list(path.glob("checkpoints/*.pt")))
+        raise CheckpointError(f"checkpoint {path} is a directory: pass a checkpoint file, "
+                              + (f"e.g. {', '.join(found[:3])}" if found else "e.g. RUN_DIR/checkpoints/last.pt "
+                                 "(this directory holds no *.pt file)"))
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        raise CheckpointError(f"checkpoint {path} does not exist: pass the path of a checkpoint file, e.g. "
+                              "RUN_DIR/checkpoints/last.pt or best.pt")
+    remove_stale_temp_files(path.parent)
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes; its save was interrupted): use another "
+                              "checkpoint (e.g. best.pt instead of last.pt)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); the file is corrupt or "
                               "truncated: use another checkpoint (e.g. best.pt instead of last.pt)") from None
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
-        have = sorted(state) if isinstance(state, dict) else type(state).__name__
+        have = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"checkpoint {path} is not an lss checkpoint: expected keys {list(REQUIRED_KEYS)}, "
-                              f"found {have}")
+                              f"found {have}; pass a checkpoint written by `lss train` (RUN_DIR/checkpoints/*.pt)")
     if state["format"] != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {state['format']} (written by lss {state['version']}); "
                               f"this lss {lss.__version__} reads format {FORMAT_VERSION}")
     return state
+
+
+def _config_value(config: dict, key: str):
+    value = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def check_config_fits(state: dict, config: Config, path: Union[str, Path] = "checkpoint") -> None:
+    """Refuse a checkpoint whose FIXED_KEYS (grid, input size, classes, heads) differ from `config`: its weights
+    would be evaluated on another geometry or read as other classes."""
+    current = config_to_dict(config)
+    for key in FIXED_KEYS:
+        trained, wanted = _config_value(state["config"], key), _config_value(current, key)
+        if trained is not None and trained != wanted:
+            raise CheckpointError(f"checkpoint {path} was trained with {key}={trained}, the config has {key}="
+                                  f"{wanted}: set {key} to the checkpoint's value (--set '{key}={trained}') or use "
+                                  "the config it was trained with (it holds it under 'config')")
 
 
 def checkpoint_config(state: dict) -> Config:

@@ -14,8 +14,10 @@ from tqdm import tqdm
 from lss.config import Config
 from lss.engine.build import (build_autocast, build_dataset, build_eval_loader, load_for_inference, select_device,
                               to_device)
+from lss.engine.checkpoint import check_config_fits, load_checkpoint
 from lss.engine.detection_eval import DetectionCollector
 from lss.engine.metrics import IoUMeter, format_iou_table
+from lss.errors import CheckpointError
 
 
 @torch.no_grad()
@@ -51,12 +53,25 @@ def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device
     return result
 
 
+def load_checkpoint_model(cfg: Config, path: Path, device: torch.device) -> tuple[nn.Module, dict]:
+    """load_for_inference, refusing a checkpoint trained with another grid, input size, classes or heads (a
+    CheckpointError naming the key and both values, also where the weights would not fit)."""
+    try:
+        model, state = load_for_inference(cfg, path, device)
+    except CheckpointError:
+        if path.is_file():
+            check_config_fits(load_checkpoint(path), cfg, path)  # the clearer reason, when it is one
+        raise
+    check_config_fits(state, cfg, path)
+    return model, state
+
+
 def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -> dict:
     """Evaluate checkpoint `ckpt` on data.val_split; writes eval.json to `out_dir` (default: the run directory
     that holds the checkpoint) and prints the IoU table."""
     path = Path(ckpt)
     device = select_device(cfg)
-    model, state = load_for_inference(cfg, path, device)
+    model, state = load_checkpoint_model(cfg, path, device)
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     loader = build_eval_loader(cfg, dataset, device)
     out = Path(out_dir) if out_dir else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)

@@ -1,8 +1,8 @@
 """`generate`: write a synthetic dataset in the nuScenes on-disk format (tables, images, lidar, maps)."""
 from __future__ import annotations
 
+import json
 import os
-import shutil
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -20,6 +20,8 @@ from .world import LOCATIONS, build_location, build_scene, stable_seed
 
 VERSIONS = ("v1.0-mini", "v1.0-trainval")
 OUTPUTS = ("samples", "sweeps", "maps")  # what generate writes next to the tables directory
+MANIFEST = ".lss-synthetic.json"  # the files generate wrote into a directory: what --force may delete there
+MIN_SCENES = 2  # one for the training split, one for the validation split
 JPEG_QUALITY = 92
 
 
@@ -48,11 +50,36 @@ def scene_location(version: str, name: str, index: int) -> str:
     return LOCATIONS[index % len(LOCATIONS)]
 
 
+def _written_files(out: Path, version: str) -> list[Path]:
+    """Every file under the folders that generate writes (the tables of `version`, samples/, sweeps/, maps/)."""
+    return sorted(f for sub in (version,) + OUTPUTS if (out / sub).is_dir() for f in (out / sub).rglob("*")
+                  if not f.is_dir())
+
+
+def remove_previous_output(out: Path, version: str) -> None:
+    """Delete what an earlier generate wrote into `out` (listed in its MANIFEST); refuse, deleting nothing, when
+    the folders generate writes hold any other file."""
+    manifest = out / MANIFEST
+    owned = {out / name for name in json.loads(manifest.read_text())["files"]} if manifest.is_file() else set()
+    foreign = [f for f in _written_files(out, version) if f not in owned]
+    if foreign:
+        raise FileExistsError(f"--force: {foreign[0]} (and {len(foreign) - 1} more file(s)) was not written by "
+                              f"`lss make-synthetic` (not listed in {manifest}); --force only replaces a synthetic "
+                              "set: move those files away or choose another directory")
+    for f in owned:
+        f.unlink(missing_ok=True)
+    manifest.unlink(missing_ok=True)
+    for folder in sorted({d for f in owned for d in f.parents if out in d.parents}, key=lambda d: -len(d.parts)):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
 def _check_args(out_dir, version, scenes, samples_per_scene, image_size, force) -> tuple[Path, tuple[int, int]]:
     if version not in VERSIONS:
         raise ArgumentError(f"unknown version {version!r}: expected one of {', '.join(VERSIONS)}")
-    if not isinstance(scenes, int) or scenes < 1:
-        raise ArgumentError(f"scenes must be a positive integer, got {scenes!r}")
+    if not isinstance(scenes, int) or scenes < MIN_SCENES:
+        raise ArgumentError(f"scenes must be an integer of at least {MIN_SCENES} (one training and one validation "
+                            f"scene), got {scenes!r}: pass --scenes {MIN_SCENES} or more")
     if not isinstance(samples_per_scene, int) or samples_per_scene < 1:
         raise ArgumentError(f"samples_per_scene must be a positive integer, got {samples_per_scene!r}")
     try:
@@ -66,7 +93,7 @@ def _check_args(out_dir, version, scenes, samples_per_scene, image_size, force) 
         raise NotADirectoryError(f"output path {out} exists and is not a directory: choose a directory")
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"output directory {out} is not empty: choose an empty or new directory, or pass "
-                              "force=True (--force) to overwrite the dataset in it")
+                              "force=True (--force) to overwrite the synthetic dataset in it")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".lss-write-test"
@@ -148,9 +175,7 @@ def generate(out_dir, version: str = "v1.0-mini", scenes: int = 10, samples_per_
     if workers < 1:
         raise ArgumentError(f"workers must be >= 1, got {workers}")
     names = scene_names(version, scenes)
-    for sub in (version,) + OUTPUTS:
-        if (out / sub).exists():
-            shutil.rmtree(out / sub)
+    remove_previous_output(out, version)
     rig = load_rig(size)
     for ch in CAMERAS + (LIDAR,):
         (out / "samples" / ch).mkdir(parents=True, exist_ok=True)
@@ -188,4 +213,6 @@ def generate(out_dir, version: str = "v1.0-mini", scenes: int = 10, samples_per_
                 bar.update()
     bar.close()
     write_tables(out / version, build_tables(scene_list, rig, stats, seed, map_tokens))
+    files = [str(f.relative_to(out)) for f in _written_files(out, version)]
+    (out / MANIFEST).write_text(json.dumps({"version": version, "files": files}, indent=0))
     return out
