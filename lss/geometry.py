@@ -301,6 +301,10 @@ class FrustumLUT:
     - cell_start: B*nz*nx*ny + 1 CSR offsets: the points of cell c are sorted_points[cell_start[c]:cell_start[c+1]]
       (the interval of c: start cell_start[c], length cell_start[c+1] - cell_start[c]); cell_start[-1] = kept count.
     Index tensors are int32 when P and the cell count fit, int64 otherwise, on the device of the points.
+
+    A table constructed from tensors (`FrustumLUT(...)`, `dataclasses.replace`) is checked once by `validate`, so
+    that bev_pool never indexes out of bounds; `build` makes valid tables by construction and skips the check (no
+    host sync, capturable in a CUDA graph). Call `validate()` again after changing the tensors in place.
     """
 
     point_cell: torch.Tensor
@@ -314,6 +318,86 @@ class FrustumLUT:
     nz: int
     nx: int
     ny: int
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def _valid_by_construction(cls, **values) -> "FrustumLUT":
+        """An instance without `validate` (one host sync), for tables made by `build` or copied from a checked one."""
+        lut = cls.__new__(cls)
+        lut.__dict__.update(values)
+        return lut
+
+    def validate(self) -> "FrustumLUT":
+        """Checks that the table is consistent, so that bev_pool reads only inside its inputs: sizes >= 1; the three
+        index tensors 1-D int32/int64 of one dtype and device with P, P and cells + 1 elements; cell_start
+        non-decreasing from 0 to at most P; sorted_points in [0, P); point_cell -1 or in [0, cells); and the three
+        describing the same assignment of points to cells. Raises ValueError naming the field, the bad value and
+        the valid range. Synchronises with the device once (more only to describe an error). Returns self."""
+        for name in ("B", "N", "D", "fH", "fW", "nz", "nx", "ny"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"FrustumLUT: {name} must be an integer >= 1, got {value!r}")
+        P, cells = self.num_points, self.num_cells
+        first = self.cell_start
+        for name, numel in (("cell_start", cells + 1), ("sorted_points", P), ("point_cell", P)):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"FrustumLUT: {name} must be a tensor, got {type(t).__name__}")
+            if t.dtype not in (torch.int32, torch.int64) or t.dtype != first.dtype:
+                raise ValueError(f"FrustumLUT: {name} has dtype {t.dtype}; the index tensors must all be int32 or "
+                                 f"all int64 (cell_start is {first.dtype})")
+            if t.dim() != 1 or t.numel() != numel:
+                raise ValueError(f"FrustumLUT: {name} must be 1-D with {numel} elements for B, N, D, fH, fW = "
+                                 f"{self.B}, {self.N}, {self.D}, {self.fH}, {self.fW} and nz, nx, ny = {self.nz}, "
+                                 f"{self.nx}, {self.ny}, got shape {tuple(t.shape)}")
+            if t.device != first.device:
+                raise ValueError(f"FrustumLUT: {name} is on {t.device} but cell_start is on {first.device}; move "
+                                 "the tables to one device")
+        point_cell, sorted_points, cell_start = self.point_cell, self.sorted_points, self.cell_start
+        steps = cell_start.diff()
+        stats = torch.stack([cell_start[0], cell_start[-1], (steps < 0).any(), sorted_points.min(),
+                             sorted_points.max(), point_cell.min(), point_cell.max()]).tolist()
+        start, kept, decreasing, sp_min, sp_max, pc_min, pc_max = stats
+        if start != 0:
+            raise ValueError(f"FrustumLUT: cell_start[0] is {start}, expected 0 (the first cell's points start at "
+                             "sorted_points[0]); build the table with FrustumLUT.build")
+        if not 0 <= kept <= P:
+            raise ValueError(f"FrustumLUT: cell_start[-1] (the number of points inside the grid) is {kept}, expected "
+                             f"a value in [0, P] = [0, {P}]")
+        if decreasing:
+            c = int(torch.nonzero(steps < 0)[0])
+            raise ValueError(f"FrustumLUT: cell_start must be non-decreasing, but cell_start[{c}] = "
+                             f"{int(cell_start[c])} > cell_start[{c + 1}] = {int(cell_start[c + 1])}")
+        if sp_min < 0 or sp_max >= P:
+            raise ValueError(f"FrustumLUT: sorted_points holds {sp_min if sp_min < 0 else sp_max}, expected point "
+                             f"indices in [0, P) = [0, {P})")
+        if pc_min < -1 or pc_max >= cells:
+            raise ValueError(f"FrustumLUT: point_cell holds {pc_min if pc_min < -1 else pc_max}, expected -1 (outside "
+                             f"the grid) or a cell in [0, B*nz*nx*ny) = [0, {cells})")
+        # the same assignment three ways: per-cell counts, the cell of every sorted position, each kept point once
+        counts = torch.bincount(point_cell.long() + 1, minlength=cells + 1)[1:]
+        listed = sorted_points[:kept].long()
+        position_cell = torch.searchsorted(cell_start, torch.arange(kept, dtype=cell_start.dtype,
+                                                                    device=cell_start.device), right=True) - 1
+        wrong_count = counts != steps
+        wrong_cell = point_cell[listed] != position_cell
+        repeated = torch.bincount(listed, minlength=P) > 1
+        if not any(torch.stack([wrong_count.any(), wrong_cell.any(), repeated.any()]).tolist()):
+            return self
+        if bool(wrong_count.any()):
+            c = int(torch.nonzero(wrong_count)[0])
+            raise ValueError(f"FrustumLUT: point_cell puts {int(counts[c])} points in cell {c} but cell_start gives it "
+                             f"cell_start[{c + 1}] - cell_start[{c}] = {int(steps[c])}; the tables disagree")
+        if bool(wrong_cell.any()):
+            k = int(torch.nonzero(wrong_cell)[0])
+            raise ValueError(f"FrustumLUT: sorted_points[{k}] = {int(listed[k])} is a point of cell "
+                             f"{int(point_cell[listed[k]])} (point_cell) but cell_start places position {k} in cell "
+                             f"{int(position_cell[k])}; the tables disagree")
+        p = int(torch.nonzero(repeated)[0])
+        raise ValueError(f"FrustumLUT: sorted_points lists point {p} more than once in its first cell_start[-1] = "
+                         f"{kept} entries, expected every point inside the grid exactly once")
 
     @property
     def num_points(self) -> int:
@@ -332,8 +416,9 @@ class FrustumLUT:
         return int(self.cell_start[-1])
 
     def to(self, device) -> "FrustumLUT":
-        return FrustumLUT(**{f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
-                                      else getattr(self, f.name)) for f in fields(self)})
+        return FrustumLUT._valid_by_construction(**{
+            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+                     else getattr(self, f.name)) for f in fields(self)})
 
     @classmethod
     def build(cls, points: torch.Tensor, grid: BevGrid) -> "FrustumLUT":
@@ -361,8 +446,8 @@ class FrustumLUT:
             boundaries = torch.arange(cells + 1, dtype=idx_dtype, device=device)
             cell_start = torch.searchsorted(sorted_key, boundaries, out_int32=idx_dtype == torch.int32)
             point_cell = torch.where(kept.reshape(-1), key, -1)
-        return cls(point_cell=point_cell, sorted_points=order.to(idx_dtype), cell_start=cell_start,
-                   B=B, N=N, D=D, fH=fH, fW=fW, nz=nz, nx=nx, ny=ny)
+        return cls._valid_by_construction(point_cell=point_cell, sorted_points=order.to(idx_dtype),
+                                          cell_start=cell_start, B=B, N=N, D=D, fH=fH, fW=fW, nz=nz, nx=nx, ny=ny)
 
 
 class FrustumLUTCache:

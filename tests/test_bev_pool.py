@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -420,3 +422,76 @@ def test_cuda_misaligned_channels_last_grad_out():
     grad_out.copy_(want)
     assert grad_out.is_contiguous(memory_format=torch.channels_last)
     assert_grads_match_reference(depth, feat, lut, grad_out, 1e-4)
+
+
+def lut_with(lut, **changes):
+    """The fields of `lut` with some replaced, as FrustumLUT(...) from user tensors (which validates them)."""
+    values = {f.name: getattr(lut, f.name) for f in dataclasses.fields(lut)}
+    values.update(changes)
+    return FrustumLUT(**values)
+
+
+def edited(t, index, value):
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def bad_tables(lut):
+    """(field changes, expected message) for tables that would make bev_pool read out of bounds or mix cells."""
+    P, cells = lut.num_points, lut.num_cells
+    cs, sp, pc = lut.cell_start, lut.sorted_points, lut.point_cell.long()
+    kept_cell = int(pc[pc >= 0][0])
+    other_cell = int(pc[(pc >= 0) & (pc != kept_cell)][0])
+    swapped = pc.clone()
+    a, b = int(torch.nonzero(pc == kept_cell)[0]), int(torch.nonzero(pc == other_cell)[0])
+    swapped[a], swapped[b] = pc[b], pc[a]
+    return [
+        (dict(sorted_points=edited(sp, 3, 10**9)), f"sorted_points holds 1000000000, expected point indices in "
+                                                   f"\\[0, P\\) = \\[0, {P}\\)"),
+        (dict(sorted_points=edited(sp, 3, -5)), "sorted_points holds -5"),
+        (dict(cell_start=edited(cs, -1, 10**8)), f"cell_start\\[-1\\] .* is 100000000, expected a value in "
+                                                 f"\\[0, P\\] = \\[0, {P}\\]"),
+        (dict(cell_start=edited(cs, 0, -2)), "cell_start\\[0\\] is -2, expected 0"),
+        (dict(cell_start=edited(cs, cells // 2, -2)), "cell_start must be non-decreasing"),
+        (dict(cell_start=cs.flip(0)), "cell_start\\[0\\] is"),
+        (dict(cell_start=torch.cat([cs[:1], cs[1:].flip(0)])), "cell_start must be non-decreasing"),
+        (dict(point_cell=edited(lut.point_cell, 5, 10**9)), f"point_cell holds 1000000000, expected -1 .* "
+                                                            f"\\[0, {cells}\\)"),
+        (dict(point_cell=edited(lut.point_cell, 5, -7)), "point_cell holds -7"),
+        (dict(point_cell=swapped.to(lut.point_cell.dtype)), "the tables disagree"),
+        (dict(point_cell=lut.point_cell.long()), "dtype torch.int64"),
+        (dict(sorted_points=sp[:-1]), f"sorted_points must be 1-D with {P} elements"),
+        (dict(nx=0), "nx must be an integer >= 1"),
+    ]
+
+
+@needs_ext
+def test_inconsistent_lut_is_rejected_when_constructed():
+    lut = random_lut(B=1, N=2, grid=TWO_LEVEL_GRID, seed=15)
+    depth, feat = inputs(lut, 3, seed=15)
+    assert torch.equal(bev_pool(depth, feat, lut_with(lut)), bev_pool(depth, feat, lut))
+    for changes, message in bad_tables(lut):
+        with pytest.raises(ValueError, match=message):
+            lut_with(lut, **changes)
+
+
+def test_built_lut_skips_validation_and_in_place_edits_are_caught_by_validate(monkeypatch):
+    def fail(self):
+        raise AssertionError("FrustumLUT.build and .to must not validate (a host sync)")
+
+    with monkeypatch.context() as m:
+        m.setattr(FrustumLUT, "validate", fail)
+        lut = random_lut(B=1, N=2, seed=16).to("cpu")
+    assert lut.validate() is lut
+    lut.sorted_points[0] = 10**9
+    with pytest.raises(ValueError, match="sorted_points holds 1000000000"):
+        lut.validate()
+
+
+@pytest.mark.cuda
+def test_cuda_inconsistent_lut_is_rejected_when_constructed():
+    lut = random_lut(B=1, N=2, grid=TWO_LEVEL_GRID, seed=15, device="cuda")
+    for changes, message in bad_tables(lut):
+        with pytest.raises(ValueError, match=message):
+            lut_with(lut, **changes)

@@ -252,6 +252,25 @@ def test_softmax_matches_reference(device, reduction, gamma):
         torch.testing.assert_close(low[1].double(), ref[1], rtol=2e-2, atol=2e-2 * ref[1].abs().max().item())
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_softmax_non_finite_logits_match_reference(device, reduction, dtype):
+    nan, inf = float("nan"), float("inf")
+    # target 0 in every row; a NaN or +-inf anywhere but a -inf off the target makes the row's loss NaN or +inf
+    rows = [[0.0, 1.0, nan], [nan, 1.0, 2.0], [0.0, 1.0, inf], [inf, 1.0, 2.0], [-inf, 1.0, 2.0], [0.0, -inf, 2.0],
+            [inf, inf, 0.0], [-inf, -inf, -inf], [0.0, inf, -inf], [0.5, 0.2, 0.1]]
+    logits = torch.tensor(rows, dtype=dtype, device=device)
+    labels = torch.zeros(len(rows), dtype=torch.long, device=device)
+    ours = value_and_grad(softmax_focal_loss, logits, labels, 0.25, 2.0, None, reduction)
+    ref = value_and_grad(softmax_focal_loss_reference, logits, labels, 0.25, 2.0, None, reduction)
+    if reduction == "none":
+        assert not ours[0][:5].isfinite().any()  # a NaN/inf logit never yields a finite loss
+        assert ours[0][5:6].isfinite().all() and ours[0][-1:].isfinite().all()
+    torch.testing.assert_close(ours[0], ref[0], equal_nan=True)
+    torch.testing.assert_close(ours[1], ref[1], equal_nan=True)
+
+
 @needs_ext
 @pytest.mark.parametrize("device", devices())
 def test_gradcheck(device):

@@ -256,6 +256,30 @@ def test_errors():
         roi_align(x, [good[:1, 1:]] * 3, 2)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 0.0, -0.5])
+@pytest.mark.parametrize("op", [roi_align, roi_align_reference])
+def test_rejects_non_finite_or_non_positive_spatial_scale(op, scale):
+    x = features(2, 3, 8, 8)
+    with pytest.raises(ValueError, match=f"spatial_scale must be a finite number > 0.*got {scale}"):
+        op(x, make_rois(4, 2, 8, 8), 2, spatial_scale=scale)
+    with pytest.raises(ValueError, match="spatial_scale"):
+        RoIAlign(2, spatial_scale=scale)
+
+
+@pytest.mark.parametrize("op", [roi_align, roi_align_reference])
+def test_rejects_sampling_ratio_above_cap(op):
+    x = features(2, 3, 8, 8)
+    rois = make_rois(4, 2, 8, 8)
+    with pytest.raises(ValueError, match="sampling_ratio must be <= 64.*got 100000"):
+        op(x, rois, 2, sampling_ratio=100000)
+    with pytest.raises(ValueError, match="sampling_ratio must be <= 64.*got 65"):
+        RoIAlign(2, sampling_ratio=65)
+    with pytest.raises(ValueError, match="sampling_ratio must be an integer"):
+        op(x, rois, 2, sampling_ratio=2.5)
+    torch.testing.assert_close(op(x, rois, 2, sampling_ratio=64),
+                               torchvision.ops.roi_align(x, rois, 2, sampling_ratio=64), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not has_ext(), reason="lss._C not built")
 def test_raw_op_rejects_bad_rois_without_reading_out_of_bounds():
     x = features(1, 2, 6, 6)

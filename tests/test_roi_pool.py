@@ -186,6 +186,16 @@ def test_errors():
         roi_pool(x.long(), torch.tensor([[0.0, 0, 0, 4, 4]]), 2)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
+@pytest.mark.parametrize("op", [roi_pool, roi_pool_reference])
+def test_rejects_non_finite_or_non_positive_spatial_scale(op, scale):
+    x = features(2, 3, 8, 8)
+    with pytest.raises(ValueError, match=f"spatial_scale must be a finite number > 0.*got {scale}"):
+        op(x, torch.tensor([[0.0, 1, 1, 5, 5]]), 2, spatial_scale=scale)
+    with pytest.raises(ValueError, match="spatial_scale"):
+        RoIPool(2, spatial_scale=scale)
+
+
 @pytest.mark.skipif(not has_ext(), reason="lss._C not built")
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("channels_last", [False, True])

@@ -62,9 +62,11 @@ C10_HOST_DEVICE inline void sigmoid_focal(T x, T t, T alpha, T gamma, T& loss, T
 // coefficient k with d loss / d x_j = k (p_j - [j == target]):
 //   k = alpha u^gamma (1 + gamma p_t r),  u = 1 - p_t = -expm1(lpt),  r = -log p_t / u = lpt / expm1(lpt)
 // r -> 1 as p_t -> 1, which removes the 0 * inf of u^(gamma - 1) log p_t for gamma < 1.
+// Rounding can leave lpt a hair above 0; the clamp is written so that a NaN lpt (a NaN or +-inf logit in the row)
+// stays NaN, as in the PyTorch reference, instead of becoming a zero loss.
 template <typename T>
 C10_HOST_DEVICE inline void softmax_focal(T lpt, T alpha, T gamma, T& loss, T& coef) {
-  lpt = lpt < T(0) ? lpt : T(0);
+  lpt = lpt > T(0) ? T(0) : lpt;
   const T em1 = expm1_(lpt);
   const T u = -em1;
   const T ug = modulating_factor(u, gamma);

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
+import math
+
 import torch
 
 Rois = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+# Most bilinear samples per bin side for an explicit sampling_ratio: 64 x 64 samples a bin is far beyond what any
+# detector uses (0 or 2) and still finishes quickly; larger values only burn time (100000 runs for minutes).
+MAX_SAMPLING_RATIO = 64
 
 
 def output_hw(output_size, op: str) -> tuple[int, int]:
@@ -18,6 +24,26 @@ def output_hw(output_size, op: str) -> tuple[int, int]:
         raise ValueError(f"lss.ops.{op}: output_size must be a positive int or an (h, w) pair of positive ints, "
                          f"got {output_size!r}")
     return size
+
+
+def check_spatial_scale(spatial_scale: float, op: str) -> float:
+    """spatial_scale as a float, finite and > 0 (NaN would pool to NaN or zeros, <= 0 collapses every roi)."""
+    scale = float(spatial_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"lss.ops.{op}: spatial_scale must be a finite number > 0 (feature-map pixels per input "
+                         f"pixel, e.g. 1/8 for a stride-8 map), got {spatial_scale!r}")
+    return scale
+
+
+def check_sampling_ratio(sampling_ratio: int, op: str) -> int:
+    """sampling_ratio as an int, at most MAX_SAMPLING_RATIO (<= 0 is the adaptive rule)."""
+    if isinstance(sampling_ratio, bool) or int(sampling_ratio) != sampling_ratio:
+        raise ValueError(f"lss.ops.{op}: sampling_ratio must be an integer, got {sampling_ratio!r}")
+    ratio = int(sampling_ratio)
+    if ratio > MAX_SAMPLING_RATIO:
+        raise ValueError(f"lss.ops.{op}: sampling_ratio must be <= {MAX_SAMPLING_RATIO} samples per bin side "
+                         f"(or <= 0 for ceil(roi size / output size)), got {ratio}")
+    return ratio
 
 
 def check_input(input: torch.Tensor, op: str) -> None:

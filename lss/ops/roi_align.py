@@ -19,7 +19,8 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     spatial_scale maps roi coordinates to the feature map (1/8 for a stride-8 map). sampling_ratio > 0 samples
     that many points per bin side; <= 0 uses ceil(roi size / output size). aligned=True shifts by half a pixel
     (pixel centres at +0.5, the detectron2 convention). mode "avg" equals torchvision.ops.roi_align; "max" takes
-    the largest bilinear sample. Accumulates in float32 (float64 for float64 input); no gradient for rois.
+    the largest bilinear sample. spatial_scale must be finite and > 0 and sampling_ratio at most
+    lss.ops._roi.MAX_SAMPLING_RATIO (64), else ValueError. Accumulates in float32 (float64 for float64 input); no gradient for rois.
 
     validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N),
     which the forward kernel records. Reading that record is a host sync: on CUDA the host waits for the forward
@@ -31,12 +32,14 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     if mode not in _MODES:
         raise ValueError(f"lss.ops.roi_align: mode must be one of {_MODES}, got {mode!r}")
     pooled_h, pooled_w = _roi.output_hw(output_size, "roi_align")
+    spatial_scale = _roi.check_spatial_scale(spatial_scale, "roi_align")
+    sampling_ratio = _roi.check_sampling_ratio(sampling_ratio, "roi_align")
     rois = _roi.roi_tensor(rois, input, "roi_align")
     if _ext.use_reference("roi_align"):
         return roi_align_reference(input, rois, output_size, spatial_scale, sampling_ratio, aligned, mode)
     _ext.check_device("roi_align", input, rois)
-    output, _, bad_rois = torch.ops.lss.roi_align(input, rois, float(spatial_scale), pooled_h, pooled_w,
-                                                  int(sampling_ratio), bool(aligned), mode == "max")
+    output, _, bad_rois = torch.ops.lss.roi_align(input, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                                                  bool(aligned), mode == "max")
     if validate:
         _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_align")
     return output
@@ -51,8 +54,8 @@ class RoIAlign(nn.Module):
         if mode not in _MODES:
             raise ValueError(f"RoIAlign: mode must be one of {_MODES}, got {mode!r}")
         self.output_size = _roi.output_hw(output_size, "RoIAlign")
-        self.spatial_scale = float(spatial_scale)
-        self.sampling_ratio = int(sampling_ratio)
+        self.spatial_scale = _roi.check_spatial_scale(spatial_scale, "RoIAlign")
+        self.sampling_ratio = _roi.check_sampling_ratio(sampling_ratio, "RoIAlign")
         self.aligned = bool(aligned)
         self.mode = mode
         self.validate = bool(validate)
@@ -89,6 +92,8 @@ def roi_align_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sc
     if mode not in _MODES:
         raise ValueError(f"lss.ops.roi_align: mode must be one of {_MODES}, got {mode!r}")
     PH, PW = _roi.output_hw(output_size, "roi_align")
+    spatial_scale = _roi.check_spatial_scale(spatial_scale, "roi_align")
+    sampling_ratio = _roi.check_sampling_ratio(sampling_ratio, "roi_align")
     rois = _roi.roi_tensor(rois, input, "roi_align")
     _roi.check_roi_values(rois, input.shape[0], "roi_align")
     acc = rois.dtype

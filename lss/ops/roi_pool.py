@@ -14,7 +14,7 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
 
     rois: K x 5 (batch index, x1, y1, x2, y2) or a list of L_i x 4 boxes per image; coordinates are scaled by
     spatial_scale and rounded (half away from zero), the end pixel included. Empty bins give 0. The gradient goes
-    to the arg-max pixel of each bin; no gradient for rois.
+    to the arg-max pixel of each bin; no gradient for rois. spatial_scale must be finite and > 0, else ValueError.
 
     validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N);
     reading the forward kernel's record of them is a host sync. validate=False skips the read: bad rois pool to
@@ -22,11 +22,12 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
     """
     _roi.check_input(input, "roi_pool")
     pooled_h, pooled_w = _roi.output_hw(output_size, "roi_pool")
+    spatial_scale = _roi.check_spatial_scale(spatial_scale, "roi_pool")
     rois = _roi.roi_tensor(rois, input, "roi_pool")
     if _ext.use_reference("roi_pool"):
         return roi_pool_reference(input, rois, output_size, spatial_scale)
     _ext.check_device("roi_pool", input, rois)
-    output, _, bad_rois = torch.ops.lss.roi_pool(input, rois, float(spatial_scale), pooled_h, pooled_w)
+    output, _, bad_rois = torch.ops.lss.roi_pool(input, rois, spatial_scale, pooled_h, pooled_w)
     if validate:
         _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_pool")
     return output
@@ -38,7 +39,7 @@ class RoIPool(nn.Module):
     def __init__(self, output_size, spatial_scale: float = 1.0, validate: bool = True):
         super().__init__()
         self.output_size = _roi.output_hw(output_size, "RoIPool")
-        self.spatial_scale = float(spatial_scale)
+        self.spatial_scale = _roi.check_spatial_scale(spatial_scale, "RoIPool")
         self.validate = bool(validate)
 
     def forward(self, input: torch.Tensor, rois: Rois) -> torch.Tensor:
@@ -53,6 +54,7 @@ def roi_pool_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sca
     window. Differentiable through autograd."""
     _roi.check_input(input, "roi_pool")
     PH, PW = _roi.output_hw(output_size, "roi_pool")
+    spatial_scale = _roi.check_spatial_scale(spatial_scale, "roi_pool")
     rois = _roi.roi_tensor(rois, input, "roi_pool")
     _roi.check_roi_values(rois, input.shape[0], "roi_pool")
     acc = rois.dtype
