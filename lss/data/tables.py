@@ -24,7 +24,7 @@ class MapNotFoundError(DatasetError, FileNotFoundError):
     """A map-expansion file needed for a map class is missing."""
 
 
-class SampleError(DatasetError):
+class SampleError(DatasetError, OSError):
     """A sample cannot be read; the message names the sample and the file.
 
     DataLoader raises it again in the main process with "Caught SampleError in DataLoader worker process N" and the
