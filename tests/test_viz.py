@@ -76,8 +76,7 @@ def test_eval_and_viz_of_a_checkpoint_go_through_load_for_inference(synthetic_ro
         loaded.append(model)
         return model, state
 
-    monkeypatch.setattr(eval_module, "load_for_inference", spy)
-    monkeypatch.setattr(viz, "load_for_inference", spy)
+    monkeypatch.setattr(eval_module, "load_for_inference", spy)  # viz loads through eval's load_checkpoint_model
     result = eval_module.evaluate_checkpoint(cfg, str(ckpt))
     assert len(loaded) == 1 and not loaded[0].training
     weights = saved.state_dict()
