@@ -84,6 +84,22 @@ def test_empty(device):
     assert out.shape == (0,) and out.dtype == torch.long
 
 
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("boxes_shape,scores_shape", [((0,), (0,)), ((0, 0), (0,)), ((0, 5), (0,)), ((0, 4), (0, 1)),
+                                                      ((3, 0), (3,))])
+def test_batched_nms_accepts_torchvision_degenerate_empty_inputs(device, boxes_shape, scores_shape):
+    boxes, scores = torch.zeros(boxes_shape, device=device), torch.zeros(scores_shape, device=device)
+    for idxs in (torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device)):
+        want = torchvision.ops.batched_nms(boxes.cpu(), scores.cpu(), idxs.cpu(), 0.5)
+        out = batched_nms(boxes, scores, idxs, 0.5)
+        assert out.shape == want.shape == (0,) and out.dtype == want.dtype == torch.int64
+        assert out.device == boxes.device
+    # nms accepts only N x 4 boxes, as torchvision's
+    with pytest.raises(ValueError, match="N x 4"):
+        nms(torch.zeros(0, device=device), torch.zeros(0, device=device), 0.5)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("offset", [0.0, -60.0, -1e3])
 def test_batched_matches_per_class_nms(device, offset):

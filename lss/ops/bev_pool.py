@@ -16,6 +16,9 @@ from torch import Tensor
 from lss.geometry import FrustumLUT
 from lss.ops import _ext
 
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("bev_pool")
+
 __all__ = ["bev_pool", "bev_pool_reference", "output_channels_last"]
 
 

@@ -8,6 +8,9 @@ from torch import nn
 from lss.ops import _ext, _roi
 from lss.ops._roi import Rois
 
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("roi_align")
+
 _MODES = ("avg", "max")
 
 

@@ -7,6 +7,9 @@ from torch import nn
 from lss.ops import _ext, _roi
 from lss.ops._roi import Rois
 
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("roi_pool")
+
 
 def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0, *,
              validate: bool = True) -> torch.Tensor:
