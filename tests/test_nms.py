@@ -178,6 +178,30 @@ def test_cuda_matches_cpu_across_word_and_band_boundaries(n, extent):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("n,classes", [(700, 1), (700, 2), (3000, 7), (5000, 40), (20000, 10), (20000, 900),
+                                       (100000, 10)])
+@pytest.mark.parametrize("extent", [30.0, 1000.0])
+def test_cuda_batched_nms_class_grouping_matches_cpu(n, classes, extent):
+    # The CUDA batched_nms groups boxes by class and skips tiles and words of other classes: class runs that start
+    # and end inside words, strips and bands, classes of a single box, labels that are not 0..C-1.
+    boxes, scores = random_boxes(n, seed=n + classes, extent=extent)
+    gen = torch.Generator().manual_seed(classes)
+    idxs = torch.randint(0, classes, (n,), generator=gen) * 3 - 5
+    idxs[torch.randperm(n, generator=gen)[:3]] = 10**6 + torch.arange(3)  # three classes of one box each
+    got = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5)
+    # Distinct scores: torchvision's result (by decreasing score) is the same list.
+    want = torchvision.ops.batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
+    if n > 20000:
+        return  # the CPU kernel's O(N x kept) loop takes too long here
+    assert torch.equal(got.cpu(), batched_nms(boxes, scores, idxs, 0.5))
+    # Ties in score: equal scores keep index order across classes too.
+    tied = torch.full_like(scores, 0.5)
+    assert torch.equal(batched_nms(boxes.cuda(), tied.cuda(), idxs.cuda(), 0.5).cpu(),
+                       batched_nms(boxes, tied, idxs, 0.5))
+
+
+@pytest.mark.cuda
 def test_cuda_special_coordinates_match_cpu():
     for n in (65, 700):
         boxes, scores = special_boxes(n, seed=n)

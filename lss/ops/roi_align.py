@@ -179,19 +179,4 @@ if _ext.has_ext():
                                  channels, height, width, sampling_ratio, aligned, max_mode):
         return grad.new_empty((batch_size, channels, height, width))
 
-    def _roi_align_setup(ctx, inputs, output):
-        input, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode = inputs
-        ctx.mark_non_differentiable(output[1], output[2])
-        ctx.save_for_backward(rois, output[1])
-        ctx.input_shape = input.shape
-        ctx.args = (spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode)
-
-    def _roi_align_backward(ctx, grad_output, grad_argmax, grad_bad_rois):
-        rois, argmax = ctx.saved_tensors
-        spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode = ctx.args
-        N, C, H, W = ctx.input_shape
-        grad_input = torch.ops.lss._roi_align_backward(grad_output, rois, argmax, spatial_scale, pooled_h, pooled_w,
-                                                       N, C, H, W, sampling_ratio, aligned, max_mode)
-        return grad_input, None, None, None, None, None, None, None
-
-    torch.library.register_autograd("lss::roi_align", _roi_align_backward, setup_context=_roi_align_setup)
+    # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an eager call.

@@ -116,19 +116,4 @@ if _ext.has_ext():
                                 channels, height, width):
         return grad.new_empty((batch_size, channels, height, width))
 
-    def _roi_pool_setup(ctx, inputs, output):
-        input, rois, spatial_scale, pooled_h, pooled_w = inputs
-        ctx.mark_non_differentiable(output[1], output[2])
-        ctx.save_for_backward(rois, output[1])
-        ctx.input_shape = input.shape
-        ctx.args = (spatial_scale, pooled_h, pooled_w)
-
-    def _roi_pool_backward(ctx, grad_output, grad_argmax, grad_bad_rois):
-        rois, argmax = ctx.saved_tensors
-        spatial_scale, pooled_h, pooled_w = ctx.args
-        N, C, H, W = ctx.input_shape
-        grad_input = torch.ops.lss._roi_pool_backward(grad_output, rois, argmax, spatial_scale, pooled_h, pooled_w,
-                                                      N, C, H, W)
-        return grad_input, None, None, None, None
-
-    torch.library.register_autograd("lss::roi_pool", _roi_pool_backward, setup_context=_roi_pool_setup)
+    # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an eager call.
