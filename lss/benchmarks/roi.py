@@ -165,7 +165,7 @@ def smoke(device) -> None:
             op(x, bad, 7, 0.25, validate=False).sum().backward()
             for inp in (x, x[:, :0]):  # the pooling kernel's record, and the record-only kernel of an empty output
                 try:
-                    op(inp, bad, 7, 0.25)
+                    op(inp, bad, 7, 0.25, validate=True)
                     raise AssertionError(f"{op.__name__} accepted roi 5 with a NaN coordinate")
                 except ValueError:
                     pass
