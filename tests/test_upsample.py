@@ -307,7 +307,8 @@ def test_kernel_rejects_bad_sizes():
 @pytest.mark.parametrize("shape,kwargs", [((3, 7, 13, 17), dict(scale_factor=2)),
                                           ((2, 45, 19, 8), dict(size=(5, 31))),
                                           ((24, 40, 4, 11), dict(scale_factor=2)),
-                                          ((1, 3, 64, 48), dict(scale_factor=(0.25, 3.5)))])
+                                          ((1, 3, 64, 48), dict(scale_factor=(0.25, 3.5))),
+                                          ((2, 33, 6, 3), dict(scale_factor=(1.0814, 1.25)))])
 def test_cpu_cuda_parity(dtype, channels_last, mode, shape, kwargs):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(shape, dtype=dtype).to(memory_format=fmt).requires_grad_()
