@@ -44,7 +44,7 @@ def main() -> None:
         targets = (torch.rand(shape, device=device) > 0.9).float()
 
         def step():
-            loss = sigmoid_focal_loss(logits, targets)
+            loss = sigmoid_focal_loss(logits, targets, reduction="mean")
             return torch.autograd.grad(loss if factor == 1.0 else loss * factor, logits)
 
         for _ in range(10):

@@ -1,3 +1,4 @@
+import functools
 import math
 
 import pytest
@@ -73,13 +74,15 @@ def test_dense_weight_and_mask_match_reference(device, reduction, gamma):
     logits, targets = dense_inputs((2, 3, 4, 6), torch.float64, device, soft=True)
     weight = torch.tensor([0.5, 2.0, 1.5], dtype=torch.float64, device=device)
     visible = torch.rand(2, 1, 4, 6, generator=torch.Generator().manual_seed(1)).to(device)  # float, broadcast
-    ours = value_and_grad(sigmoid_focal_loss, logits, targets, 0.25, gamma, weight, reduction, visible)
-    ref = value_and_grad(sigmoid_focal_loss_reference, logits, targets, 0.25, gamma, weight, reduction, visible)
+    ours = value_and_grad(sigmoid_focal_loss, logits, targets, 0.25, gamma, reduction, class_weight=weight,
+                          mask=visible)
+    ref = value_and_grad(sigmoid_focal_loss_reference, logits, targets, 0.25, gamma, reduction, class_weight=weight,
+                          mask=visible)
     torch.testing.assert_close(ours[0], ref[0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(ours[1], ref[1], rtol=1e-10, atol=1e-12)
     # Independent check of the semantics: weighted torchvision loss averaged over the visible cells.
     keep = (visible > 0.5).expand_as(logits)
-    loss = sigmoid_focal_loss(logits, targets, 0.25, gamma, weight, reduction, visible > 0.5)
+    loss = sigmoid_focal_loss(logits, targets, 0.25, gamma, reduction, class_weight=weight, mask=visible > 0.5)
     peer = torchvision.ops.sigmoid_focal_loss(logits, targets, 0.25, gamma, "none") * weight.view(1, 3, 1, 1)
     peer = torch.where(keep, peer, 0.0)
     expected = {"none": peer, "sum": peer.sum(), "mean": peer.sum() / keep.sum()}[reduction]
@@ -90,7 +93,7 @@ def test_dense_weight_and_mask_match_reference(device, reduction, gamma):
 def test_fully_masked_mean_is_zero(device):
     logits, targets = dense_inputs((2, 3, 4), torch.float32, device)
     mask = torch.zeros(2, 3, 4, dtype=torch.bool, device=device)
-    loss, grad = value_and_grad(sigmoid_focal_loss, logits, targets, mask=mask)
+    loss, grad = value_and_grad(sigmoid_focal_loss, logits, targets, reduction="mean", mask=mask)
     assert loss.item() == 0.0 and torch.count_nonzero(grad).item() == 0
 
 
@@ -154,8 +157,9 @@ def test_non_contiguous_inputs(device):
     t = targets.permute(0, 3, 1, 2)[:, :, ::2]
     mask = (torch.arange(7, device=device) % 3 != 0).view(1, 1, 1, 7)
     weight = torch.linspace(0.5, 2, 6, device=device)[::2]
-    ours = value_and_grad(sigmoid_focal_loss, x, t, 0.25, 2.0, weight, "mean", mask)
-    ref = value_and_grad(sigmoid_focal_loss_reference, x.contiguous(), t.contiguous(), 0.25, 2.0, weight, "mean", mask)
+    ours = value_and_grad(sigmoid_focal_loss, x, t, 0.25, 2.0, "mean", class_weight=weight, mask=mask)
+    ref = value_and_grad(sigmoid_focal_loss_reference, x.contiguous(), t.contiguous(), 0.25, 2.0, "mean",
+                         class_weight=weight, mask=mask)
     torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-8)
     rows = logits.reshape(-1, 6)[::2, ::2]
@@ -184,8 +188,11 @@ def test_class_index_hand_computed(device):
     assert sigmoid_focal_loss(logits, labels, reduction="sum").item() == pytest.approx(ln2)
     assert sigmoid_focal_loss(logits, labels, reduction="mean").item() == pytest.approx(ln2 / 2)
     weight = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64, device=device)
+    # mmcv: the row of sample n scaled by weight[labels[n]]; the background row keeps weight 1.
     weighted = sigmoid_focal_loss(logits, labels, weight=weight, reduction="none")
-    torch.testing.assert_close(weighted.cpu(), expected * weight.cpu())
+    torch.testing.assert_close(weighted.cpu(), expected * torch.tensor([[2.0], [1.0]], dtype=torch.float64))
+    by_column = sigmoid_focal_loss(logits, labels, class_weight=weight, reduction="none")
+    torch.testing.assert_close(by_column.cpu(), expected * weight.cpu())
 
 
 @pytest.mark.parametrize("device", devices())
@@ -196,12 +203,46 @@ def test_class_index_equals_one_hot_dense(device, reduction):
     labels = torch.randint(0, 7, (37,), generator=g).to(device)
     one_hot = F.one_hot(labels, 7)[:, :6].double()
     weight = torch.rand(6, generator=g, dtype=torch.float64).to(device)
-    ours = value_and_grad(sigmoid_focal_loss, logits, labels, weight=weight, reduction=reduction)
+    ours = value_and_grad(sigmoid_focal_loss, logits, labels, class_weight=weight, reduction=reduction)
     dense_red = "sum" if reduction == "mean" else reduction
-    dense = value_and_grad(sigmoid_focal_loss, logits, one_hot, weight=weight, reduction=dense_red)
+    dense = value_and_grad(sigmoid_focal_loss, logits, one_hot, class_weight=weight, reduction=dense_red)
     scale = 1 / 37 if reduction == "mean" else 1.0
     torch.testing.assert_close(ours[0], dense[0] * scale)
     torch.testing.assert_close(ours[1], dense[1] * scale)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_class_index_weight_scales_rows_as_mmcv(device, reduction):
+    # mmcv's sigmoid_focal_loss: loss[n, c] = focal(x[n, c], [labels[n] == c]) * weight[labels[n]], mean = sum / N.
+    # Built here from torchvision's dense loss, with background rows (label C) weighted 1.
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(41, 5, generator=g, dtype=torch.float64).to(device)
+    labels = torch.randint(0, 6, (41,), generator=g).to(device)
+    weight = torch.rand(5, generator=g, dtype=torch.float64).to(device) + 0.5
+    one_hot = F.one_hot(labels, 6)[:, :5].double()
+    row_weight = torch.cat([weight, weight.new_ones(1)])[labels][:, None]
+    peer = torchvision.ops.sigmoid_focal_loss(logits, one_hot, 0.25, 2.0, "none") * row_weight
+    expected = {"none": peer, "sum": peer.sum(), "mean": peer.sum() / 41}[reduction]
+    ours = value_and_grad(sigmoid_focal_loss, logits, labels, 0.25, 2.0, reduction, weight=weight)
+    torch.testing.assert_close(ours[0], expected, rtol=1e-10, atol=1e-12)
+    ref = value_and_grad(sigmoid_focal_loss_reference, logits, labels, 0.25, 2.0, reduction, weight=weight)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-10, atol=1e-12)
+    peer_grad = value_and_grad(lambda x: {"none": lambda v: v, "sum": torch.sum, "mean": lambda v: v.sum() / 41}[
+        reduction](torchvision.ops.sigmoid_focal_loss(x, one_hot, 0.25, 2.0, "none") * row_weight), logits)[1]
+    torch.testing.assert_close(ours[1], peer_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_torchvision_positional_order_and_default_reduction(device):
+    logits, targets = dense_inputs((3, 4, 5), torch.float64, device, soft=True)
+    for args in [(), (0.5,), (0.5, 1.0), (-1.0, 0.5, "sum"), (0.25, 2, "mean")]:
+        ours = value_and_grad(sigmoid_focal_loss, logits, targets, *args)
+        peer = value_and_grad(torchvision.ops.sigmoid_focal_loss, logits, targets, *args)
+        torch.testing.assert_close(ours[0], peer[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(ours[1], peer[1], rtol=1e-10, atol=1e-12)
+    assert sigmoid_focal_loss(inputs=logits, targets=targets).shape == logits.shape  # "none" by default
 
 
 @pytest.mark.parametrize("device", devices())
@@ -280,11 +321,13 @@ def test_gradcheck(device):
     w = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64, device=device)
     mask = t > 0.2
     for gamma in (0.5, 2.0):
-        assert torch.autograd.gradcheck(lambda x: sigmoid_focal_loss(x, t, 0.25, gamma, w, "mean", mask), (x,))
+        assert torch.autograd.gradcheck(lambda x: sigmoid_focal_loss(x, t, 0.25, gamma, "mean", class_weight=w,
+                                                                       mask=mask), (x,))
         assert torch.autograd.gradcheck(lambda x: sigmoid_focal_loss(x, t, 0.25, gamma, reduction="none"), (x,))
     rows = torch.randn(6, 3, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
     labels = torch.tensor([0, 3, 2, -1, 1, 2], device=device)
-    assert torch.autograd.gradcheck(lambda x: sigmoid_focal_loss(x, labels.clamp_min(0), 0.25, 0.5, w), (rows,))
+    assert torch.autograd.gradcheck(lambda x: sigmoid_focal_loss(x, labels.clamp_min(0), 0.25, 0.5, "mean", weight=w),
+                                     (rows,))
     assert torch.autograd.gradcheck(lambda x: softmax_focal_loss(x, labels.clamp_max(2), 0.25, 0.5, w), (rows,))
     assert torch.autograd.gradcheck(lambda x: softmax_focal_loss(x, labels.clamp_max(2), reduction="none"), (rows,))
 
@@ -327,7 +370,14 @@ def test_bad_arguments(device):
     with pytest.raises(ValueError, match="does not broadcast"):
         sigmoid_focal_loss(x, torch.rand(4, 3, device=device), mask=torch.ones(3, 4, device=device))
     with pytest.raises(ValueError, match="one entry per class"):
-        sigmoid_focal_loss(x, torch.rand(4, 3, device=device), weight=torch.ones(4, device=device))
+        sigmoid_focal_loss(x, torch.rand(4, 3, device=device), class_weight=torch.ones(4, device=device))
+    with pytest.raises(ValueError, match="needs int64 class-index targets; .*class_weight="):
+        sigmoid_focal_loss(x, torch.rand(4, 3, device=device), weight=torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="not both"):
+        sigmoid_focal_loss(x, torch.tensor([0, 1, 3, 2], device=device), weight=torch.ones(3, device=device),
+                           class_weight=torch.ones(3, device=device))
+    with pytest.raises(TypeError, match="positional"):
+        sigmoid_focal_loss(x, torch.rand(4, 3, device=device), 0.25, 2.0, "none", torch.ones(3, device=device))
     with pytest.raises(ValueError, match="targets.detach"):
         sigmoid_focal_loss(x, torch.rand(4, 3, device=device, requires_grad=True))
     with pytest.raises(TypeError, match="class indices"):
@@ -348,8 +398,8 @@ def test_backward_without_saved_grad_raises():
 def test_modules_and_no_grad(device):
     logits, targets = dense_inputs((2, 3, 4, 4), torch.float32, device)
     weight = torch.tensor([1.0, 2.0, 3.0])
-    module = SigmoidFocalLoss(alpha=0.5, gamma=1.0, weight=weight).to(device)
-    expected = sigmoid_focal_loss_reference(logits, targets, 0.5, 1.0, weight.to(device))
+    module = SigmoidFocalLoss(alpha=0.5, gamma=1.0, class_weight=weight).to(device)
+    expected = sigmoid_focal_loss_reference(logits, targets, 0.5, 1.0, "mean", class_weight=weight.to(device))
     torch.testing.assert_close(module(logits, targets), expected)
     with torch.no_grad():
         torch.testing.assert_close(module(logits.requires_grad_(True), targets), expected)
@@ -374,9 +424,9 @@ def test_cuda_matches_cpu_large(dtype, offset):
     w = torch.rand(5, generator=g)
     for reduction in REDUCTIONS:
         for mask in (None, m):
-            cpu = value_and_grad(sigmoid_focal_loss, x, t, 0.25, 2.0, w, reduction, mask)
-            cuda = value_and_grad(sigmoid_focal_loss, x.cuda(), t.cuda(), 0.25, 2.0, w.cuda(), reduction,
-                                  None if mask is None else mask.cuda())
+            cpu = value_and_grad(sigmoid_focal_loss, x, t, 0.25, 2.0, reduction, class_weight=w, mask=mask)
+            cuda = value_and_grad(sigmoid_focal_loss, x.cuda(), t.cuda(), 0.25, 2.0, reduction, class_weight=w.cuda(),
+                                  mask=None if mask is None else mask.cuda())
             tol = parity_tol(dtype)
             assert_close_scaled(cuda[0].cpu(), cpu[0], tol)
             assert_close_scaled(cuda[1].cpu(), cpu[1], tol)
@@ -458,7 +508,7 @@ def test_cuda_dense_unrolled_paths_match_cpu(dtype, target_dtype, offsets, gamma
                 weight = w.to(device) if with_extras else None
                 mask = flat_m.to(device)[ox:ox + n].view(shape) if with_extras else None
                 results.append(value_and_grad_of_view(sigmoid_focal_loss, flat_x.to(device), ox, shape, t, alpha,
-                                                      gamma, weight, reduction, mask))
+                                                      gamma, reduction, class_weight=weight, mask=mask))
             cpu, cuda = results
             assert_close_scaled(cuda[0].cpu(), cpu[0], tol)
             assert_close_scaled(cuda[1].cpu(), cpu[1], tol)
@@ -534,8 +584,8 @@ def test_backward_paths(device, dtype, case):
         fn, fn_ref = softmax_focal_loss, softmax_focal_loss_reference
         args = (targets, 0.25, 2.0, None, reduction)
     else:
-        fn, fn_ref = sigmoid_focal_loss, sigmoid_focal_loss_reference
-        args = (targets, 0.25, 2.0, None, reduction) + ((mask,) if mask is not None else ())
+        fn, fn_ref = (functools.partial(f, mask=mask) for f in (sigmoid_focal_loss, sigmoid_focal_loss_reference))
+        args = (targets, 0.25, 2.0, reduction)
     expected = reference_grad(fn_ref, logits, *args)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # up to three roundings to 16 bits (x.grad accumulates)
 
@@ -568,8 +618,8 @@ def test_float16_mean_gradient_survives_loss_scaling(device):
     logits, targets = dense_inputs((4, 10, 60, 60), torch.float16, device, soft=True)
     x = logits.detach().clone().requires_grad_(True)
     loss_scale = 2.0**14
-    (grad,) = torch.autograd.grad(sigmoid_focal_loss(x, targets) * loss_scale, x)
-    expected = reference_grad(sigmoid_focal_loss_reference, logits, targets) * loss_scale
+    (grad,) = torch.autograd.grad(sigmoid_focal_loss(x, targets, reduction="mean") * loss_scale, x)
+    expected = reference_grad(sigmoid_focal_loss_reference, logits, targets, reduction="mean") * loss_scale
     assert_close_scaled(grad.double(), expected, 2e-3)
 
 
@@ -599,7 +649,8 @@ def test_compiled_matches_eager(device):
     mask = targets > 0.2
 
     def fn(x):
-        return sigmoid_focal_loss(x, targets, mask=mask) * 3.0 + sigmoid_focal_loss(x, targets, reduction="sum")
+        return (sigmoid_focal_loss(x, targets, reduction="mean", mask=mask) * 3.0
+                + sigmoid_focal_loss(x, targets, reduction="sum"))
 
     eager = value_and_grad(fn, logits)
     compiled = value_and_grad(torch.compile(fn, backend="aot_eager", fullgraph=True), logits)
@@ -618,14 +669,35 @@ def test_cuda_graph_replay_reads_grad_output_on_device():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            torch.autograd.grad(sigmoid_focal_loss(x, targets), x, grad_outputs=grad_output)
+            torch.autograd.grad(sigmoid_focal_loss(x, targets, reduction="mean"), x, grad_outputs=grad_output)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        (grad,) = torch.autograd.grad(sigmoid_focal_loss(x, targets), x, grad_outputs=grad_output)
-    expected = reference_grad(sigmoid_focal_loss_reference, logits, targets).float()
+        (grad,) = torch.autograd.grad(sigmoid_focal_loss(x, targets, reduction="mean"), x, grad_outputs=grad_output)
+    expected = reference_grad(sigmoid_focal_loss_reference, logits, targets, reduction="mean").float()
     for value in (1.0, 3.0, 1.0):
         grad_output.fill_(value)
         graph.replay()
         torch.cuda.synchronize()
         assert_close_scaled(grad, expected * value, 1e-5)
+
+
+@needs_ext
+@pytest.mark.parametrize("missing", [("_C", "_len_torch_dispatch_stack"),
+                                     ("_C._autograd", "_get_current_graph_task_keep_graph")])
+def test_backward_without_private_torch_functions(monkeypatch, missing):
+    # Those private functions only enable the in-place backward; without them the public path gives the same result.
+    import operator
+    owner = operator.attrgetter(missing[0])(torch)
+    if hasattr(owner, missing[1]):
+        monkeypatch.delattr(owner, missing[1])
+    logits, targets = dense_inputs((2, 3, 8, 9), torch.float32, "cpu", soft=True)
+    expected = reference_grad(sigmoid_focal_loss_reference, logits, targets, reduction="mean")
+    for factor in (1.0, 2.0):
+        x = logits.detach().clone().requires_grad_(True)
+        (factor * sigmoid_focal_loss(x, targets, reduction="mean")).backward()
+        assert_close_scaled(x.grad.double(), expected * factor, 1e-5)
+        x.grad = None
+        (factor * softmax_focal_loss(x.view(-1, 9), targets.view(-1, 9).argmax(1))).backward()
+        rows = reference_grad(softmax_focal_loss_reference, logits.view(-1, 9), targets.view(-1, 9).argmax(1))
+        assert_close_scaled(x.grad.view(-1, 9).double(), rows * factor, 1e-5)

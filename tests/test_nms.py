@@ -84,6 +84,22 @@ def test_empty(device):
     assert out.shape == (0,) and out.dtype == torch.long
 
 
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("boxes_shape,scores_shape", [((0,), (0,)), ((0, 0), (0,)), ((0, 5), (0,)), ((0, 4), (0, 1)),
+                                                      ((3, 0), (3,))])
+def test_batched_nms_accepts_torchvision_degenerate_empty_inputs(device, boxes_shape, scores_shape):
+    boxes, scores = torch.zeros(boxes_shape, device=device), torch.zeros(scores_shape, device=device)
+    for idxs in (torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device)):
+        want = torchvision.ops.batched_nms(boxes.cpu(), scores.cpu(), idxs.cpu(), 0.5)
+        out = batched_nms(boxes, scores, idxs, 0.5)
+        assert out.shape == want.shape == (0,) and out.dtype == want.dtype == torch.int64
+        assert out.device == boxes.device
+    # nms accepts only N x 4 boxes, as torchvision's
+    with pytest.raises(ValueError, match="N x 4"):
+        nms(torch.zeros(0, device=device), torch.zeros(0, device=device), 0.5)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("offset", [0.0, -60.0, -1e3])
 def test_batched_matches_per_class_nms(device, offset):
@@ -159,6 +175,30 @@ def test_cuda_matches_cpu_across_word_and_band_boundaries(n, extent):
                            batched_nms(boxes, scores, idxs, threshold))
     for dtype in (torch.float16, torch.float64):
         assert torch.equal(nms(boxes.to("cuda", dtype), scores.cuda(), 0.5).cpu(), nms(boxes.to(dtype), scores, 0.5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,classes", [(700, 1), (700, 2), (3000, 7), (5000, 40), (20000, 10), (20000, 900),
+                                       (100000, 10)])
+@pytest.mark.parametrize("extent", [30.0, 1000.0])
+def test_cuda_batched_nms_class_grouping_matches_cpu(n, classes, extent):
+    # The CUDA batched_nms groups boxes by class and skips tiles and words of other classes: class runs that start
+    # and end inside words, strips and bands, classes of a single box, labels that are not 0..C-1.
+    boxes, scores = random_boxes(n, seed=n + classes, extent=extent)
+    gen = torch.Generator().manual_seed(classes)
+    idxs = torch.randint(0, classes, (n,), generator=gen) * 3 - 5
+    idxs[torch.randperm(n, generator=gen)[:3]] = 10**6 + torch.arange(3)  # three classes of one box each
+    got = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5)
+    # Distinct scores: torchvision's result (by decreasing score) is the same list.
+    want = torchvision.ops.batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
+    if n > 20000:
+        return  # the CPU kernel's O(N x kept) loop takes too long here
+    assert torch.equal(got.cpu(), batched_nms(boxes, scores, idxs, 0.5))
+    # Ties in score: equal scores keep index order across classes too.
+    tied = torch.full_like(scores, 0.5)
+    assert torch.equal(batched_nms(boxes.cuda(), tied.cuda(), idxs.cuda(), 0.5).cpu(),
+                       batched_nms(boxes, tied, idxs, 0.5))
 
 
 @pytest.mark.cuda

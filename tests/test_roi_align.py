@@ -319,10 +319,16 @@ def test_unvalidated_bad_rois_pool_to_zeros(device, channels_last, mode):
     assert torch.equal(out[rejected], torch.zeros_like(out[rejected]))
     torch.testing.assert_close(x_bad.grad, x_good.grad, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="rois must be finite; roi 3 is"):
-        roi_align(x, bad, 3, 1.0, 2, True, mode)
+        roi_align(x, bad, 3, 1.0, 2, True, mode, validate=True)
     with pytest.raises(ValueError, match="rois must be finite; roi 3 is"):
-        RoIAlign(3, 1.0, 2, True, mode)(x, bad)
+        RoIAlign(3, 1.0, 2, True, mode, validate=True)(x, bad)
     torch.testing.assert_close(RoIAlign(3, 1.0, 2, True, mode, validate=False)(x, bad), out.detach(), atol=0, rtol=0)
+    # The default validates CPU inputs (no sync needed) and lets CUDA inputs pool bad rois to zeros (no sync).
+    if device == "cpu":
+        with pytest.raises(ValueError, match="rois must be finite; roi 3 is"):
+            RoIAlign(3, 1.0, 2, True, mode)(x, bad)
+    else:
+        torch.testing.assert_close(roi_align(x, bad, 3, 1.0, 2, True, mode), out.detach(), atol=0, rtol=0)
 
 
 @pytest.mark.cuda
@@ -335,8 +341,9 @@ def test_cuda_unvalidated_call_has_no_host_sync(op):
     torch.cuda.set_sync_debug_mode("error")
     try:
         op(x, rois, 2, validate=False).sum().backward()
+        op(x, rois, 2).sum().backward()  # the default does not read the record on CUDA
         with pytest.raises(RuntimeError, match="synchronizing"):
-            op(x, rois, 2)
+            op(x, rois, 2, validate=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -353,18 +360,18 @@ def test_cuda_bad_rois_raise_clear_errors(channels_last, mode):
     bad = good.clone()
     bad[2, 0] = 2.0
     with pytest.raises(ValueError, match="roi 2 has batch index 2.0, expected an integer in \\[0, 2\\)"):
-        roi_align(x, bad.cuda(), 2, mode=mode)
+        roi_align(x, bad.cuda(), 2, mode=mode, validate=True)
     with pytest.raises(ValueError, match="roi 2 has batch index 2.0"):  # no pooling kernel for C = 0
-        roi_align(x[:, :0], bad.cuda(), 2, mode=mode)
+        roi_align(x[:, :0], bad.cuda(), 2, mode=mode, validate=True)
     bad = good.clone()
     bad[1, 0] = 0.5
     with pytest.raises(ValueError, match="roi 1 has batch index 0.5, expected an integer"):
-        roi_align(x, bad.cuda(), 2, mode=mode)
+        roi_align(x, bad.cuda(), 2, mode=mode, validate=True)
     bad[3, 2] = float("nan")  # non-finite coordinates are reported before bad batch indices, as on the CPU
     with pytest.raises(ValueError, match="rois must be finite; roi 3 is \\[.*nan.*\\]"):
-        roi_align(x, bad.cuda(), 2, mode=mode)
+        roi_align(x, bad.cuda(), 2, mode=mode, validate=True)
     with pytest.raises(ValueError, match="must be finite"):
-        roi_align(x, [good[:2, 1:].cuda(), torch.tensor([[0.0, 0, float("inf"), 4]], device="cuda")], 2, mode=mode)
+        roi_align(x, [good[:2, 1:].cuda(), torch.tensor([[0.0, 0, float("inf"), 4]], device="cuda")], 2, mode=mode, validate=True)
     # a valid call right after a failed one
     out, grad = fwd_bwd(roi_align, x, good.cuda(), 2, 1.0, 2, True, mode)
     out_cpu, grad_cpu = fwd_bwd(roi_align, x.detach().cpu(), good, 2, 1.0, 2, True, mode)
@@ -392,13 +399,13 @@ def test_cuda_graph_capture_pools_bad_rois_to_zeros(channels_last):
     torch.testing.assert_close(out[:1], expected, atol=0, rtol=0)
     assert torch.equal(out[1:], torch.zeros_like(out[1:]))
     with pytest.raises(ValueError, match="must be finite; roi 2 is"):
-        roi_align(x, rois, 2, 1.0, 2, True)
+        roi_align(x, rois, 2, 1.0, 2, True, validate=True)
 
 
 def test_module_repr_and_forward():
     m = RoIAlign((7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True)
     assert repr(m) == ("RoIAlign(output_size=(7, 7), spatial_scale=0.125, sampling_ratio=2, aligned=True, mode='avg', "
-                       "validate=True)")
+                       "validate=None)")
     x = features(1, 2, 10, 10)
     rois = make_rois(3, 1, 10, 10, scale=0.125)
     torch.testing.assert_close(m(x, rois), roi_align(x, rois, 7, 0.125, 2, True))

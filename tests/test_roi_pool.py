@@ -222,8 +222,14 @@ def test_unvalidated_bad_rois_pool_to_zeros(device, channels_last):
     _, _, record = torch.ops.lss.roi_pool(x, bad, 1.0, 3, 3)
     assert record.tolist() == [2, 0]
     with pytest.raises(ValueError, match="rois must be finite; roi 2 is"):
-        roi_pool(x, bad, 3)
+        roi_pool(x, bad, 3, validate=True)
     torch.testing.assert_close(RoIPool(3, validate=False)(x, bad), out.detach(), atol=0, rtol=0)
+    # The default validates CPU inputs only: a CUDA call never waits for the record.
+    if device == "cpu":
+        with pytest.raises(ValueError, match="rois must be finite; roi 2 is"):
+            RoIPool(3)(x, bad)
+    else:
+        torch.testing.assert_close(roi_pool(x, bad, 3), out.detach(), atol=0, rtol=0)
 
 
 @pytest.mark.cuda
@@ -237,10 +243,10 @@ def test_cuda_bad_rois_raise_clear_errors(channels_last):
     bad = good.clone()
     bad[3, 0] = -1.0
     with pytest.raises(ValueError, match="roi 3 has batch index -1.0, expected an integer in \\[0, 2\\)"):
-        roi_pool(x, bad.cuda(), 2)
+        roi_pool(x, bad.cuda(), 2, validate=True)
     bad[0, 1] = float("-inf")
     with pytest.raises(ValueError, match="rois must be finite; roi 0 is \\[.*-inf.*\\]"):
-        roi_pool(x, bad.cuda(), 2)
+        roi_pool(x, bad.cuda(), 2, validate=True)
     # a valid call right after a failed one
     out, grad = fwd_bwd(roi_pool, x, good.cuda(), 2)
     out_cpu, grad_cpu = fwd_bwd(roi_pool, x.detach().cpu(), good, 2)
@@ -273,7 +279,7 @@ def test_cuda_graph_capture_pools_bad_rois_to_zeros(channels_last):
 
 def test_module_repr():
     m = RoIPool(7, spatial_scale=0.0625)
-    assert repr(m) == "RoIPool(output_size=(7, 7), spatial_scale=0.0625, validate=True)"
+    assert repr(m) == "RoIPool(output_size=(7, 7), spatial_scale=0.0625, validate=None)"
     x = features(1, 2, 10, 10)
     rois = make_rois(3, 1, 10, 10, scale=0.0625)
     torch.testing.assert_close(m(x, rois), roi_pool(x, rois, 7, 0.0625))

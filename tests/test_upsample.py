@@ -87,6 +87,65 @@ def test_pytorch_half_pixel_unit_output_samples_first_index():
     assert not torch.allclose(y, F.interpolate(x, size=(1, 7), mode="bilinear", align_corners=False))
 
 
+def random_resizes(count: int, seed: int):
+    """(input shape, scale_factor) pairs with every output length >= 2, many leaving an axis's length unchanged
+    although the scale factor is not 1 (e.g. 6 * 1.0814 -> 6, 3 * 1.25 -> 3)."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    while len(cases) < count:
+        h, w = (int(v) for v in torch.randint(2, 14, (2,), generator=gen))
+        scales = []
+        for n in (h, w):
+            if torch.rand((), generator=gen) < 0.5:  # a factor in (1, (n + 1) / n): the length stays n
+                scales.append(1.0 + float(torch.rand((), generator=gen)) * 0.999 / n)
+            else:
+                scales.append(0.3 + 2.7 * float(torch.rand((), generator=gen)))
+        if all(math.floor(n * s) >= 2 for n, s in zip((h, w), scales)):
+            cases.append(((2, 3, h, w), tuple(scales)))
+    return cases
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode,align_corners", [("pytorch_half_pixel", False), ("align_corners", True)])
+@pytest.mark.parametrize("seed", range(4))
+def test_scale_factor_matches_interpolate_on_random_shapes(device, mode, align_corners, seed):
+    for shape, scales in random_resizes(40, seed):
+        x = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
+        y = upsample_bilinear(x, scale_factor=scales, mode=mode)
+        xw = x.detach().cpu().requires_grad_()
+        want = F.interpolate(xw, scale_factor=scales, mode="bilinear", align_corners=align_corners)
+        torch.testing.assert_close(y.cpu(), want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{shape} {scales}: {m}")
+        torch.testing.assert_close(upsample_bilinear_reference(x.detach().cpu(), scale_factor=scales, mode=mode),
+                                   want, rtol=1e-12, atol=1e-12)
+        g = torch.randn_like(want)
+        gx = torch.autograd.grad(y, x, g.to(device))[0].cpu()
+        torch.testing.assert_close(gx, torch.autograd.grad(want, xw, g)[0], rtol=1e-12, atol=1e-12)
+        # recompute_scale_factor=True: the step becomes in / out, which is what `size` gives.
+        recomputed = F.interpolate(x.detach().cpu(), scale_factor=scales, mode="bilinear",
+                                   align_corners=align_corners, recompute_scale_factor=True)
+        torch.testing.assert_close(upsample_bilinear(x.detach(), size=recomputed.shape[2:], mode=mode).cpu(),
+                                   recomputed, rtol=1e-12, atol=1e-12)
+
+
+@needs_ext
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,scales", [((1, 2, 6, 9), (1.0814, 2.0)), ((2, 3, 3, 5), (1.25, 0.6)),
+                                          ((1, 1, 7, 7), (1.1, 1.1))])
+def test_pytorch_half_pixel_copies_an_axis_of_unchanged_length(device, dtype, shape, scales):
+    x = torch.randn(shape, dtype=dtype, device=device)
+    y = upsample_bilinear(x, scale_factor=scales, mode="pytorch_half_pixel")
+    # H keeps its length: every output row is an input row, and the W axis is resized as by size=.
+    assert y.shape[2] == shape[2]
+    torch.testing.assert_close(y, upsample_bilinear(x, scale_factor=(1.0, scales[1]), mode="pytorch_half_pixel"),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(y.cpu(), F.interpolate(x.cpu(), scale_factor=scales, mode="bilinear"),
+                               **TOL[dtype])
+    # half_pixel keeps ONNX Resize's rule and resamples that axis with the step 1 / scale_factor.
+    assert not torch.allclose(upsample_bilinear(x, scale_factor=scales, mode="half_pixel"), y)
+
+
 def onnx_resize(x: torch.Tensor, mode: str, kwargs: dict) -> torch.Tensor:
     """Runs ONNX Resize (linear, opset 13) in onnxruntime on a float32 N x C x H x W tensor."""
     onnx = pytest.importorskip("onnx")
@@ -248,7 +307,8 @@ def test_kernel_rejects_bad_sizes():
 @pytest.mark.parametrize("shape,kwargs", [((3, 7, 13, 17), dict(scale_factor=2)),
                                           ((2, 45, 19, 8), dict(size=(5, 31))),
                                           ((24, 40, 4, 11), dict(scale_factor=2)),
-                                          ((1, 3, 64, 48), dict(scale_factor=(0.25, 3.5)))])
+                                          ((1, 3, 64, 48), dict(scale_factor=(0.25, 3.5))),
+                                          ((2, 33, 6, 3), dict(scale_factor=(1.0814, 1.25)))])
 def test_cpu_cuda_parity(dtype, channels_last, mode, shape, kwargs):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(shape, dtype=dtype).to(memory_format=fmt).requires_grad_()

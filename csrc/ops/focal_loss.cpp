@@ -57,12 +57,14 @@ SigmoidLayout check_sigmoid_args(const at::Tensor& logits, const at::Tensor& tar
   s.rows = logits.dim() >= 1 ? logits.size(0) : 1;
   s.inner = 1;
   for (int64_t d = 2; d < logits.dim(); ++d) s.inner *= logits.size(d);
+  s.weight_by_label = false;
   if (weight.has_value()) {
     check_same_device(logits, *weight, "sigmoid_focal_loss: logits", "weight");
     check_floating(*weight, "sigmoid_focal_loss: weight");
-    TORCH_CHECK(logits.dim() >= 2 && weight->dim() == 1 && weight->size(0) == s.classes,
-                "sigmoid_focal_loss: weight must be 1-D with one entry per class (logits dim 1), got weight ",
-                weight->sizes(), " for logits ", logits.sizes());
+    s.weight_by_label = s.index_targets && weight->dim() == 1 && weight->size(0) == s.classes + 1;
+    TORCH_CHECK(logits.dim() >= 2 && weight->dim() == 1 && (weight->size(0) == s.classes || s.weight_by_label),
+                "sigmoid_focal_loss: weight must be 1-D with one entry per class (logits dim 1), or C + 1 entries "
+                "indexed by the class-index target, got weight ", weight->sizes(), " for logits ", logits.sizes());
   }
   if (mask.has_value()) {
     check_same_device(logits, *mask, "sigmoid_focal_loss: logits", "mask");

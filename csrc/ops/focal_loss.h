@@ -79,9 +79,12 @@ C10_HOST_DEVICE inline void softmax_focal(T lpt, T alpha, T gamma, T& loss, T& c
 }  // namespace
 
 // Sizes of a sigmoid focal loss call: element i sits in class column (i / inner) % classes and, for class-index
-// targets (logits N x C), in sample row i / classes.
+// targets (logits N x C), in sample row i / classes. weight_by_label: the weight has C + 1 entries and scales the
+// whole row n by weight[targets[n]] (mmcv's semantics, entry C for background rows); otherwise its C entries scale
+// column c by weight[c].
 struct SigmoidLayout {
   bool index_targets;
+  bool weight_by_label;
   int64_t numel;
   int64_t classes;
   int64_t inner;

@@ -26,12 +26,16 @@ inline CoordMode parse_mode(const std::string& mode) {
               "'; expected one of pytorch_half_pixel, half_pixel, align_corners, asymmetric");
 }
 
-// Output-per-input step of the transform: (in - 1) / (out - 1) for align_corners, else 1 / scale_factor when
-// the output size came from a scale factor (as PyTorch and ONNX Resize do), else in / out.
+// Output-per-input step of the transform: (in - 1) / (out - 1) for align_corners; 1 for pytorch_half_pixel on an
+// axis whose output length equals its input length (F.interpolate copies such an axis whatever the scale factor);
+// else 1 / scale_factor when the output size came from a scale factor (as PyTorch and ONNX Resize do), else in / out.
 template <typename T>
 T coord_scale(int in, int out, std::optional<double> scale_factor, CoordMode mode) {
   if (mode == CoordMode::kAlignCorners) {
     return out > 1 ? static_cast<T>(in - 1) / static_cast<T>(out - 1) : T(0);
+  }
+  if (mode == CoordMode::kPytorchHalfPixel && in == out) {
+    return T(1);
   }
   if (scale_factor.has_value() && *scale_factor > 0) {
     return static_cast<T>(1.0 / *scale_factor);

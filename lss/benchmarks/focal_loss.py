@@ -31,10 +31,10 @@ def _dense_rows(ctx, name, shape, with_peers=True, dtype=torch.float32):
     logits, targets = _dense_case(shape, dtype, ctx.device)
     n = logits.numel()
     nbytes = n * (2 * logits.element_size() + targets.element_size())
-    impls = {"lss": lambda x: sigmoid_focal_loss(x, targets)}
+    impls = {"lss": lambda x: sigmoid_focal_loss(x, targets, reduction="mean")}
     if with_peers:
         impls["torchvision"] = lambda x: torchvision.ops.sigmoid_focal_loss(x, targets, reduction="mean")
-        impls["reference"] = lambda x: sigmoid_focal_loss_reference(x, targets)
+        impls["reference"] = lambda x: sigmoid_focal_loss_reference(x, targets, reduction="mean")
     rows = []
     note = f"fwd+bwd, {str(dtype).replace('torch.', '')} logits, float32 targets, mean"
     for impl, fn in impls.items():
@@ -56,10 +56,10 @@ def _class_index_rows(ctx, name, rows_, classes):
     nbytes = logits.numel() * 8 + labels.numel() * 8
     floor = ctx.floor_ms(nbytes)
     impls = {
-        ("sigmoid " + name, "lss"): lambda x: sigmoid_focal_loss(x, labels),
+        ("sigmoid " + name, "lss"): lambda x: sigmoid_focal_loss(x, labels, reduction="mean"),
         ("sigmoid " + name, "torchvision"): lambda x: torchvision.ops.sigmoid_focal_loss(x, one_hot, reduction="sum")
         / rows_,
-        ("sigmoid " + name, "reference"): lambda x: sigmoid_focal_loss_reference(x, labels),
+        ("sigmoid " + name, "reference"): lambda x: sigmoid_focal_loss_reference(x, labels, reduction="mean"),
         ("softmax " + name, "lss"): lambda x: softmax_focal_loss(x, softmax_labels),
         ("softmax " + name, "reference"): lambda x: softmax_focal_loss_reference(x, softmax_labels),
     }
@@ -99,10 +99,11 @@ def smoke(device) -> None:
         mask = torch.rand(2, 1, 17, 9, device=device) > 0.3
         weight = torch.rand(3, device=device)
         for reduction in ("none", "mean", "sum"):
-            sigmoid_focal_loss(logits, targets, 0.25, 0.5, weight, reduction, mask).sum().backward()
+            sigmoid_focal_loss(logits, targets, 0.25, 0.5, reduction, class_weight=weight, mask=mask).sum().backward()
         rows = torch.randn(37, 11, device=device).to(dtype).requires_grad_(True)
         labels = torch.randint(-1, 12, (37,), device=device)
-        sigmoid_focal_loss(rows, labels.clamp_min(0)).backward()
+        sigmoid_focal_loss(rows, labels.clamp_min(0), reduction="mean").backward()
+        sigmoid_focal_loss(rows, labels.clamp_min(0), reduction="sum", weight=torch.rand(11, device=device)).backward()
         softmax_focal_loss(rows, labels.clamp_max(10), weight=torch.rand(11, device=device)).backward()
         softmax_focal_loss(rows, labels.clamp_max(10), reduction="none").sum().backward()
     if device.type == "cuda":

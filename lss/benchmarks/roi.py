@@ -1,5 +1,6 @@
 """RoIAlign / RoIPool (forward + backward) and NMS against torchvision, same inputs, same process.
-LSS_ROI_BENCH_NMS=0 leaves out the NMS cases."""
+Each roi case is timed in eager mode (one call as a user makes it: Python, dispatch and launches included) and, on
+CUDA, replayed from a CUDA graph (GPU time alone). LSS_ROI_BENCH_NMS=0 leaves out the NMS cases."""
 from __future__ import annotations
 
 import os
@@ -59,16 +60,13 @@ def run(ctx) -> list[dict]:
         nbytes = 4 * (2 * x.numel() + 2 * grad_out.numel())
         impls = [("lss", lambda t: roi_align(t, rois, 7, scale, sr, True)),
                  ("torchvision", lambda t: torchvision.ops.roi_align(t, rois, 7, scale, sr, True))]
-        # validate=False: no host read of the bad-roi record, so the host queues the backward while the forward runs
-        unvalidated = ("lss_unvalidated", lambda t: roi_align(t, rois, 7, scale, sr, True, validate=False))
-        for impl, fn in impls[:1] + [unvalidated] + impls[1:]:
+        # validate=True: the host reads the bad-roi record (a sync) before it queues the backward
+        validated = ("lss validate=True", lambda t: roi_align(t, rois, 7, scale, sr, True, validate=True))
+        for impl, fn in impls[:1] + [validated] + impls[1:]:
             rows.append({"case": case + " fwd+bwd", "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
-                         "floor_ms": ctx.floor_ms(nbytes), "notes": "float32; floor: read x, grad_out; write out, dx"})
-        if dev.type == "cuda":  # GPU time alone: both replayed from CUDA graphs (no host read while capturing)
-            for impl, fn in impls:
-                rows.append({"case": case + " fwd+bwd, CUDA graph", "impl": impl,
-                             "ms": ctx.time_graphed(_fwd_bwd(fn, x, grad_out)), "floor_ms": ctx.floor_ms(nbytes),
-                             "notes": "float32; fwd+bwd captured once, replayed"})
+                         "floor_ms": ctx.floor_ms(nbytes),
+                         "notes": "float32, eager; floor: read x, grad_out; write out, dx"})
+        rows += _graphed_rows(ctx, case + " fwd+bwd", impls, lambda fn: _fwd_bwd(fn, x, grad_out), nbytes)
         torch.use_deterministic_algorithms(True)
         try:
             ms = ctx.time(_fwd_bwd(impls[0][1], x, grad_out), warmup=3, reps=10)
@@ -79,7 +77,9 @@ def run(ctx) -> list[dict]:
         with torch.no_grad():
             for impl, fn in impls:
                 rows.append({"case": case + " fwd", "impl": impl, "ms": ctx.time(lambda: fn(x)),
-                             "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())), "notes": "float32"})
+                             "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())), "notes": "float32, eager"})
+            rows += _graphed_rows(ctx, case + " fwd", impls, lambda fn: (lambda: fn(x)),
+                                  4 * (x.numel() + grad_out.numel()))
         # channels_last features: read in place (lss) or copied to NCHW first (torchvision)
         x_cl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
         for impl, fn in impls:
@@ -92,18 +92,28 @@ def run(ctx) -> list[dict]:
                              "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())),
                              "notes": "float32, channels_last input"})
         del x_cl
-        if "FPN" in case or ctx.quick:
-            pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
-                    ("lss_unvalidated", lambda t: roi_pool(t, rois, 7, scale, validate=False)),
-                    ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]
-            for impl, fn in pool:
-                rows.append({"case": case.replace("roi_align", "roi_pool").replace(", adaptive, aligned", "")
-                             + " fwd+bwd", "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
-                             "floor_ms": ctx.floor_ms(nbytes), "notes": "float32"})
+        pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
+                ("lss validate=True", lambda t: roi_pool(t, rois, 7, scale, validate=True)),
+                ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]
+        pool_case = (case.replace("roi_align", "roi_pool").replace(", adaptive, aligned", "")
+                     .replace(", sr 2, aligned", "") + " fwd+bwd")
+        for impl, fn in pool:
+            rows.append({"case": pool_case, "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
+                         "floor_ms": ctx.floor_ms(nbytes), "notes": "float32, eager"})
+        rows += _graphed_rows(ctx, pool_case, pool[::2], lambda fn: _fwd_bwd(fn, x, grad_out), nbytes)
         del x, grad_out
     if os.environ.get("LSS_ROI_BENCH_NMS", "1") != "0":
         rows += _nms_rows(ctx)
     return rows
+
+
+def _graphed_rows(ctx, case, impls, make_step, nbytes) -> list[dict]:
+    """On CUDA, one row per impl of `make_step(fn)` captured once as a CUDA graph and replayed: the GPU time alone
+    (no host read of the bad-roi record while capturing)."""
+    if ctx.device.type != "cuda":
+        return []
+    return [{"case": case + ", CUDA graph", "impl": impl, "ms": ctx.time_graphed(make_step(fn)),
+             "floor_ms": ctx.floor_ms(nbytes), "notes": "float32; captured once, replayed"} for impl, fn in impls]
 
 
 def _nms_rows(ctx) -> list[dict]:
@@ -119,14 +129,14 @@ def _nms_rows(ctx) -> list[dict]:
             rows.append({"case": f"nms {n} boxes, IoU 0.5", "impl": impl,
                          "ms": ctx.time(lambda: fn(boxes, scores, 0.5), warmup=2, reps=reps), "floor_ms": floor,
                          "notes": f"kept {len(nms(boxes, scores, 0.5))}; floor: bitmap write"})
-    n = 300 if ctx.quick else 20000
-    boxes, scores = _boxes(n, dev, seed=1)
-    boxes = boxes - 500.0  # ego-frame style coordinates around 0
-    idxs = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(0)).to(dev)
-    for impl, fn in [("lss", batched_nms), ("torchvision", torchvision.ops.batched_nms)]:
-        rows.append({"case": f"batched_nms {n} boxes, 10 classes, IoU 0.5", "impl": impl,
-                     "ms": ctx.time(lambda: fn(boxes, scores, idxs, 0.5), warmup=2, reps=30), "floor_ms": None,
-                     "notes": "coordinates in [-500, 500]"})
+    for n in [300] if ctx.quick else [20000, 100000]:
+        boxes, scores = _boxes(n, dev, seed=1)
+        boxes = boxes - 500.0  # ego-frame style coordinates around 0
+        idxs = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(0)).to(dev)
+        for impl, fn in [("lss", batched_nms), ("torchvision", torchvision.ops.batched_nms)]:
+            rows.append({"case": f"batched_nms {n} boxes, 10 classes, IoU 0.5", "impl": impl,
+                         "ms": ctx.time(lambda: fn(boxes, scores, idxs, 0.5), warmup=2, reps=5 if n >= 100000 else 30),
+                         "floor_ms": None, "notes": "coordinates in [-500, 500]; eager"})
     return rows
 
 
@@ -155,7 +165,7 @@ def smoke(device) -> None:
             op(x, bad, 7, 0.25, validate=False).sum().backward()
             for inp in (x, x[:, :0]):  # the pooling kernel's record, and the record-only kernel of an empty output
                 try:
-                    op(inp, bad, 7, 0.25)
+                    op(inp, bad, 7, 0.25, validate=True)
                     raise AssertionError(f"{op.__name__} accepted roi 5 with a NaN coordinate")
                 except ValueError:
                     pass

@@ -106,6 +106,11 @@ def check_roi_values(rois: torch.Tensor, batch_size: int, op: str) -> None:
     _raise_first_bad_roi(rois, *torch.stack(first).tolist(), batch_size, op)
 
 
+def should_validate(validate, input: torch.Tensor) -> bool:
+    """validate=None (the ops' default) reads the bad-roi record only where that costs no host sync (CPU)."""
+    return (not input.is_cuda) if validate is None else bool(validate)
+
+
 def raise_on_bad_rois(bad_rois: torch.Tensor, rois: torch.Tensor, batch_size: int, op: str) -> None:
     """Raise for the first bad roi in a forward op's record (its third output: the first roi with non-finite
     coordinates and the first with a bad batch index, -1 for none), non-finite coordinates first. Reading the record

@@ -16,6 +16,9 @@ from torch import Tensor
 from lss.geometry import FrustumLUT
 from lss.ops import _ext
 
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("bev_pool")
+
 __all__ = ["bev_pool", "bev_pool_reference", "output_channels_last"]
 
 
@@ -95,19 +98,6 @@ def bev_pool_reference(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
     return grid.view(B, nz, nx, ny, C).permute(0, 1, 4, 2, 3).reshape(B, nz * C, nx, ny).to(depth.dtype)
 
 
-def _setup_context(ctx, inputs, output):
-    depth, feat, _sorted_points, cell_start, point_cell, nz, nx, ny = inputs
-    ctx.save_for_backward(depth, feat, cell_start, point_cell)
-    ctx.grid = (nz, nx, ny)
-
-
-def _backward(ctx, grad_out):
-    depth, feat, cell_start, point_cell = ctx.saved_tensors
-    grad_depth, grad_feat = torch.ops.lss._bev_pool_backward(grad_out, depth, feat, cell_start, point_cell, *ctx.grid)
-    return (grad_depth if ctx.needs_input_grad[0] else None, grad_feat if ctx.needs_input_grad[1] else None,
-            None, None, None, None, None, None)
-
-
 if _ext.has_ext():
 
     @torch.library.register_fake("lss::bev_pool")
@@ -124,4 +114,4 @@ if _ext.has_ext():
             return depth.new_empty(depth.shape), feat.new_empty((B, N, fH, fW, C)).permute(0, 1, 4, 2, 3)
         return depth.new_empty(depth.shape), feat.new_empty((B, N, C, fH, fW))
 
-    torch.library.register_autograd("lss::bev_pool", _backward, setup_context=_setup_context)
+    # Autograd is registered in C++ (csrc/ops/autograd.cpp): no Python runs in an eager call.

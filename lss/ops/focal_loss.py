@@ -1,8 +1,10 @@
 """Sigmoid and softmax focal loss (Lin et al., "Focal Loss for Dense Object Detection") as fused one-pass kernels.
 
-`sigmoid_focal_loss` takes dense float targets of the logits' shape (BEV masks B x K x X x Y, gaussian heatmaps,
-soft labels: the value of torchvision.ops.sigmoid_focal_loss) or int64 class indices N for N x C logits (C is
-background, the mmdetection convention). `softmax_focal_loss` takes N x C logits and int64 class indices N.
+`sigmoid_focal_loss` takes torchvision.ops.sigmoid_focal_loss's arguments in its order and with its defaults
+(inputs, targets, alpha=0.25, gamma=2, reduction="none"; our options are keyword-only) and either dense float
+targets of the logits' shape (BEV masks B x K x X x Y, gaussian heatmaps, soft labels: torchvision's value) or int64
+class indices N for N x C logits (C is background, the mmdetection convention; `weight` then has mmcv's meaning).
+`softmax_focal_loss` takes N x C logits and int64 class indices N.
 
 The kernels read logits and targets once, reduce "mean"/"sum" inside the kernel with deterministic per-block
 partial sums, and, when the logits need a gradient, write it in the same pass (with the reduction's 1 / N folded in
@@ -21,6 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lss.ops import _ext
+
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("sigmoid_focal_loss")
+torch.fx.wrap("softmax_focal_loss")
 
 __all__ = [
     "sigmoid_focal_loss",
@@ -52,20 +58,25 @@ def _check_no_grad(op: str, **tensors: Optional[Tensor]) -> None:
             raise ValueError(f"{op}: no gradient flows to {name}, but it requires grad; pass {name}.detach()")
 
 
-def _prepare_weight(op: str, weight: Optional[Tensor], logits: Tensor) -> Optional[Tensor]:
+def _prepare_weight(op: str, weight: Optional[Tensor], logits: Tensor, name: str = "weight") -> Optional[Tensor]:
     if weight is None:
         return None
     if not isinstance(weight, Tensor) or not weight.is_floating_point():
-        raise TypeError(f"{op}: weight must be a floating-point tensor of one entry per class")
+        raise TypeError(f"{op}: {name} must be a floating-point tensor of one entry per class")
     classes = logits.shape[1] if logits.dim() >= 2 else None
     if weight.dim() != 1 or classes is None or weight.shape[0] != classes:
         raise ValueError(
-            f"{op}: weight must be 1-D with one entry per class (logits dim 1 = {classes}), got weight of shape "
+            f"{op}: {name} must be 1-D with one entry per class (logits dim 1 = {classes}), got {name} of shape "
             f"{tuple(weight.shape)} for logits of shape {tuple(logits.shape)}"
         )
     if weight.device != logits.device:
-        raise ValueError(f"{op}: weight is on {weight.device} but logits are on {logits.device}")
+        raise ValueError(f"{op}: {name} is on {weight.device} but logits are on {logits.device}")
     return weight
+
+
+def _label_weight(weight: Tensor) -> Tensor:
+    """mmcv's per-class sample weight as the kernels take it: C + 1 entries, entry C (background rows) equal to 1."""
+    return torch.cat([weight, weight.new_ones(1)])
 
 
 def _check_class_range(op, targets, lowest, highest, expected):
@@ -78,8 +89,10 @@ def _check_class_range(op, targets, lowest, highest, expected):
         raise ValueError(f"{op}: targets must lie in {expected}, got values in [{lo}, {hi}]")
 
 
-def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, reduction, mask):
-    """Validates the arguments; returns (targets, weight, mask) as the op takes them."""
+def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, reduction, mask):
+    """Validates the arguments; returns (targets, weight, mask) as the op takes them: the kernels' weight is
+    class_weight (C entries, by column) or, for class-index targets, weight with a background entry 1 appended
+    (C + 1 entries, by target label)."""
     op = "sigmoid_focal_loss"
     _check_common(op, logits, alpha, gamma, reduction)
     if not isinstance(targets, Tensor):
@@ -104,7 +117,17 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, reduction, mask
         targets = targets.long()
         C = logits.shape[1]
         _check_class_range(op, targets, 0, C, f"[0, C] = [0, {C}] (C = background)")
+    index_targets = not (targets.is_floating_point() or targets.dtype == torch.bool)
+    if weight is not None and not index_targets:
+        raise ValueError(f"{op}: weight scales sample n by weight[targets[n]] (mmcv's meaning) and needs int64 "
+                         "class-index targets; to weight the class columns of dense targets pass class_weight=")
+    if weight is not None and class_weight is not None:
+        raise ValueError(f"{op}: give weight (per sample, by its target class) or class_weight (per class column), "
+                         "not both; fold one into the other, e.g. class_weight * weight[targets][:, None] as a mask")
     weight = _prepare_weight(op, weight, logits)
+    class_weight = _prepare_weight(op, class_weight, logits, "class_weight")
+    _check_no_grad(op, weight=weight, class_weight=class_weight)
+    weight = _label_weight(weight) if weight is not None else class_weight
     if mask is not None:
         if not isinstance(mask, Tensor):
             raise TypeError(f"{op}: mask must be a tensor, got {type(mask).__name__}")
@@ -120,36 +143,44 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, reduction, mask
                 f"{tuple(logits.shape)} (for a B x X x Y visibility mask and B x K x X x Y logits use mask[:, None])"
             )
         mask = (mask if mask.dtype == torch.bool else mask > 0).expand(logits.shape)
-    _check_no_grad(op, targets=targets, weight=weight)
+    _check_no_grad(op, targets=targets)
     return targets, weight, mask
 
 
 def sigmoid_focal_loss(
-    logits: Tensor,
+    inputs: Tensor,
     targets: Tensor,
     alpha: float = 0.25,
     gamma: float = 2.0,
+    reduction: str = "none",
+    *,
     weight: Optional[Tensor] = None,
-    reduction: str = "mean",
+    class_weight: Optional[Tensor] = None,
     mask: Optional[Tensor] = None,
 ) -> Tensor:
-    """Sigmoid focal loss: ce(x, t) * (1 - p_t)^gamma * alpha_t, p = sigmoid(x).
+    """Sigmoid focal loss: ce(x, t) * (1 - p_t)^gamma * alpha_t, p = sigmoid(x). A drop-in for
+    torchvision.ops.sigmoid_focal_loss (same positional arguments and defaults); the rest is keyword-only.
 
-    logits: any shape, float32/float16/bfloat16/float64; the class axis is dim 1 (B x K x X x Y, or N x C).
+    inputs: the logits, any shape, float32/float16/bfloat16/float64; the class axis is dim 1 (B x K x X x Y, N x C).
     targets: either dense floats of the logits' shape (binary or soft, in [0, 1]), or int64 class indices N in
     [0, C] for N x C logits, C meaning background (every column negative).
     alpha: weight of positives, alpha_t = alpha t + (1 - alpha)(1 - t); a negative alpha disables it.
-    weight: optional C per-class weights multiplying column c.
-    reduction: "none" (loss of the logits' shape), "sum", or "mean": over the elements (over the elements where
-    mask > 0 when a mask is given; 0 when there are none) for dense targets, sum / N for class indices.
+    reduction: "none" (loss of the logits' shape, the default as in torchvision), "sum", or "mean": over the
+    elements (over the elements where mask > 0 when a mask is given; 0 when there are none) for dense targets,
+    sum / N for class indices (as mmcv).
+    weight: class-index targets only, C entries: the whole row of sample n is scaled by weight[targets[n]] (mmcv's
+    sigmoid_focal_loss); background rows (target C) keep weight 1.
+    class_weight: optional C per-class weights multiplying column c (either target form; not with weight).
     mask: optional bool or float tensor broadcastable to the logits; cells where mask <= 0 get zero loss and zero
     gradient (for example BEV cells that no camera sees).
     Returns a 0-dim tensor (or the logits' shape for "none") in the logits' dtype. Class indices outside [0, C]
     raise an error (on CUDA this check waits for the kernel).
     """
-    targets, weight, mask = _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, reduction, mask)
+    logits = inputs
+    targets, weight, mask = _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, reduction,
+                                                  mask)
     if _ext.use_reference("sigmoid_focal_loss"):
-        return sigmoid_focal_loss_reference(logits, targets, alpha, gamma, weight, reduction, mask)
+        return _sigmoid_reference(logits, targets, alpha, gamma, weight, reduction, mask)
     _ext.check_device("sigmoid_focal_loss", logits, targets, weight, mask)
     save_grad = torch.is_grad_enabled() and logits.requires_grad
     # reuse_grad: the gradient output is not handed out, so the backward may scale it in place.
@@ -205,15 +236,27 @@ def _compute_dtype(logits: Tensor) -> torch.dtype:
 
 
 def sigmoid_focal_loss_reference(
-    logits: Tensor,
+    inputs: Tensor,
     targets: Tensor,
     alpha: float = 0.25,
     gamma: float = 2.0,
+    reduction: str = "none",
+    *,
     weight: Optional[Tensor] = None,
-    reduction: str = "mean",
+    class_weight: Optional[Tensor] = None,
     mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Pure-PyTorch `sigmoid_focal_loss` (same arguments and semantics), computed in float32 or float64."""
+    if weight is not None:
+        if targets.is_floating_point() or targets.dtype == torch.bool:
+            raise ValueError("sigmoid_focal_loss: weight needs int64 class-index targets; use class_weight=")
+        weight = _label_weight(weight)
+    return _sigmoid_reference(inputs, targets, alpha, gamma, weight if weight is not None else class_weight,
+                              reduction, mask)
+
+
+def _sigmoid_reference(logits, targets, alpha, gamma, weight, reduction, mask):
+    """The reference with the kernels' weight: C entries by column, or C + 1 by class-index target."""
     dtype = _compute_dtype(logits)
     x = logits.to(dtype)
     index_targets = not (targets.is_floating_point() or targets.dtype == torch.bool)
@@ -229,7 +272,9 @@ def sigmoid_focal_loss_reference(
     loss = ce * q.clamp_min(torch.finfo(dtype).tiny).pow(gamma)
     if alpha >= 0:
         loss = loss * (alpha * t + (1 - alpha) * (1 - t))
-    if weight is not None:
+    if weight is not None and index_targets and weight.shape[0] == x.shape[1] + 1:
+        loss = loss * weight.to(dtype)[targets][:, None]
+    elif weight is not None:
         loss = loss * weight.to(dtype).view(-1, *([1] * (x.dim() - 2)))
     if mask is not None:
         keep = (mask if mask.dtype == torch.bool else mask > 0).expand(x.shape)
@@ -279,16 +324,19 @@ def softmax_focal_loss_reference(
 
 
 class SigmoidFocalLoss(nn.Module):
-    """Module form of `sigmoid_focal_loss`; forward(logits, targets, mask=None)."""
+    """Module form of `sigmoid_focal_loss` (reduction "mean" by default, as mmcv's module); forward(logits, targets,
+    mask=None). weight and class_weight have the function's meaning."""
 
     def __init__(self, alpha: float = 0.25, gamma: float = 2.0, weight: Optional[Tensor] = None,
-                 reduction: str = "mean"):
+                 reduction: str = "mean", *, class_weight: Optional[Tensor] = None):
         super().__init__()
         self.alpha, self.gamma, self.reduction = alpha, gamma, reduction
         self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("class_weight", class_weight, persistent=False)
 
     def forward(self, logits: Tensor, targets: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        return sigmoid_focal_loss(logits, targets, self.alpha, self.gamma, self.weight, self.reduction, mask)
+        return sigmoid_focal_loss(logits, targets, self.alpha, self.gamma, self.reduction, weight=self.weight,
+                                  class_weight=self.class_weight, mask=mask)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, gamma={self.gamma}, reduction={self.reduction!r}"
@@ -329,18 +377,27 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(grad, grad_scale)
 
 
+def _private(module, name: str):
+    """A private torch function, or None where this torch release has none (callers then take the public path)."""
+    return getattr(module, name, None)
+
+
 def _keeps_graph() -> bool:
-    """Whether the running backward keeps the graph (retain_graph / create_graph); True outside a backward."""
-    return getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+    """Whether the running backward keeps the graph (retain_graph / create_graph); True outside a backward, and
+    True where torch cannot tell (the safe answer: the saved gradient is then never overwritten)."""
+    keep_graph = _private(torch._C._autograd, "_get_current_graph_task_keep_graph")
+    return True if keep_graph is None else keep_graph()
 
 
 def _can_scale_in_place(grad_loss: Tensor, grad: Tensor) -> bool:
     """The saved gradient may become the result when this backward is its last use (the graph is freed after it)
     in plain eager mode (no compiler, no tracing or other dispatch mode, no tensor subclass) and grad_output is one
-    number of its dtype."""
-    eager = (type(grad) is Tensor and not torch.compiler.is_compiling()
-             and torch._C._len_torch_dispatch_stack() == 0)
-    return (eager and grad_loss.numel() == 1 and grad_loss.dtype == grad.dtype and grad_loss.device == grad.device
+    number of its dtype. This is an optimisation that reads private torch state; without it the backward writes a
+    new tensor (the public path), which is always correct."""
+    dispatch_depth = _private(torch._C, "_len_torch_dispatch_stack")
+    if dispatch_depth is None or type(grad) is not Tensor or torch.compiler.is_compiling() or dispatch_depth() != 0:
+        return False
+    return (grad_loss.numel() == 1 and grad_loss.dtype == grad.dtype and grad_loss.device == grad.device
             and not _keeps_graph())
 
 

@@ -11,6 +11,10 @@ import torch
 
 from lss.ops import _ext
 
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("nms")
+torch.fx.wrap("batched_nms")
+
 
 def _check(boxes, scores, idxs, op):
     if not isinstance(boxes, torch.Tensor) or boxes.dim() != 2 or boxes.shape[1] != 4:
@@ -51,7 +55,11 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torc
 def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou_threshold: float) -> torch.Tensor:
     """NMS where only boxes of the same category (idxs, N integers) suppress each other. Returns the kept indices
     by decreasing score. Classes are compared directly instead of shifting boxes apart by a class offset, so any
-    coordinates work (negative BEV coordinates included) and no precision is lost to large offsets."""
+    coordinates work (negative BEV coordinates included) and no precision is lost to large offsets.
+    As torchvision's, boxes with no elements (N x 4 with N = 0, or any empty tensor such as a 1-D one) give an empty
+    int64 result whatever scores and idxs are."""
+    if isinstance(boxes, torch.Tensor) and boxes.numel() == 0:
+        return torch.empty((0,), dtype=torch.int64, device=boxes.device)
     _check(boxes, scores, idxs, "batched_nms")
     if _ext.use_reference("batched_nms"):
         return nms_reference(boxes, scores, iou_threshold, idxs)

@@ -2,17 +2,22 @@
 "max" pool mode, the gradient going to the arg-max sample)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from lss.ops import _ext, _roi
 from lss.ops._roi import Rois
 
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("roi_align")
+
 _MODES = ("avg", "max")
 
 
 def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0, sampling_ratio: int = -1,
-              aligned: bool = False, mode: str = "avg", *, validate: bool = True) -> torch.Tensor:
+              aligned: bool = False, mode: str = "avg", *, validate: Optional[bool] = None) -> torch.Tensor:
     """Pools each roi of `input` (N x C x H x W) to K x C x PH x PW.
 
     rois: K x 5 (batch index, x1, y1, x2, y2) in input-image coordinates, or a list of L_i x 4 boxes per image.
@@ -23,10 +28,11 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     lss.ops._roi.MAX_SAMPLING_RATIO (64), else ValueError. Accumulates in float32 (float64 for float64 input); no gradient for rois.
 
     validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N),
-    which the forward kernel records. Reading that record is a host sync: on CUDA the host waits for the forward
-    instead of queueing autograd's backward work while it runs. validate=False skips the read, for rois from the
-    caller's own decoding: bad rois then pool to zeros (no gradient) and are never read out of bounds. The
-    pure-PyTorch fallback always validates.
+    which the forward kernel records. Reading that record is a host sync on CUDA: the host waits for the forward
+    instead of queueing autograd's backward work while it runs. validate=False skips the read: bad rois then pool
+    to zeros (no gradient) and are never read out of bounds. The default (None) validates CPU inputs, where the
+    read costs no sync, and skips the read for CUDA inputs, so an eager CUDA call never waits for the device (as
+    torchvision's, which does not check rois at all). The pure-PyTorch fallback always validates.
     """
     _roi.check_input(input, "roi_align")
     if mode not in _MODES:
@@ -40,7 +46,7 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     _ext.check_device("roi_align", input, rois)
     output, _, bad_rois = torch.ops.lss.roi_align(input, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio,
                                                   bool(aligned), mode == "max")
-    if validate:
+    if _roi.should_validate(validate, input):
         _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_align")
     return output
 
@@ -49,7 +55,7 @@ class RoIAlign(nn.Module):
     """Module form of roi_align; forward(input N x C x H x W, rois) -> K x C x PH x PW."""
 
     def __init__(self, output_size, spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False,
-                 mode: str = "avg", validate: bool = True):
+                 mode: str = "avg", validate: Optional[bool] = None):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"RoIAlign: mode must be one of {_MODES}, got {mode!r}")
@@ -58,7 +64,7 @@ class RoIAlign(nn.Module):
         self.sampling_ratio = _roi.check_sampling_ratio(sampling_ratio, "RoIAlign")
         self.aligned = bool(aligned)
         self.mode = mode
-        self.validate = bool(validate)
+        self.validate = validate if validate is None else bool(validate)
 
     def forward(self, input: torch.Tensor, rois: Rois) -> torch.Tensor:
         return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned,
@@ -173,19 +179,4 @@ if _ext.has_ext():
                                  channels, height, width, sampling_ratio, aligned, max_mode):
         return grad.new_empty((batch_size, channels, height, width))
 
-    def _roi_align_setup(ctx, inputs, output):
-        input, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode = inputs
-        ctx.mark_non_differentiable(output[1], output[2])
-        ctx.save_for_backward(rois, output[1])
-        ctx.input_shape = input.shape
-        ctx.args = (spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode)
-
-    def _roi_align_backward(ctx, grad_output, grad_argmax, grad_bad_rois):
-        rois, argmax = ctx.saved_tensors
-        spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned, max_mode = ctx.args
-        N, C, H, W = ctx.input_shape
-        grad_input = torch.ops.lss._roi_align_backward(grad_output, rois, argmax, spatial_scale, pooled_h, pooled_w,
-                                                       N, C, H, W, sampling_ratio, aligned, max_mode)
-        return grad_input, None, None, None, None, None, None, None
-
-    torch.library.register_autograd("lss::roi_align", _roi_align_backward, setup_context=_roi_align_setup)
+    # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an eager call.

@@ -1,15 +1,20 @@
 """RoIPool (Fast R-CNN): max over the integer pixel window of each output bin, as torchvision.ops.roi_pool."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from lss.ops import _ext, _roi
 from lss.ops._roi import Rois
 
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("roi_pool")
+
 
 def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0, *,
-             validate: bool = True) -> torch.Tensor:
+             validate: Optional[bool] = None) -> torch.Tensor:
     """Max-pools each roi of `input` (N x C x H x W) to K x C x PH x PW.
 
     rois: K x 5 (batch index, x1, y1, x2, y2) or a list of L_i x 4 boxes per image; coordinates are scaled by
@@ -17,8 +22,8 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
     to the arg-max pixel of each bin; no gradient for rois. spatial_scale must be finite and > 0, else ValueError.
 
     validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N);
-    reading the forward kernel's record of them is a host sync. validate=False skips the read: bad rois pool to
-    zeros (see roi_align).
+    reading the forward kernel's record of them is a host sync on CUDA. validate=False skips the read: bad rois pool
+    to zeros. The default (None) validates CPU inputs only, so an eager CUDA call never waits (see roi_align).
     """
     _roi.check_input(input, "roi_pool")
     pooled_h, pooled_w = _roi.output_hw(output_size, "roi_pool")
@@ -28,7 +33,7 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
         return roi_pool_reference(input, rois, output_size, spatial_scale)
     _ext.check_device("roi_pool", input, rois)
     output, _, bad_rois = torch.ops.lss.roi_pool(input, rois, spatial_scale, pooled_h, pooled_w)
-    if validate:
+    if _roi.should_validate(validate, input):
         _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_pool")
     return output
 
@@ -36,11 +41,11 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
 class RoIPool(nn.Module):
     """Module form of roi_pool; forward(input N x C x H x W, rois) -> K x C x PH x PW."""
 
-    def __init__(self, output_size, spatial_scale: float = 1.0, validate: bool = True):
+    def __init__(self, output_size, spatial_scale: float = 1.0, validate: Optional[bool] = None):
         super().__init__()
         self.output_size = _roi.output_hw(output_size, "RoIPool")
         self.spatial_scale = _roi.check_spatial_scale(spatial_scale, "RoIPool")
-        self.validate = bool(validate)
+        self.validate = validate if validate is None else bool(validate)
 
     def forward(self, input: torch.Tensor, rois: Rois) -> torch.Tensor:
         return roi_pool(input, rois, self.output_size, self.spatial_scale, validate=self.validate)
@@ -111,19 +116,4 @@ if _ext.has_ext():
                                 channels, height, width):
         return grad.new_empty((batch_size, channels, height, width))
 
-    def _roi_pool_setup(ctx, inputs, output):
-        input, rois, spatial_scale, pooled_h, pooled_w = inputs
-        ctx.mark_non_differentiable(output[1], output[2])
-        ctx.save_for_backward(rois, output[1])
-        ctx.input_shape = input.shape
-        ctx.args = (spatial_scale, pooled_h, pooled_w)
-
-    def _roi_pool_backward(ctx, grad_output, grad_argmax, grad_bad_rois):
-        rois, argmax = ctx.saved_tensors
-        spatial_scale, pooled_h, pooled_w = ctx.args
-        N, C, H, W = ctx.input_shape
-        grad_input = torch.ops.lss._roi_pool_backward(grad_output, rois, argmax, spatial_scale, pooled_h, pooled_w,
-                                                      N, C, H, W)
-        return grad_input, None, None, None, None
-
-    torch.library.register_autograd("lss::roi_pool", _roi_pool_backward, setup_context=_roi_pool_setup)
+    # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an eager call.

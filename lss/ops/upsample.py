@@ -3,7 +3,8 @@
 Along each axis, output index o reads the input at the source coordinate x(o) of `mode` (the ONNX Resize
 `coordinate_transformation_mode` names for linear interpolation), clamped to [0, in - 1]:
 
-- "pytorch_half_pixel": x = (o + 0.5) * s - 0.5, and x = 0 when the output length is 1;
+- "pytorch_half_pixel": x = (o + 0.5) * s - 0.5; x = o (a copy) when the output length equals the input length,
+                        whatever the scale factor (as F.interpolate does); x = 0 when the output length is 1;
 - "half_pixel":         x = (o + 0.5) * s - 0.5;
 - "align_corners":      x = o * (in - 1) / (out - 1), and x = 0 when the output length is 1;
 - "asymmetric":         x = o * s (TensorFlow 1.x `resize_bilinear` without align_corners).
@@ -21,6 +22,9 @@ import torch
 from torch import nn
 
 from lss.ops import _ext
+
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+torch.fx.wrap("upsample_bilinear")
 
 MODES = ("pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric")
 
@@ -85,6 +89,8 @@ def _axis_taps(n_in: int, n_out: int, scale: Optional[float], mode: str, device,
     if mode == "align_corners":
         step = (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
         x = o * step
+    elif mode == "pytorch_half_pixel" and n_in == n_out:
+        x = o  # F.interpolate copies an axis whose length does not change, even when scale_factor != 1
     else:
         step = 1.0 / scale if scale is not None else n_in / n_out
         if mode == "asymmetric":
@@ -120,9 +126,10 @@ def upsample_bilinear(input: torch.Tensor, size: Optional[_Size] = None, scale_f
     Give exactly one of `size` (int or (H, W)) and `scale_factor` (float or (sh, sw); the output size is
     floor(in * scale_factor)). `mode` is one of MODES (see the module docstring). Returns N x C x H' x W' in the
     input's dtype; channels_last inputs give channels_last outputs. Differentiable.
-    "pytorch_half_pixel" equals F.interpolate(mode="bilinear", align_corners=False) except on an axis of output
-    length 1 (ONNX samples index 0 there, PyTorch the centre); "half_pixel" equals it everywhere;
-    "align_corners" equals align_corners=True.
+    "pytorch_half_pixel" equals F.interpolate(mode="bilinear", align_corners=False) (with or without
+    recompute_scale_factor) except on an axis of output length 1 (ONNX samples index 0 there, PyTorch the centre);
+    "half_pixel" equals it except that it resamples an axis whose length a scale factor != 1 leaves unchanged (ONNX
+    Resize's rule, which F.interpolate does not follow); "align_corners" equals align_corners=True.
     """
     out_size, (scale_h, scale_w) = resolve_output(input, size, scale_factor, mode)
     if _ext.use_reference("upsample_bilinear"):

@@ -76,8 +76,12 @@ Outputs sigmoid_forward(const at::Tensor& logits, const at::Tensor& targets, con
         acc_t li, di;
         sigmoid_focal<acc_t>(static_cast<acc_t>(x[i]), t, a, gm, li, di);
         if (w) {
-          li *= w[cls];
-          di *= w[cls];
+          acc_t wi = w[cls];
+          if constexpr (std::is_same_v<target_t, int64_t>) {
+            if (s.weight_by_label) wi = w[tg[i / s.classes]];
+          }
+          li *= wi;
+          di *= wi;
         }
         if (l) l[i] = static_cast<scalar_t>(li);
         if (g) g[i] = static_cast<scalar_t>(di * prescale);

@@ -148,6 +148,7 @@ __device__ __forceinline__ void sigmoid_focal_fast(float x, float t, float at0, 
 template <typename acc_t>
 struct SigmoidParams {
   const acc_t* weight;
+  bool weight_by_label;  // class-index targets: weight[label] scales the row (C + 1 entries), else weight[column]
   const bool* mask;
   int64_t numel;
   int64_t classes;
@@ -295,8 +296,9 @@ __global__ void __launch_bounds__(kThreads)
       focal_element<acc_t, false>(p, static_cast<acc_t>(logits[i]), label == cls ? acc_t(1) : acc_t(0), l, g);
       g *= p.grad_prescale;
       if (p.weight != nullptr) {
-        l *= p.weight[cls];
-        g *= p.weight[cls];
+        const acc_t w = p.weight[p.weight_by_label ? label : cls];
+        l *= w;
+        g *= w;
       }
       if (p.mask != nullptr && !p.mask[i]) l = g = acc_t(0);
     }
@@ -491,6 +493,7 @@ Outputs sigmoid_focal_loss_cuda(const at::Tensor& logits_in, const at::Tensor& t
     using acc_t = at::opmath_type<scalar_t>;
     SigmoidParams<acc_t> p;
     p.weight = weight.defined() ? weight.data_ptr<acc_t>() : nullptr;
+    p.weight_by_label = s.weight_by_label;
     p.mask = mask.defined() ? mask.data_ptr<bool>() : nullptr;
     p.numel = s.numel;
     p.classes = s.classes;
