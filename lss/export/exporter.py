@@ -98,7 +98,7 @@ def export_model(model: nn.Module, out: Union[str, Path], cfg: Config, *, rig: O
             raise ArgumentError("a fixed-rig export needs the camera rig: pass --rig FILE or let it read a "
                                 "validation sample (--rig-sample)")
         check_rig(rig, num_cameras)
-    deploy = DeployModel(model.cpu(), "rig_inputs" if rig_inputs else splat, rig, resize_mode,
+    deploy = DeployModel(model, "rig_inputs" if rig_inputs else splat, rig, resize_mode,
                          upsample_mode or cfg.model.upsample_mode).eval()
     H, W = cfg.data.final_dim
     args = [torch.zeros(1, num_cameras, 3, H, W)]

@@ -112,7 +112,7 @@ class DeployModel(nn.Module):
         super().__init__()
         if splat not in ("onnx", "custom", "rig_inputs"):
             raise ValueError(f"DeployModel: splat must be 'onnx', 'custom' or 'rig_inputs', got {splat!r}")
-        model = copy.deepcopy(model).eval()
+        model = copy.deepcopy(model).cpu().eval()  # the caller's model stays where it is
         replace_upsampling(model, resize_mode or upsample_mode)
         self.camera, self.bev, self.segmentation = model.camera, model.bev, model.segmentation
         self.splat_mode = splat
