@@ -161,6 +161,17 @@ def test_custom_op_graph_holds_one_documented_bev_pool_node(checkpoint, tmp_path
     assert np.abs(got - want).max() <= 1e-3
 
 
+def _config_file(tmp_path, cfg):
+    """The tiny config as a YAML file for the command line (JSON is YAML), without model.upsample_mode."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(json.dumps({"data": {"dataroot": cfg.data.dataroot, "final_dim": [32, 96],
+                                         "classes": ["vehicle", "drivable_area"], "workers": 0},
+                                "grid": {"xbound": [-16.0, 16.0, 1.0], "ybound": [-16.0, 16.0, 1.0],
+                                         "dbound": [4.0, 20.0, 2.0]},
+                                "model": {"context_channels": 8}, "train": {"device": "cpu"}}))
+    return path
+
+
 def _cli(capsys, *args):
     code = main(["export", *args])
     return code, capsys.readouterr().err.strip().splitlines()
@@ -168,12 +179,7 @@ def _cli(capsys, *args):
 
 def test_cli_errors_are_one_line_and_say_what_to_do(checkpoint, tmp_path, capsys):
     cfg, ckpt = checkpoint
-    config = tmp_path / "tiny.yaml"
-    config.write_text(json.dumps({"data": {"dataroot": cfg.data.dataroot, "final_dim": [32, 96],
-                                           "classes": ["vehicle", "drivable_area"], "workers": 0},
-                                  "grid": {"xbound": [-16.0, 16.0, 1.0], "ybound": [-16.0, 16.0, 1.0],
-                                           "dbound": [4.0, 20.0, 2.0]},
-                                  "model": {"context_channels": 8}, "train": {"device": "cpu"}}))
+    config = _config_file(tmp_path, cfg)
     base = ["--config", str(config), "--out", str(tmp_path / "m.onnx")]
     rig = tmp_path / "rig.json"
     rig.write_text(json.dumps({k: np.zeros((5, 3, 3) if k.endswith("rot") or k == "intrinsics" else (5, 3)).tolist()
@@ -193,12 +199,7 @@ def test_cli_errors_are_one_line_and_say_what_to_do(checkpoint, tmp_path, capsys
 
 def test_cli_check_passes_and_prints_both_ious(checkpoint, tmp_path, capsys):
     cfg, ckpt = checkpoint
-    config = tmp_path / "tiny.yaml"
-    config.write_text(json.dumps({"data": {"dataroot": cfg.data.dataroot, "final_dim": [32, 96],
-                                           "classes": ["vehicle", "drivable_area"], "workers": 0},
-                                  "grid": {"xbound": [-16.0, 16.0, 1.0], "ybound": [-16.0, 16.0, 1.0],
-                                           "dbound": [4.0, 20.0, 2.0]},
-                                  "model": {"context_channels": 8}, "train": {"device": "cpu"}}))
+    config = _config_file(tmp_path, cfg)
     code = main(["export", "--config", str(config), "--ckpt", str(ckpt), "--out", str(tmp_path / "m.onnx"),
                  "--check", "--check-samples", "2"])
     out = capsys.readouterr().out
