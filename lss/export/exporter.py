@@ -1,6 +1,7 @@
 """`lss export`: a checkpoint's segmentation network to an ONNX file (TorchScript exporter, opset >= 16)."""
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -28,8 +29,9 @@ def trained_upsample_mode(state: dict, cfg: Config) -> str:
 
 def check_options(opset: int, splat: str, rig_inputs: bool, resize_mode: Optional[str]) -> None:
     """Refuses combinations the exporter cannot write, with what to use instead (ArgumentError)."""
-    from torch.onnx._constants import ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET as max_opset
+    from torch.onnx import _constants
 
+    max_opset = getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", 20)
     if not MIN_OPSET <= opset <= max_opset:
         raise ArgumentError(f"--opset {opset}: supported opsets are {MIN_OPSET}..{max_opset} (the splat needs "
                             f"ScatterND with reduction='add', opset {MIN_OPSET}); default {DEFAULT_OPSET}")
@@ -110,10 +112,12 @@ def export_model(model: nn.Module, out: Union[str, Path], cfg: Config, *, rig: O
     out.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
-        torch.onnx.export(deploy, tuple(args), str(out), dynamo=False, opset_version=opset, input_names=names,
+        # the TorchScript exporter: the default since torch 2.9 is the torch.export one (needs onnxscript)
+        legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+        torch.onnx.export(deploy, tuple(args), str(out), opset_version=opset, input_names=names,
                           output_names=["segmentation"], dynamic_axes={n: {0: "batch"} for n in
                                                                        names + ["segmentation"]},
-                          custom_opsets={CUSTOM_DOMAIN: 1} if splat == "custom" else None)
+                          custom_opsets={CUSTOM_DOMAIN: 1} if splat == "custom" else None, **legacy)
     return out
 
 
