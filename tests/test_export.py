@@ -90,6 +90,14 @@ def test_fixed_rig_export_runs_in_stock_onnxruntime_like_pytorch(checkpoint, tmp
     assert result["max_abs_logit"] > 5  # logits of a useful size, so the tolerance means something
     assert result["max_abs_diff"] <= 1e-3 and result["max_iou_diff_points"] <= 0.1 and result["passed"]
     assert result["iou_torch"] == result["iou_onnx"] and result["rig_deviation"] == 0.0
+    # the batch size is dynamic: two samples at once give each sample's own maps
+    dataset = build.build_dataset(cfg, cfg.data.val_split, False)
+    images = torch.stack([dataset[0]["images"], dataset[1]["images"]]).numpy()
+    session = ort.InferenceSession(str(done["path"]), providers=["CPUExecutionProvider"])
+    both = session.run(None, {"images": images})[0]
+    for b in range(2):
+        np.testing.assert_allclose(both[b:b + 1], session.run(None, {"images": images[b:b + 1]})[0], atol=1e-5)
+    assert np.abs(both[0] - both[1]).max() > 0.1
 
 
 def test_rig_input_export_builds_each_samples_table_in_the_graph(checkpoint, tmp_path):
