@@ -84,7 +84,7 @@ class BevPoolFn(torch.autograd.Function):
         sizes = depth.type().sizes() if depth.type().dim() else None
         channels = feat.type().sizes()[2] if feat.type().dim() else None
         if sizes is not None and channels is not None:
-            out.setType(depth.type().with_sizes([sizes[0], nz * channels, nx, ny]))
+            out.setType(depth.type().with_sizes([None, nz * channels, nx, ny]))  # the batch is dynamic
         return out
 
 
