@@ -1,6 +1,7 @@
 """`lss export`: a checkpoint's segmentation network to an ONNX file (TorchScript exporter, opset >= 16)."""
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import warnings
@@ -144,6 +145,7 @@ def export_checkpoint(cfg: Config, ckpt: Union[str, Path], out: Union[str, Path]
         raise CheckpointError(f"checkpoint {path} does not exist: pass the path of a checkpoint file, e.g. "
                               "RUN_DIR/checkpoints/best.pt")
     trained = trained_upsample_mode(load_checkpoint(path), cfg)
+    cfg = copy.deepcopy(cfg)
     cfg.model.upsample_mode = trained  # the network as it was trained; the Resize mode may differ (resize_mode)
     model, _ = load_checkpoint_model(cfg, path, torch.device("cpu"))
     rig = None
