@@ -1,4 +1,4 @@
-"""The `lss` command line: train / eval / viz / demo / bench / make-synthetic / config / env."""
+"""The `lss` command line: train / eval / viz / demo / bench / export / make-synthetic / config / env."""
 from __future__ import annotations
 
 import argparse
@@ -130,6 +130,27 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from lss.export import export_checkpoint
+    from lss.export.check import check_export, format_check
+
+    cfg = _load(args)
+    done = export_checkpoint(cfg, args.ckpt, args.out, rig_file=args.rig, rig_sample=args.rig_sample,
+                             rig_inputs=args.rig_inputs, splat=args.bev_pool, opset=args.opset,
+                             resize_mode=args.resize_mode)
+    rig_note = "rig inputs" if args.rig_inputs else f"fixed rig in {done['path'].with_suffix('.rig.json')}"
+    print(f"wrote {done['path']} (opset {args.opset}, bev_pool {args.bev_pool}, {rig_note}, Resize mode "
+          f"{done['resize_mode']}; trained with {done['upsample_mode']})")
+    if not args.check:
+        return 0
+    result = check_export(cfg, done["model"], done["path"], done["rig"], args.check_samples)
+    print(format_check(result, done["path"]))
+    if done["resize_mode"] != done["upsample_mode"]:
+        print(f"note: the graph resizes in {done['resize_mode']} mode but the model was trained in "
+              f"{done['upsample_mode']}: the differences above are what that deployment loses")
+    return 0 if result["passed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lss", description="Lift-Splat-Shoot BEV perception trainer")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,6 +208,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for bench.json and bench.md")
     p.add_argument("--quick", action="store_true", help="few repetitions and small cases (smoke test)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("export", help="export a checkpoint's segmentation network to ONNX (docs/export.md)")
+    _add_config_args(p)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True, help="the .onnx file to write")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset, 16..20 (default 17)")
+    rig = p.add_mutually_exclusive_group()
+    rig.add_argument("--fixed-rig", dest="rig_inputs", action="store_false",
+                     help="the camera rig is baked into the graph (default; written to OUT.rig.json)")
+    rig.add_argument("--rig-inputs", dest="rig_inputs", action="store_true",
+                     help="intrinsics, extrinsics and image augmentation are graph inputs")
+    p.set_defaults(rig_inputs=False)
+    p.add_argument("--rig", default=None, help="fixed rig: a JSON rig file (default: validation sample --rig-sample)")
+    p.add_argument("--rig-sample", type=int, default=0, help="fixed rig: the validation sample whose rig to use")
+    p.add_argument("--bev-pool", default="onnx",
+                   help="onnx: standard operators (default); custom: one lss.BevPool node (needs a runtime plugin)")
+    p.add_argument("--resize-mode", default=None,
+                   help="Resize coordinate mode to write (default: the mode the checkpoint was trained with)")
+    p.add_argument("--check", action="store_true",
+                   help="compare onnxruntime with PyTorch on validation samples (logits and IoU); exit 1 if off")
+    p.add_argument("--check-samples", type=int, default=8, help="validation samples for --check (default 8)")
+    p.set_defaults(func=cmd_export)
     return parser
 
 
