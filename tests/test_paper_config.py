@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from lss.benchmarks.accuracy import BENCHMARK_SET, QUICK_OVERRIDES
+from lss.benchmarks.accuracy import BENCHMARK_SET, DEFAULT_RECIPES, QUICK_OVERRIDES
 from lss.config import NUSCENES_CAMERAS, load_config
 from lss.engine.train import train
 
-PAPER = Path(__file__).resolve().parents[1] / "configs" / "lss_paper.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = ROOT / "configs" / "lss_paper.yaml"
 
 
 def test_paper_recipe_values():
@@ -43,3 +44,25 @@ def test_paper_recipe_trains_on_the_tiny_set(synthetic_root, tmp_path):
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
     assert all(r["loss"] > 0 for r in rows if r["kind"] == "train")
     assert list(final["val"]["iou"]) == ["vehicle"] and set(final["val"]["sweep"]) >= {"0.5"}
+
+
+def test_the_nuscenes_configs_carry_the_default_recipe():
+    default = load_config(str(ROOT / "configs/synthetic.yaml"), [])
+    assert default.loss.class_weights == (2.0, 1.0, 0.5, 0.5) and default.loss.type == "bce"
+    for name in ("nuscenes_mini.yaml", "nuscenes_trainval.yaml"):
+        cfg = load_config(str(ROOT / "configs" / name), [])
+        assert cfg.data.classes == default.data.classes, name
+        assert cfg.loss == default.loss, name
+        assert cfg.optim == default.optim, name
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_RECIPES))
+def test_every_named_recipe_resolves_to_a_valid_config(name):
+    config, overrides = DEFAULT_RECIPES[name]
+    cfg = load_config(str(ROOT / config), list(overrides))
+    weights = cfg.loss.class_weights
+    assert weights is None or len(weights) == len(cfg.data.classes)
+    if name == "default_vehicle":
+        assert cfg.data.classes == ("vehicle",) and weights is None
+    if name == "balanced":
+        assert weights is None and cfg.optim == load_config(str(ROOT / "configs/synthetic.yaml"), []).optim

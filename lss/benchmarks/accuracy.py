@@ -31,8 +31,12 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     # the same recipes at twice the benchmark's steps (the issue's 2K rows; a recipe's max_steps wins over --steps)
     "paper_4k": ("configs/lss_paper.yaml", ("train.max_steps=4000",)),
     "default_4k": ("configs/synthetic.yaml", ("train.max_steps=4000",)),
-    # the default recipe trained on vehicles alone: what the other classes cost (or give) the vehicle class
-    "default_vehicle": ("configs/synthetic.yaml", ("data.classes=[vehicle]", "loss.class_pos_weights=[4.0]")),
+    # the default recipe trained on vehicles alone: what the other classes cost (or give) the vehicle class (a single
+    # class's loss weight cancels: the loss is divided by the weights' sum)
+    "default_vehicle": ("configs/synthetic.yaml", ("data.classes=[vehicle]", "loss.class_pos_weights=[4.0]",
+                                                   "loss.class_weights=null")),
+    # the default recipe with equal class weights: better map classes, a weaker vehicle class
+    "balanced": ("configs/synthetic.yaml", ("loss.class_weights=null",)),
 }
 # CPU smoke runs (CI): the tiny grid and image size of tests/test_recorded_run.py, no compile or CUDA graph
 QUICK_OVERRIDES = ("data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",
