@@ -265,6 +265,15 @@ def run(ctx) -> list[dict]:
                  "steps_per_s": loop["steady_steps_per_s"],
                  "notes": f"{loop['steady_steps_per_s']:.2f} steps/s over the last {loop['steady_steps']} steps "
                           f"({loop['source']})"})
+    val = [r for r in records if r.get("kind") == "val" and r.get("timing")]
+    if val:
+        timing = val[-1]["timing"]
+        rate = timing.get("samples_per_s")
+        rows.append({"case": case, "impl": "final eval (in train)", "ms": 1e3 * timing["seconds"],
+                     "samples_per_s": rate,
+                     "notes": f"{timing['samples']} val samples in {timing['seconds']:.2f} s (first batch "
+                              f"{timing.get('first_batch_s', 0):.2f} s" + (f", then {rate:.1f} samples/s)" if rate
+                                                                             else ")")})
     try:
         rate, workers = loader_rate(config, overrides, ctx.device, 5 if quick else 300)
         rows.append({"case": case, "impl": "loader alone", "ms": 1e3 / rate, "steps_per_s": rate,

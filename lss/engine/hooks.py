@@ -143,7 +143,8 @@ class EvalHook(Hook):
         result = self.eval_function()
         self.last = result
         if self.writer is not None:
-            self.writer.write("val", trainer.step, {"iou": result["iou"], "mean_iou": result["mean_iou"]})
+            self.writer.write("val", trainer.step, {"iou": result["iou"], "mean_iou": result["mean_iou"],
+                                                    **({"timing": result["timing"]} if "timing" in result else {})})
             tqdm.write(f"step {trainer.step}: val IoU " +
                        ", ".join(f"{c} {100 * v:.2f}" for c, v in result["iou"].items()))
         best = trainer.state.get("best_iou")

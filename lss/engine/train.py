@@ -297,11 +297,14 @@ class Trainer:
 
 # ---------------------------------------------------------------------------------------------------- entry
 def evaluation(trainer: Trainer) -> Callable[[], dict]:
-    """The evaluation callable of EvalHook: lss.engine.eval.evaluate of the model on the val loader."""
+    """The evaluation callable of EvalHook: lss.engine.eval.evaluate of the model on the val loader (with its
+    "timing")."""
     def run() -> dict:
+        timing: dict = {}
         with preserved_rng():
-            return evaluate(trainer.model, trainer.val_loader, trainer.cfg, trainer.device, trainer.autocast,
-                            show_progress=trainer.dist.is_main)
+            result = evaluate(trainer.model, trainer.val_loader, trainer.cfg, trainer.device, trainer.autocast,
+                              show_progress=trainer.dist.is_main, timing=timing)
+        return {**result, "timing": timing}
 
     return run
 
