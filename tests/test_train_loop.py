@@ -2,6 +2,7 @@
 mid-epoch included), the captured step's values read only where needed, the start-up record, evaluation of a
 padded last batch, loader workers with one BLAS thread, and the train_loop benchmark's start-up rows."""
 import json
+import os
 from collections.abc import Mapping
 
 import pytest
@@ -202,3 +203,63 @@ def test_startup_rows_give_each_phase_its_own_time():
     assert [r["ms"] for r in rows] == pytest.approx([1000.0, 500.0, 2500.0])
     assert rows[-1]["notes"] == "done 6.00 s after process start"
     assert startup_rows("c", records[:1], None)[0]["notes"] == "metrics.jsonl has no startup record"
+
+
+# ------------------------------------------------------------------------------------ dataset-index cache
+def _dataset(root, *extra):
+    from lss.data import NuScenesBEV
+
+    cfg = load_config(None, [f"data.dataroot={root}", "data.depth_targets=true", *extra])
+    return NuScenesBEV(root, "v1.0-mini", "val", cfg, is_train=False, verbose=False)
+
+
+def test_a_cached_index_gives_the_same_dataset_without_the_tables(synthetic_root, tmp_path, monkeypatch):
+    import lss.data.nuscenes as nuscenes
+    from lss.data.index_cache import cache_dir
+
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
+    built = _dataset(synthetic_root)
+    assert len(list((cache_dir() / "index").glob("*.pkl"))) == 1
+
+    def no_tables(*args):
+        raise RuntimeError("the tables were read although the index is cached")
+
+    monkeypatch.setattr(nuscenes, "load_tables", no_tables)
+    cached = _dataset(synthetic_root)
+    for name in nuscenes.INDEX_FIELDS:
+        a, b = getattr(built, name), getattr(cached, name)
+        assert (a == b).all() if hasattr(a, "shape") else repr(a) == repr(b), name
+    a, b = built[1], cached[1]
+    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k])) and "depth_targets" in a
+    with pytest.raises(RuntimeError, match="tables were read"):  # other classes: another index
+        _dataset(synthetic_root, "data.classes=[vehicle]")
+
+
+def test_an_edited_table_invalidates_the_cached_index(synthetic_root, tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    import lss.data.nuscenes as nuscenes
+
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "data"
+    shutil.copytree(synthetic_root, root)
+    _dataset(root)
+    table = root / "v1.0-mini" / "sample.json"
+    stat = table.stat()
+    os.utime(table, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    monkeypatch.setattr(nuscenes, "load_tables", lambda *a: (_ for _ in ()).throw(RuntimeError("tables read")))
+    with pytest.raises(RuntimeError, match="tables read"):
+        _dataset(root)
+
+
+def test_a_cached_index_does_not_import_the_devkit(synthetic_root, tmp_path):
+    import subprocess
+    import sys
+
+    code = (f"import sys; from lss.config import load_config; from lss.engine.build import build_dataset; "
+            f"cfg = load_config(None, ['data.dataroot={synthetic_root}', 'data.depth_targets=true']); "
+            f"ds = build_dataset(cfg, 'train', True); ds[0]; print('nuscenes' in sys.modules)")
+    env = dict(os.environ, LSS_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env) for _ in range(2)]
+    assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["True", "False"], [r.stderr[-500:] for r in runs]
