@@ -241,12 +241,14 @@ def run(ctx) -> list[dict]:
     total, seen, code = watch_train(cmd, run_dir, timeout=float(env.get("LSS_LOOP_TIMEOUT", 180)))
     case = f"{Path(config).stem}, {steps} steps"
     records = read_jsonl(run_dir / "metrics.jsonl")
-    if code != 0:
+    failed = []
+    if code != 0:  # the rows of what it did still come, when the loop got far enough (a hang after it, say)
         done = max((r["step"] for r in records if r.get("kind") == "train"), default=0)
-        return startup_rows(case, records, None) + [
-            {"case": case, "impl": "lss train", "ms": None,
-             "notes": f"FAILED (exit {code}) after {total:.0f} s, {done} steps logged: "
-                      + log_tail(run_dir / "train.log", 40).replace("\n", " | ")}]
+        failed = [{"case": case, "impl": "lss train", "ms": None,
+                   "notes": f"FAILED (exit {code}) after {total:.0f} s, {done} steps logged: "
+                            + log_tail(run_dir / "train.log", 40).replace("\n", " | ")}]
+        if sum(r.get("kind") == "train" for r in records) < 3:
+            return startup_rows(case, records, None) + failed
     loop = loop_rates(records, seen)
     call = loop.get("train_call_s")
     startup = startup_rows(case, records, call)
@@ -255,7 +257,7 @@ def run(ctx) -> list[dict]:
     rows = [{"case": case, "impl": "first_step", "ms": 1e3 * first_s if first_s else None,
              "notes": (f"process start to step 1 done: process start -> train() {call:.1f} s, train() -> step 1 "
                        f"{first:.1f} s" if first_s else loop["source"]) + f"; run {total:.1f} s in all"}]
-    rows += startup
+    rows += startup + failed
     try:
         rows.append({"case": case, "impl": "startup: imports", "ms": 1e3 * import_seconds(),
                      "notes": "a fresh interpreter importing lss.engine.train (part of process start -> train())"})
