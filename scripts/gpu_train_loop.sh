@@ -18,7 +18,7 @@ for name in ${RUNS:-cudnn_benchmark no_cudnn_benchmark}; do
   flag=true; [ $name = no_cudnn_benchmark ] && flag=false
   t0=$SECONDS
   LSS_LOOP_SET="train.compile=false;train.cudnn_benchmark=$flag" LSS_LOOP_OUT=/tmp/lss-loop-$name \
-    timeout 300 python3 -m lss bench --suite train_loop --out "$OUT/train_loop_$name" > "$OUT/train_loop_$name.log" 2>&1
+    timeout 400 python3 -m lss bench --suite train_loop --out "$OUT/train_loop_$name" > "$OUT/train_loop_$name.log" 2>&1
   echo "== train.cudnn_benchmark=$flag: rc=$? in $((SECONDS - t0)) s"
   python3 - "$OUT/train_loop_$name.log" <<'PY'
 import json, sys

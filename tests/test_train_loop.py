@@ -263,3 +263,13 @@ def test_a_cached_index_does_not_import_the_devkit(synthetic_root, tmp_path):
     env = dict(os.environ, LSS_CACHE_DIR=str(tmp_path / "cache"))
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env) for _ in range(2)]
     assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["True", "False"], [r.stderr[-500:] for r in runs]
+
+
+def test_train_stops_its_loader_workers_before_it_returns(tmp_path):
+    import multiprocessing
+
+    cfg = fake_cfg(tmp_path, "data.workers=1", "train.max_steps=4", "train.eval_every=2", "train.viz_every=0")
+    train(cfg, str(tmp_path / "run"), model_fn=FakeModel, collate_fn=collate,
+          dataset_fn=lambda c, split, is_train: FakeBEVDataset(10 if is_train else 5))
+    # persistent validation workers left to interpreter exit are joined with a timeout each (minutes for many)
+    assert multiprocessing.active_children() == []
