@@ -273,3 +273,33 @@ def test_train_stops_its_loader_workers_before_it_returns(tmp_path):
           dataset_fn=lambda c, split, is_train: FakeBEVDataset(10 if is_train else 5))
     # persistent validation workers left to interpreter exit are joined with a timeout each (minutes for many)
     assert multiprocessing.active_children() == []
+
+
+class _NanAtStep(FakeModel):
+    """A model whose training forward gives NaN at its `bad`-th call."""
+
+    def __init__(self, bad):
+        super().__init__()
+        self.bad, self.calls = bad, 0
+
+    def forward(self, batch):
+        out = super().forward(batch)["segmentation"]
+        if self.training:
+            self.calls += 1
+            out = out * float("nan") if self.calls == self.bad else out
+        return {"segmentation": out}
+
+
+@pytest.mark.parametrize("log_every", [0, 1])
+def test_the_static_buffer_step_stops_at_a_nan_loss_before_the_next_update(tmp_path, log_every):
+    from lss.engine.graph_step import GraphedTrainStep
+
+    cfg = fake_cfg(tmp_path, "train.max_steps=6", f"train.log_every={log_every}", "train.eval_every=0",
+                   "train.ckpt_every=0", "train.viz_every=0", "train.amp=none")
+    model = _NanAtStep(bad=1 + 3)  # one warm-up call, then steps 1, 2, 3
+    trainer = Trainer(cfg, model, FakeBEVDataset(10), None, tmp_path, torch.device("cpu"), DistInfo())
+    trainer.graph_step = GraphedTrainStep(trainer.model, trainer.loss_fn, trainer.optimizer, None, 0.0, warmup=1,
+                                          capture=False)
+    with pytest.raises(FloatingPointError, match="loss is nan at step 3 "):
+        trainer.fit()
+    assert trainer.step == 3 and model.calls == 4  # step 4 was never run

@@ -235,6 +235,8 @@ class Trainer:
                 logs.add(step_time=step_time, lr=self.learning_rate(),
                          samples_per_s=t.batch_size * t.grad_accum * self.dist.world_size / step_time)
                 bar.update(1)
+                if any(is_due(self, period) for period in (t.log_every, t.ckpt_every, t.eval_every, t.viz_every)):
+                    self.check_last_step()  # hooks read, save or evaluate now: a NaN stops first, with its step
                 if is_due(self, t.log_every):
                     bar.set_postfix(epoch=self.epoch, loss=f"{logs['loss']:.4f}")
                 for hook in self.hooks:
