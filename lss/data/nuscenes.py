@@ -77,12 +77,6 @@ class MapGeometry:
 
 _MAPS: dict = {}
 
-# What NuScenesBEV takes from the tables and maps: cached on disk per split (lss.data.index_cache).
-INDEX_FIELDS = ("devkit_split", "scene_count", "locations", "sample_tokens", "location_index", "image_sizes",
-                "intrinsics", "sensor2ego_rot", "sensor2ego_trans", "ego_pose", "lidar_to_camera", "image_paths",
-                "lidar_paths", "object_offsets", "object_footprints", "object_class_bits", "det_boxes", "det_labels",
-                "maps")
-
 
 def map_file(root: Path, location: str) -> Path:
     return Path(root) / "maps" / "expansion" / f"{location}.json"
@@ -209,15 +203,17 @@ class NuScenesBEV(torch.utils.data.Dataset):
         if cached is not None:
             self.__dict__.update(cached)
         else:
+            before = set(vars(self))
             self._build_index(split)
-            save_index(key, {name: getattr(self, name) for name in INDEX_FIELDS})
+            save_index(key, {k: v for k, v in vars(self).items() if k not in before})
         self._check_first_images()
         if verbose:
             print(f"nuScenes {version} at {self.root} (layout {self.layout}): split {split} -> "
                   f"{len(self)} samples from {self.scene_count} scenes" + (" (cached index)" if cached else ""))
 
     def _build_index(self, split: str) -> None:
-        """The INDEX_FIELDS of `split` from the tables and maps (through nuscenes-devkit)."""
+        """Everything `split` takes from the tables and maps (through nuscenes-devkit): the attributes this sets are
+        what the on-disk index cache holds (lss.data.index_cache)."""
         nusc = load_tables(self.root, self.version)
         self.devkit_split, split_scenes = resolve_split(self.version, split)
         scenes = sorted((s for s in nusc.scene if s["name"] in set(split_scenes)), key=lambda s: s["name"])
