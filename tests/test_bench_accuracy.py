@@ -119,7 +119,8 @@ def test_train_loop_suite_quick(tmp_path, monkeypatch):
     monkeypatch.setenv("LSS_LOOP_OUT", str(tmp_path))
     rows = train_loop.run(BenchContext(torch.device("cpu"), quick=True))
     by_impl = {r["impl"].split(" (")[0]: r for r in rows}
-    assert {"first_step", "loop", "loader alone", "step alone", "loop/step", "eval"} <= set(by_impl), rows
+    expected = {"first_step", "loop", "final eval", "loader alone", "step alone", "loop/step", "eval"}
+    assert expected <= set(by_impl), rows
     assert by_impl["first_step"]["ms"] > 0 and by_impl["loop"]["steps_per_s"] > 0
     assert by_impl["loader alone"]["steps_per_s"] > 0 and by_impl["eval"]["samples_per_s"] > 0
     phases = [r for r in rows if r["impl"].startswith("startup: ")]
