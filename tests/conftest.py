@@ -1,7 +1,13 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
 from lss.ops import has_cuda_ops
+
+# the dataset-index cache of the test session (and of the runs it starts) stays out of the user's cache
+os.environ.setdefault("LSS_CACHE_DIR", tempfile.mkdtemp(prefix="lss-test-cache-"))
 
 
 def cuda_ready() -> bool:

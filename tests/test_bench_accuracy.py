@@ -119,8 +119,16 @@ def test_train_loop_suite_quick(tmp_path, monkeypatch):
     monkeypatch.setenv("LSS_LOOP_OUT", str(tmp_path))
     rows = train_loop.run(BenchContext(torch.device("cpu"), quick=True))
     by_impl = {r["impl"].split(" (")[0]: r for r in rows}
-    assert {"first_step", "loop", "step alone", "loop/step", "eval"} <= set(by_impl), rows
+    expected = {"first_step", "loop", "final eval", "loader alone", "step alone", "loop/step", "eval"}
+    assert expected <= set(by_impl), rows
     assert by_impl["first_step"]["ms"] > 0 and by_impl["loop"]["steps_per_s"] > 0
+    assert by_impl["loader alone"]["steps_per_s"] > 0 and by_impl["eval"]["samples_per_s"] > 0
+    phases = [r for r in rows if r["impl"].startswith("startup: ")]
+    assert [r["impl"] for r in phases][:2] == ["startup: datasets", "startup: model"] and phases[-1]["ms"] > 0
+    # the phases add up to train() -> step 1, which with the time before train() is the first_step row
+    assert sum(r["ms"] for r in phases if r["impl"] != "startup: imports") == pytest.approx(
+        by_impl["first_step"]["ms"] - 1e3 * float(by_impl["first_step"]["notes"].split("train() ")[1].split(" s")[0]),
+        abs=150)
     assert by_impl["loop/step"]["ratio"] == pytest.approx(by_impl["loop"]["steps_per_s"]
                                                           / by_impl["step alone"]["steps_per_s"])
     assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()

@@ -1,21 +1,32 @@
 """Training-loop benchmark: the real `lss train` loop in a subprocess on a small synthetic set, against the step alone.
 
 Rows: time from process start to the first completed step (the wrapper's spawn time to the first "train" record of
-metrics.jsonl, split at train()'s call by the record's `elapsed`), steps/s of the loop in steady state (from
-`elapsed` of later records; from the times the wrapper saw the records appear where `elapsed` is missing), steps/s
-of the step alone at the same config (lss.benchmarks.train_step's step on random batches of the same shape), their
-ratio, and validation samples/s of `lss eval` (two runs of different length, so that start-up cancels).
+metrics.jsonl, split at train()'s call by the record's `elapsed`), then one "startup:" row per start-up phase (from
+the "startup" record the trainer writes: datasets, model, trainer, workers, writer, first_batch, first_step; ms is
+the phase's own duration) and the import time of the trainer's modules in a fresh process; steps/s of the loop in
+steady state (from `elapsed` of later records; from the times the wrapper saw the records appear where `elapsed` is
+missing), steps/s of the training loader alone (the same dataset, sampler and workers, no model: above the loop's
+rate the loop is bound by the step, near it by the data), steps/s of the step alone at the same config
+(lss.benchmarks.train_step's step on random batches of the same shape), their ratio, and validation samples/s of
+`lss eval` on the training split (more batches than the small val split; the rate after the first batch, from the
+"timing" of eval.json).
+
+A run past its time limit gets SIGABRT first, so that the log (train.log / the eval row) ends with the Python stack
+of every thread (PYTHONFAULTHANDLER): where it hung.
 
 Environment: LSS_LOOP_CONFIG (default configs/synthetic.yaml), LSS_LOOP_STEPS, LSS_LOOP_DATA (a synthetic set to
 reuse; LSS_LOOP_VERSION its version, default v1.0-mini), LSS_LOOP_OUT (run directory; default a temporary one),
-LSS_LOOP_SET (more config overrides, separated by ";", e.g. "train.cudnn_benchmark=false;data.workers=8").
+LSS_LOOP_SET (more config overrides, separated by ";", e.g. "train.cudnn_benchmark=false;data.workers=8"),
+LSS_LOOP_TIMEOUT (seconds for the training run, default 180).
 """
 from __future__ import annotations
 
 import json
 import os
 import shlex
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,11 +43,29 @@ WARMUP_FRACTION = 0.2  # records before this fraction of the run (compile, captu
 POLL_S = 0.01
 
 
+STARTUP_PHASES = ("datasets", "model", "trainer", "workers", "writer", "first_batch", "first_step")
+RECORDS = 40  # "train" records per run: logging reads the loss (a host sync), so not at every step
+
+
 def loop_overrides(dataroot: Path, version: str, steps: int, quick: bool) -> list[str]:
     return (list(QUICK_OVERRIDES) if quick else []) + [
         f"data.dataroot={dataroot}", f"data.version={version}", "data.make_synthetic_if_missing=false",
-        f"train.max_steps={steps}", "train.log_every=1", "train.eval_every=0", "train.ckpt_every=0",
-        "train.viz_every=0"] + (["data.workers=0"] if quick else [])
+        f"train.max_steps={steps}", f"train.log_every={max(1, steps // RECORDS)}", "train.eval_every=0",
+        "train.ckpt_every=0", "train.viz_every=0"] + (["data.workers=0"] if quick else [])
+
+
+def child_env_with_stacks() -> dict:
+    return dict(child_env(os.cpu_count() or 1), PYTHONFAULTHANDLER="1")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGABRT (the child prints every thread's stack), then kill."""
+    proc.send_signal(signal.SIGABRT)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def watch_train(cmd: list[str], run_dir: Path, timeout: float) -> tuple[float, dict[int, float], int]:
@@ -46,7 +75,7 @@ def watch_train(cmd: list[str], run_dir: Path, timeout: float) -> tuple[float, d
     seen: dict[int, float] = {}
     start = time.perf_counter()
     with (run_dir / "train.log").open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(os.cpu_count() or 1))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env_with_stacks())
         while True:
             code = proc.poll()
             now = time.perf_counter() - start
@@ -56,8 +85,7 @@ def watch_train(cmd: list[str], run_dir: Path, timeout: float) -> tuple[float, d
             if code is not None:
                 return now, seen, code
             if now > timeout:
-                proc.kill()
-                proc.wait()
+                stop(proc)
                 return now, seen, -9
             time.sleep(POLL_S)
 
@@ -79,6 +107,52 @@ def loop_rates(records: list[dict], seen: dict[int, float]) -> dict:
         out["train_call_s"] = seen[first] - records[0]["elapsed"]  # process start -> train() called
         out["train_to_first_step_s"] = records[0]["elapsed"]
     return out
+
+
+def startup_rows(case: str, records: list[dict], train_call_s: Optional[float]) -> list[dict]:
+    """One row per start-up phase of the "startup" record (ms: the phase alone; notes: seconds since the process
+    started, where the wrapper knows when train() was called, else since train() was called)."""
+    startup = next((r for r in records if r.get("kind") == "startup"), None)
+    if startup is None:
+        return [{"case": case, "impl": "startup", "ms": None, "notes": "metrics.jsonl has no startup record"}]
+    phases, rows, before = startup["phases"], [], 0.0
+    base, since = (train_call_s, "process start") if train_call_s is not None else (0.0, "train() called")
+    for name in [p for p in STARTUP_PHASES if p in phases] + [p for p in phases if p not in STARTUP_PHASES]:
+        at = phases[name]
+        rows.append({"case": case, "impl": f"startup: {name}", "ms": 1e3 * (at - before),
+                     "notes": f"done {base + at:.2f} s after {since}"})
+        before = at
+    return rows
+
+
+def import_seconds() -> float:
+    """Seconds a fresh interpreter takes to import the trainer (torch, torchvision, the model, the data code)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import lss.engine.train"], check=True, env=child_env(os.cpu_count() or 1))
+    return time.perf_counter() - start
+
+
+def loader_rate(config: str, overrides: list[str], device: torch.device, batches: int) -> tuple[float, int]:
+    """Batches/s of the training loader alone (dataset, sampler, workers and pinning as the trainer builds them),
+    after every worker has delivered a first batch; returns (rate, workers)."""
+    from lss.config import load_config
+    from lss.engine.build import StreamSampler, build_dataset, build_loader
+    from lss.engine.distributed import EpochSampler
+
+    cfg = load_config(resolve_config(config), overrides)
+    t = cfg.train
+    dataset = build_dataset(cfg, cfg.data.train_split, True)
+    sampler = StreamSampler(EpochSampler(len(dataset), shuffle=True, seed=t.seed), t.batch_size)
+    loader = build_loader(cfg, dataset, sampler, t.batch_size, True, device, t.seed)
+    stream = iter(loader)
+    for _ in range(max(2 * cfg.data.workers, 1)):
+        next(stream)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(stream)
+    rate = batches / (time.perf_counter() - start)
+    del stream
+    return rate, cfg.data.workers
 
 
 def step_impl(cfg, device: torch.device) -> str:
@@ -124,25 +198,24 @@ def step_rate(ctx, config: str, overrides: list[str]) -> tuple[float, str]:
     return 1e3 / ms, impl
 
 
-def eval_rate(config: str, overrides: list[str], ckpt: Path, out: Path, batch_size: int,
-              timeout: float) -> dict:
-    """Validation samples/s of `lss eval`: one run over 1 batch and one over the whole split; the difference of
-    their wall times is the time of the other batches (start-up, model build and the first batch cancel)."""
-    walls, samples = [], None
-    for limit in (1, None):
-        extra = [f"eval.max_batches={limit if limit else 'null'}"]
-        target = out / f"eval_{limit or 'all'}"
-        cmd = lss_command("eval", config, overrides + extra, "--ckpt", str(ckpt), "--out", str(target))
-        start = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(os.cpu_count() or 1))
-        walls.append(time.perf_counter() - start)
-        if done.returncode != 0:
-            raise RuntimeError(f"`{shlex.join(cmd)}` failed:\n{(done.stdout + done.stderr)[-2000:]}")
-        samples = json.loads((target / "eval.json").read_text())["samples"]
-    if samples <= batch_size or walls[1] - walls[0] < 0.05:  # nothing left to time beyond the first batch
-        return {"samples": samples, "wall_s": walls[1], "samples_per_s": None}
-    rest = samples - batch_size
-    return {"samples": samples, "wall_s": walls[1], "samples_per_s": rest / max(walls[1] - walls[0], 1e-9)}
+def eval_rate(config: str, overrides: list[str], ckpt: Path, out: Path, timeout: float) -> dict:
+    """`lss eval` of `ckpt` on the training split: eval.json's "timing" (samples/s after the first batch)."""
+    target = out / "eval"
+    cmd = lss_command("eval", config, overrides + ["data.val_split=train"], "--ckpt", str(ckpt), "--out", str(target))
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env_with_stacks())
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        output = proc.stdout.read() if proc.stdout else ""
+        raise RuntimeError(f"`{shlex.join(cmd)}` ran past {timeout:.0f} s:\n{output[-3000:]}") from None
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{shlex.join(cmd)}` failed:\n{output[-2000:]}")
+    result = json.loads((target / "eval.json").read_text())
+    return {"wall_s": wall, **result["timing"]}
 
 
 def run(ctx) -> list[dict]:
@@ -165,20 +238,51 @@ def run(ctx) -> list[dict]:
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = lss_command("train", config, overrides, "--out", str(run_dir), "--overwrite")
-    total, seen, code = watch_train(cmd, run_dir, timeout=float(env.get("LSS_LOOP_TIMEOUT", 540)))
+    total, seen, code = watch_train(cmd, run_dir, timeout=float(env.get("LSS_LOOP_TIMEOUT", 180)))
     case = f"{Path(config).stem}, {steps} steps"
-    if code != 0:
-        return [{"case": case, "impl": "lss train", "ms": None,
-                 "notes": f"FAILED (exit {code}): " + log_tail(run_dir / "train.log", 5).replace("\n", " | ")}]
-    loop = loop_rates(read_jsonl(run_dir / "metrics.jsonl"), seen)
-    split = (f"process start -> train() {loop['train_call_s']:.1f} s, train() -> step 1 "
-             f"{loop['train_to_first_step_s']:.1f} s" if "train_call_s" in loop else loop["source"])
-    rows = [{"case": case, "impl": "first_step", "ms": 1e3 * loop["first_step_s"] if loop["first_step_s"] else None,
-             "notes": f"process start to step {loop['first_step']} done: {split}; run {total:.1f} s in all"},
-            {"case": case, "impl": "loop", "ms": 1e3 / loop["steady_steps_per_s"],
-             "steps_per_s": loop["steady_steps_per_s"],
-             "notes": f"{loop['steady_steps_per_s']:.2f} steps/s over the last {loop['steady_steps']} steps "
-                      f"({loop['source']})"}]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    failed = []
+    if code != 0:  # the rows of what it did still come, when the loop got far enough (a hang after it, say)
+        done = max((r["step"] for r in records if r.get("kind") == "train"), default=0)
+        failed = [{"case": case, "impl": "lss train", "ms": None,
+                   "notes": f"FAILED (exit {code}) after {total:.0f} s, {done} steps logged: "
+                            + log_tail(run_dir / "train.log", 40).replace("\n", " | ")}]
+        if sum(r.get("kind") == "train" for r in records) < 3:
+            return startup_rows(case, records, None) + failed
+    loop = loop_rates(records, seen)
+    call = loop.get("train_call_s")
+    startup = startup_rows(case, records, call)
+    first = next((r for r in records if r.get("kind") == "startup"), {}).get("phases", {}).get("first_step")
+    first_s = call + first if call is not None and first is not None else None
+    rows = [{"case": case, "impl": "first_step", "ms": 1e3 * first_s if first_s else None,
+             "notes": (f"process start to step 1 done: process start -> train() {call:.1f} s, train() -> step 1 "
+                       f"{first:.1f} s" if first_s else loop["source"]) + f"; run {total:.1f} s in all"}]
+    rows += startup + failed
+    try:
+        rows.append({"case": case, "impl": "startup: imports", "ms": 1e3 * import_seconds(),
+                     "notes": "a fresh interpreter importing lss.engine.train (part of process start -> train())"})
+    except subprocess.CalledProcessError as e:
+        rows.append({"case": case, "impl": "startup: imports", "ms": None, "notes": f"FAILED: {e}"})
+    rows.append({"case": case, "impl": "loop", "ms": 1e3 / loop["steady_steps_per_s"],
+                 "steps_per_s": loop["steady_steps_per_s"],
+                 "notes": f"{loop['steady_steps_per_s']:.2f} steps/s over the last {loop['steady_steps']} steps "
+                          f"({loop['source']})"})
+    val = [r for r in records if r.get("kind") == "val" and r.get("timing")]
+    if val:
+        timing = val[-1]["timing"]
+        rate = timing.get("samples_per_s")
+        rows.append({"case": case, "impl": "final eval (in train)", "ms": 1e3 * timing["seconds"],
+                     "samples_per_s": rate,
+                     "notes": f"{timing['samples']} val samples in {timing['seconds']:.2f} s (first batch "
+                              f"{timing.get('first_batch_s', 0):.2f} s" + (f", then {rate:.1f} samples/s)" if rate
+                                                                             else ")")})
+    try:
+        rate, workers = loader_rate(config, overrides, ctx.device, 5 if quick else 300)
+        rows.append({"case": case, "impl": "loader alone", "ms": 1e3 / rate, "steps_per_s": rate,
+                     "notes": f"{rate:.2f} batches/s from {workers} workers, no model; loop / loader = "
+                              f"{loop['steady_steps_per_s'] / rate:.3f}"})
+    except Exception as e:  # the loop numbers stand on their own
+        rows.append({"case": case, "impl": "loader alone", "ms": None, "notes": f"FAILED: {type(e).__name__}: {e}"})
     step_row: Optional[dict] = None
     try:
         rate, impl = step_rate(ctx, config, overrides)
@@ -195,11 +299,13 @@ def run(ctx) -> list[dict]:
 
     batch = load_config(resolve_config(config), overrides).eval.batch_size
     try:
-        ev = eval_rate(config, overrides, run_dir / "checkpoints" / "last.pt", out, batch, timeout=300)
-        rate = ev["samples_per_s"]
+        ev = eval_rate(config, overrides, run_dir / "checkpoints" / "last.pt", out, timeout=120)
+        rate = ev.get("samples_per_s")
         rows.append({"case": case, "impl": "eval", "ms": 1e3 * batch / rate if rate else None,
-                     "samples_per_s": rate, "notes": (f"{rate:.1f} val samples/s" if rate else "split too small")
-                     + f" ({ev['samples']} samples, lss eval wall {ev['wall_s']:.1f} s); ms per batch of {batch}"})
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        rows.append({"case": case, "impl": "eval", "ms": None, "notes": f"FAILED: {str(e)[-300:]}"})
+                     "samples_per_s": rate,
+                     "notes": (f"{rate:.1f} samples/s after the first batch" if rate else "one batch only")
+                     + f" ({ev['samples']} samples of the train split; first batch {ev.get('first_batch_s', 0):.2f} "
+                       f"s, pass {ev['seconds']:.2f} s, lss eval wall {ev['wall_s']:.1f} s); ms per batch of {batch}"})
+    except (RuntimeError, KeyError) as e:
+        rows.append({"case": case, "impl": "eval", "ms": None, "notes": f"FAILED: {str(e)[-1500:]}"})
     return rows

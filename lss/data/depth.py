@@ -33,21 +33,22 @@ def lidar_to_camera_matrix(nusc, lidar_sample_data_token: str, camera_sample_dat
 
 
 def load_lidar_points(path: str | Path, sample_token: str) -> np.ndarray:
-    """P x 3 float64 finite points (lidar frame, metres) of a nuScenes .pcd.bin file, read by the devkit."""
-    from nuscenes.utils.data_classes import LidarPointCloud
-
+    """P x 3 float64 finite points (lidar frame, metres) of a nuScenes .pcd.bin file: float32 records of 5 values
+    (x, y, z, intensity, ring), as the devkit's LidarPointCloud.from_file reads them (read here without the devkit,
+    whose import costs every fresh loader worker about 2 s)."""
     path = str(path)
     try:
-        cloud = LidarPointCloud.from_file(path)
+        if not path.endswith(".bin"):
+            raise ValueError("not a .bin file")
+        points = np.fromfile(path, dtype=np.float32).reshape(-1, 5)[:, :3].astype(np.float64)
     except FileNotFoundError:
         raise FileNotFoundError(f"lidar point cloud {path} not found (sample {sample_token}, channel LIDAR_TOP). "
                                 "data.depth_targets needs the LIDAR_TOP blobs (samples/LIDAR_TOP/*.pcd.bin) "
                                 "under the dataroot; unpack them or set data.depth_targets: false.") from None
-    except (ValueError, OSError, AssertionError) as e:
+    except (ValueError, OSError) as e:
         raise OSError(f"lidar point cloud {path} could not be read (sample {sample_token}, channel LIDAR_TOP): "
                       f"{type(e).__name__}: {e}. Expected float32 records of 5 values (x, y, z, intensity, ring) "
                       "in a .pcd.bin file; re-extract the file.") from None
-    points = cloud.points[:3].T.astype(np.float64)
     return points[np.isfinite(points).all(axis=1)]
 
 
@@ -69,20 +70,26 @@ def project_depth_targets(points: np.ndarray, lidar_to_camera: np.ndarray, intri
     count = len(lidar_to_camera)
     nearest = np.full(count * fh * fw, np.inf)
     homogeneous = np.concatenate([np.asarray(points, np.float64).reshape(-1, 3), np.ones((len(points), 1))], 1)
+    # lidar -> (u d, v d, d) of every camera in one product: intrinsics @ the camera rows of lidar_to_camera
+    # (the intrinsics' last row is (0, 0, 1), so the third value is the camera-frame depth)
+    to_pixels = np.asarray(intrinsics, np.float64) @ np.asarray(lidar_to_camera, np.float64)[:, :3]
+    projected = homogeneous @ to_pixels.reshape(-1, 4).T  # P x 3N
     for k in range(count):
-        cam = homogeneous @ np.asarray(lidar_to_camera[k], np.float64)[:3].T
-        cam = cam[cam[:, 2] > 0]
-        depth = cam[:, 2]
-        pixel = cam @ np.asarray(intrinsics[k], np.float64).T
-        uvd = np.stack([pixel[:, 0] / depth, pixel[:, 1] / depth, depth], 1)
+        depth = projected[:, 3 * k + 2]
+        front = depth > 0
+        depth = depth[front]
+        u, v = projected[front, 3 * k] / depth, projected[front, 3 * k + 1] / depth
         src_w, src_h = image_sizes[k]
-        in_source = (uvd[:, 0] >= -0.5) & (uvd[:, 0] < src_w - 0.5) & (uvd[:, 1] >= -0.5) & (uvd[:, 1] < src_h - 0.5)
-        aug = uvd[in_source] @ np.asarray(post_rot[k], np.float64).T + np.asarray(post_trans[k], np.float64)
+        keep = (u >= -0.5) & (u < src_w - 0.5) & (v >= -0.5) & (v < src_h - 0.5)
+        u, v, depth = u[keep], v[keep], depth[keep]
+        r, t = np.asarray(post_rot[k], np.float64), np.asarray(post_trans[k], np.float64)
+        u_aug = r[0, 0] * u + r[0, 1] * v + r[0, 2] * depth + t[0]
+        v_aug = r[1, 0] * u + r[1, 1] * v + r[1, 2] * depth + t[1]
         # feature cell j spans augmented pixels whose edges (u + 0.5) lie in [j, j + 1) * downsample
-        col = np.floor((aug[:, 0] + 0.5) / (width / fw)).astype(np.int64)
-        row = np.floor((aug[:, 1] + 0.5) / (height / fh)).astype(np.int64)
+        col = np.floor((u_aug + 0.5) / (width / fw)).astype(np.int64)
+        row = np.floor((v_aug + 0.5) / (height / fh)).astype(np.int64)
         inside = (col >= 0) & (col < fw) & (row >= 0) & (row < fh)
-        np.minimum.at(nearest, (k * fh + row[inside]) * fw + col[inside], depth[in_source][inside])
+        np.minimum.at(nearest, (k * fh + row[inside]) * fw + col[inside], depth[inside])
     index = np.floor((nearest - lo) / step)
     valid = np.isfinite(index) & (index >= 0) & (index < bins)
     return np.where(valid, index, IGNORE_DEPTH).astype(np.int64).reshape(count, fh, fw)

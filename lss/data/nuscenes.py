@@ -19,6 +19,7 @@ from lss.config import DETECTION_CLASSES, Config
 from lss.data import targets as T
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
+from lss.data.index_cache import index_key, load_index, save_index
 from lss.data.tables import (DatasetNotFoundError, MapNotFoundError, SampleError, SampleFileNotFoundError,
                              check_annotation, load_tables, loaded_or_named, locate_dataroot, resolve_split)
 from lss.data.transforms import image_size_from_header, load_augmented_image, sample_augmentation
@@ -196,20 +197,35 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self._pixel_lut = ((np.arange(256, dtype=np.float64)[:, None] / 255.0 - np.asarray(data.image_mean))
                            / np.asarray(data.image_std)).astype(np.float32)
         self.root, self.layout = locate_dataroot(dataroot, version)
-        nusc = load_tables(self.root, version)
-        self.devkit_split, split_scenes = resolve_split(version, split)
+        key = index_key(self.root, version, split, (self.cameras, self.classes, data.min_visibility,
+                                                    data.min_lidar_pts, data.detection_targets, data.depth_targets))
+        cached = load_index(key)
+        if cached is not None:
+            self.__dict__.update(cached)
+        else:
+            before = set(vars(self))
+            self._build_index(split)
+            save_index(key, {k: v for k, v in vars(self).items() if k not in before})
+        self._check_first_images()
+        if verbose:
+            print(f"nuScenes {version} at {self.root} (layout {self.layout}): split {split} -> "
+                  f"{len(self)} samples from {self.scene_count} scenes" + (" (cached index)" if cached else ""))
+
+    def _build_index(self, split: str) -> None:
+        """Everything `split` takes from the tables and maps (through nuscenes-devkit): the attributes this sets are
+        what the on-disk index cache holds (lss.data.index_cache)."""
+        nusc = load_tables(self.root, self.version)
+        self.devkit_split, split_scenes = resolve_split(self.version, split)
         scenes = sorted((s for s in nusc.scene if s["name"] in set(split_scenes)), key=lambda s: s["name"])
         if not scenes:
             have = sorted(s["name"] for s in nusc.scene)
             raise DatasetError(f"split {split!r} ({self.devkit_split}) has none of its {len(split_scenes)} scenes in "
-                             f"{self.root / version}: the tables hold {have[:12]}{' ...' if len(have) > 12 else ''}")
+                               f"{self.root / self.version}: the tables hold {have[:12]}"
+                               f"{' ...' if len(have) > 12 else ''}")
+        self.scene_count = len(scenes)
         self._extract(nusc, scenes)
         map_layers = sorted({c for c, k in zip(self.classes, self.class_kinds) if k == "map"})
         self.maps = {loc: load_map_geometry(self.root, loc, map_layers) for loc in self.locations} if map_layers else {}
-        self._check_first_images()
-        if verbose:
-            print(f"nuScenes {version} at {self.root} (layout {self.layout}): split {split} -> "
-                  f"{len(self)} samples from {len(scenes)} scenes")
 
     def _extract(self, nusc, scenes: list[dict]) -> None:
         from nuscenes.eval.detection.utils import category_to_detection_name

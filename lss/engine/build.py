@@ -3,11 +3,12 @@ datasets, loaders, optimizer, learning-rate schedule, and a checkpoint loaded fo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
 from pathlib import Path
-from typing import Callable, ContextManager, Optional, Union
+from typing import Callable, ContextManager, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -108,6 +109,9 @@ def build_model(cfg: Config) -> nn.Module:
 
 
 def build_dataset(cfg: Config, split: str, is_train: bool) -> Dataset:
+    """NuScenesBEV of `split`. Evaluation reads no lidar: its depth targets feed only the training loss."""
+    if not is_train and cfg.data.depth_targets:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, depth_targets=False))
     return NuScenesBEV(cfg.data.dataroot, version=cfg.data.version, split=split, config=cfg, is_train=is_train)
 
 
@@ -134,6 +138,27 @@ def build_loader(cfg: Config, dataset: Dataset, sampler: Sampler, batch_size: in
                       persistent_workers=persistent and workers > 0, worker_init_fn=_seed_worker if workers else None)
 
 
+class StreamSampler(Sampler[int]):
+    """The full batches of EpochSampler's epochs one after another, from (epoch, start): one loader pass spans
+    all epochs, so the workers prefetch across epoch boundaries, and every batch holds the samples it held when
+    each epoch was a pass of its own (each epoch's last partial batch is left out, as drop_last did)."""
+
+    def __init__(self, epochs: EpochSampler, batch_size: int):
+        self.epochs, self.batch_size = epochs, batch_size
+        self.full = epochs.per_rank // batch_size * batch_size
+        self.epoch, self.start = 0, 0
+
+    def set_start(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, start = self.epoch, self.start
+        while True:
+            self.epochs.set_epoch(epoch)
+            yield from list(self.epochs)[start:self.full]
+            epoch, start = epoch + 1, 0
+
+
 def build_eval_loader(cfg: Config, dataset: Dataset, device: torch.device, dist_info: Optional[DistInfo] = None,
                       collate_fn: Callable = collate, persistent: bool = False) -> DataLoader:
     """Every sample of `dataset` once, in order, in eval.batch_size batches (this rank's share under torchrun).
@@ -150,6 +175,16 @@ def _seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    limit_native_threads()
+
+
+def limit_native_threads() -> None:
+    """One BLAS/OpenMP thread in a loader worker (DataLoader already sets torch's): the workers are the parallelism,
+    and every worker's numpy starting a pool of one thread per core oversubscribes the machine many times over
+    (12 workers x 16 spinning BLAS threads on 16 cores)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)
 
 
 def load_for_inference(cfg: Config, ckpt: Union[str, Path], device: Optional[torch.device] = None,

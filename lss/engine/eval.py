@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -23,9 +24,11 @@ from lss.errors import CheckpointError
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device: torch.device,
              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-             show_progress: bool = True, detection_dir: Optional[Path] = None) -> dict:
+             show_progress: bool = True, detection_dir: Optional[Path] = None, timing: Optional[dict] = None) -> dict:
     """IoU per class over every batch of `loader` (summed over distributed ranks); see IoUMeter.compute. With the
-    detection head, also "detection": the nuScenes detection metrics (files in `detection_dir` when given)."""
+    detection head, also "detection": the nuScenes detection metrics (files in `detection_dir` when given).
+    `timing`, when given, receives "samples", "seconds" (the IoU pass, workers' start included), "first_batch_s"
+    and "samples_per_s" (the samples after the first batch over the time after it: the steady rate)."""
     meter = IoUMeter(cfg.data.classes, cfg.eval.threshold, cfg.eval.sweep)
     detections = DetectionCollector(cfg) if "detection" in cfg.model.heads and loader is not None else None
     was_training = model.training
@@ -33,24 +36,53 @@ def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device
     limit = cfg.eval.max_batches
     total = len(loader) if loader is not None else 0
     total = min(total, limit) if limit is not None else total
+    started, first, samples = time.perf_counter(), None, 0
     try:
         for i, batch in enumerate(tqdm(loader or [], total=total, desc="eval", unit="batch", leave=False,
                                        dynamic_ncols=True, disable=not show_progress)):
             if limit is not None and i >= limit:
                 break
+            size = len(batch["targets"])
+            if detections is None and loader.batch_size and size < loader.batch_size:
+                batch = pad_batch(batch, loader.batch_size)
             batch = to_device(batch, device)
             with autocast():
                 outputs = model(batch)
-            meter.update(outputs["segmentation"], batch["targets"])
+            meter.update(outputs["segmentation"][:size], batch["targets"][:size])
             if detections is not None:
                 detections.add(outputs, batch)
+            samples += size
+            if first is None and timing is not None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                first = (time.perf_counter(), size)
     finally:
         model.train(was_training)
     meter.all_reduce()
-    result = meter.compute()
+    result = meter.compute()  # waits for the device
+    if timing is not None:
+        end = time.perf_counter()
+        timing.update(samples=samples, seconds=end - started)
+        if first is not None:
+            timing["first_batch_s"] = first[0] - started
+            rest = samples - first[1]
+            timing["samples_per_s"] = rest / max(end - first[0], 1e-9) if rest else None
     if detections is not None:
         result["detection"] = detections.evaluate_dataset(loader.dataset, detection_dir)
     return result
+
+
+def pad_batch(batch: dict, size: int) -> dict:
+    """`batch` filled up to `size` samples with copies of its last one (the model then always sees the shapes of
+    a full batch: no new cuDNN autotuning, no new kernels for the last batch of a split). Per-sample results are
+    unchanged (BatchNorm in eval mode treats every sample alone); the caller drops the copies' outputs."""
+    def pad(value):
+        extra = size - len(value)
+        if torch.is_tensor(value):
+            return torch.cat([value, value[-1:].expand(extra, *value.shape[1:])])
+        return list(value) + [value[-1]] * extra
+
+    return {k: pad(v) for k, v in batch.items()}
 
 
 def load_checkpoint_model(cfg: Config, path: Path, device: torch.device) -> tuple[nn.Module, dict]:
@@ -76,9 +108,10 @@ def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -
     loader = build_eval_loader(cfg, dataset, device)
     out = Path(out_dir) if out_dir else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
     out.mkdir(parents=True, exist_ok=True)
-    result = evaluate(model, loader, cfg, device, build_autocast(cfg, device), detection_dir=out)
+    timing: dict = {}
+    result = evaluate(model, loader, cfg, device, build_autocast(cfg, device), detection_dir=out, timing=timing)
     result.update({"checkpoint": str(path), "step": state["step"], "split": cfg.data.val_split,
-                   "samples": len(dataset)})
+                   "samples": len(dataset), "timing": timing})
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     print(format_iou_table(result, title=f"IoU (%) of {path} at step {state['step']} on {cfg.data.val_split} "
                                          f"({len(dataset)} samples)"))

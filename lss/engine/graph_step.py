@@ -71,12 +71,21 @@ class GraphedTrainStep:
         return next(self.model.parameters()).device
 
     def __call__(self, batch: dict) -> dict:
+        self.load(batch)
+        return self.replay()
+
+    def load(self, batch: dict) -> None:
+        """Check `batch` and queue its copy into the static buffers (from pinned host memory the copy does not
+        wait for the host); the first call also warms up and captures the step."""
         if self.check_batch is not None:
             self.check_batch(batch)
         if self.static is None:
             self._setup(batch)
         else:
             self._load(batch)
+
+    def replay(self) -> dict:
+        """One optimizer step on the loaded batch; returns the step's values (see the class)."""
         if self.graph is not None:
             self.graph.replay()  # the captured backward writes (not adds to) the gradients
             return self.outputs

@@ -9,10 +9,52 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
+import torch
 from tqdm import tqdm
+
+
+class StepLogs(Mapping):
+    """The logs of one step: host values, plus the step's loss terms as device tensors copied to pinned host memory
+    behind the step. Reading one of those waits for that copy (the one host sync of a step), so the loop reads them
+    only where it must: at the logging interval, and for the finiteness check before the next step's update."""
+
+    def __init__(self, tensors: Optional[dict] = None, **values: float):
+        self._values = dict(values)
+        self._pending: Optional[tuple] = None
+        if tensors:
+            names = sorted(tensors)
+            stacked = torch.stack([tensors[k].detach().float() for k in names])
+            if stacked.is_cuda:
+                host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                host.copy_(stacked, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._pending = (names, host, event)
+            else:
+                self._values.update(zip(names, stacked.tolist()))
+
+    def add(self, **values: float) -> None:
+        self._values.update(values)
+
+    def _resolve(self) -> None:
+        names, host, event = self._pending
+        event.synchronize()
+        self._values.update(zip(names, host.tolist()))
+        self._pending = None
+
+    def __getitem__(self, key: str) -> float:
+        if self._pending is not None and key in self._pending[0]:
+            self._resolve()
+        return self._values[key]
+
+    def __iter__(self):
+        return iter([*self._values, *(self._pending[0] if self._pending is not None else ())])
+
+    def __len__(self) -> int:
+        return len(self._values) + (len(self._pending[0]) if self._pending is not None else 0)
 
 
 class Hook:
@@ -67,12 +109,19 @@ def _flatten(values: dict, prefix: str = ""):
 
 class LogHook(Hook):
     """A "train" record every `period` steps, with `elapsed`: seconds since `started` (time.perf_counter() when
-    train() was called, so the record shows the time to the first step, start-up included)."""
+    train() was called, so the record shows the time to the first step, start-up included). After the first step
+    also a "startup" record: {"phases": the trainer's start-up phases, each the seconds since train() was called
+    when it ended}. Reading the step's loss terms waits for the step (lss.engine.train.StepLogs): only at the
+    period."""
 
     def __init__(self, period: int, writer: MetricsWriter, started: float):
         self.period, self.writer, self.started = period, writer, started
+        self.startup_written = False
 
-    def after_step(self, trainer, logs: dict) -> None:
+    def after_step(self, trainer, logs) -> None:
+        if not self.startup_written:
+            self.writer.write("startup", trainer.step, {"phases": dict(getattr(trainer, "phases", {}))})
+            self.startup_written = True
         if is_due(trainer, self.period):
             self.writer.write("train", trainer.step, {**logs, "elapsed": time.perf_counter() - self.started})
 
@@ -94,7 +143,8 @@ class EvalHook(Hook):
         result = self.eval_function()
         self.last = result
         if self.writer is not None:
-            self.writer.write("val", trainer.step, {"iou": result["iou"], "mean_iou": result["mean_iou"]})
+            self.writer.write("val", trainer.step, {"iou": result["iou"], "mean_iou": result["mean_iou"],
+                                                    **({"timing": result["timing"]} if "timing" in result else {})})
             tqdm.write(f"step {trainer.step}: val IoU " +
                        ", ".join(f"{c} {100 * v:.2f}" for c, v in result["iou"].items()))
         best = trainer.state.get("best_iou")

@@ -35,8 +35,10 @@ class IoUMeter:
         thresholds = torch.tensor(self.thresholds, device=probs.device).view(-1, 1, 1, 1, 1)
         pred = probs.unsqueeze(0) > thresholds  # T x B x K x nx x ny
         dims = (1, 3, 4)
-        self.intersection += (pred & truth).sum(dim=dims).double().cpu()
-        self.union += (pred | truth).sum(dim=dims).double().cpu()
+        if self.intersection.device != probs.device:  # count where the predictions are: no host sync per batch
+            self.intersection, self.union = self.intersection.to(probs.device), self.union.to(probs.device)
+        self.intersection += (pred & truth).sum(dim=dims).double()
+        self.union += (pred | truth).sum(dim=dims).double()
 
     def all_reduce(self) -> None:
         """Sum the counts over distributed ranks (a no-op in a single process)."""
@@ -44,9 +46,10 @@ class IoUMeter:
             for counts in (self.intersection, self.union):
                 buf = counts.to(_collective_device())
                 dist.all_reduce(buf)
-                counts.copy_(buf.cpu())
+                counts.copy_(buf)
 
     def compute(self) -> dict:
+        self.intersection, self.union = self.intersection.cpu(), self.union.cpu()
         iou = torch.where(self.union > 0, self.intersection / self.union.clamp(min=1), torch.zeros_like(self.union))
         at = self.thresholds.index(self.threshold)
         per_class = {c: float(iou[at, k]) for k, c in enumerate(self.classes)}

@@ -23,12 +23,13 @@ from lss.data import collate
 from lss.engine import checkpoint as ckpt_io
 from lss.engine.build import (DatasetFn, ModelFn, autocast_dtype, build_autocast, build_dataset, build_eval_loader,
                               build_loader, build_model, build_optimizer, build_scheduler, compile_encoders,
-                              device_type, ensure_dataset, preserved_rng, rng_state, seed_everything, select_device,
-                              set_rng_state, to_device)
+                              device_type, ensure_dataset, lr_factor, preserved_rng, rng_state, seed_everything,
+                              select_device, set_rng_state, StreamSampler, to_device)
 from lss.engine.distributed import DistInfo, EpochSampler, init_distributed, shutdown
 from lss.engine.eval import evaluate
 from lss.engine.graph_step import GraphedTrainStep, check_graph_config
-from lss.engine.hooks import CheckpointHook, EvalHook, Hook, LogHook, MetricsWriter, VizHook
+from lss.engine.hooks import (CheckpointHook, EvalHook, Hook, LogHook, MetricsWriter, StepLogs, VizHook,
+                              is_due)
 from lss.engine.losses import TotalLoss, check_depth_targets
 from lss.errors import ArgumentError
 
@@ -73,14 +74,15 @@ class Trainer:
         if dist_info.enabled:
             ids = [device.index] if device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=ids)
-        self.train_sampler = EpochSampler(len(train_set), shuffle=True, seed=t.seed, rank=dist_info.rank,
-                                          world_size=dist_info.world_size)
-        self.batches_per_epoch = self.train_sampler.per_rank // t.batch_size
+        epochs = EpochSampler(len(train_set), shuffle=True, seed=t.seed, rank=dist_info.rank,
+                              world_size=dist_info.world_size)
+        self.batches_per_epoch = epochs.per_rank // t.batch_size
         if self.batches_per_epoch == 0:
             raise ConfigError(f"the train split has {len(train_set)} samples, fewer than train.batch_size="
                               f"{t.batch_size} per process ({dist_info.world_size} processes); lower the batch size")
+        self.train_sampler = StreamSampler(epochs, t.batch_size)
         self.train_loader = build_loader(cfg, train_set, self.train_sampler, t.batch_size, True, device, t.seed,
-                                         persistent=True, collate_fn=collate_fn)
+                                         collate_fn=collate_fn)
         self.val_loader = None
         if val_set is not None and len(val_set) > 0:
             self.val_loader = build_eval_loader(cfg, val_set, device, dist_info, collate_fn, persistent=True)
@@ -89,22 +91,35 @@ class Trainer:
         self.state: dict = {"best_iou": None}  # hook state that a checkpoint carries
         self.saved: dict[str, int] = {}  # checkpoint name -> step of the file on disk
         self.hooks: list[Hook] = []
+        self.phases: dict[str, float] = {}  # start-up phase -> seconds since train() was called (LogHook writes them)
+        self.started = time.perf_counter()
+        self._unchecked: Optional[tuple[int, StepLogs]] = None  # the captured step's last values, not yet checked
 
     def register_hooks(self, hooks: Sequence[Hook]) -> None:
         """Hooks run in the order given, after every step and once after training."""
         self.hooks.extend(hooks)
 
+    def mark(self, phase: str) -> None:
+        """Note the seconds since train() was called at the end of start-up phase `phase`."""
+        self.phases[phase] = round(time.perf_counter() - self.started, 3)
+
     # -- the data stream: epoch/offset follow from the step, so a resumed run sees the same batches
     def batches(self) -> Iterator[dict]:
+        """Host batches (pinned when training on CUDA) from the current step on, across epochs. The loader's
+        workers start, and begin to prefetch, when this is called."""
         micro = self.step * self.cfg.train.grad_accum
         epoch, offset = divmod(micro, self.batches_per_epoch)
-        while True:
-            self.epoch = epoch
-            self.train_sampler.set_epoch(epoch, start=offset * self.cfg.train.batch_size)
-            self.train_loader.generator.manual_seed(self.cfg.train.seed * 100_003 + epoch)
-            for batch in self.train_loader:
-                yield to_device(batch, self.device)
-            epoch, offset = epoch + 1, 0
+        self.epoch = epoch
+        self.train_sampler.set_start(epoch, offset * self.cfg.train.batch_size)
+        self.train_loader.generator.manual_seed(self.cfg.train.seed * 100_003 + epoch)
+        loader = self._train_iter = iter(self.train_loader)
+
+        def stream() -> Iterator[dict]:
+            for n, batch in enumerate(loader, micro):
+                self.epoch = n // self.batches_per_epoch
+                yield batch
+
+        return stream()
 
     def _check_batch(self, batch: dict) -> None:
         """Host-side checks of a batch for the captured step (which cannot sync inside)."""
@@ -117,14 +132,14 @@ class Trainer:
         self.net.train()
         if self.graph_step is not None:
             return self._run_graph_step(micro_batches[0])
-        totals = self._forward_backward(micro_batches)
+        totals = self._forward_backward([to_device(b, self.device) for b in micro_batches])
         loss = float(totals["loss"])
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower optim.lr, check the data, or "
                                      "resume from the last good checkpoint")
         grad_norm = self._optimizer_step()
         self.step += 1
-        return {**{k: float(v) for k, v in totals.items()}, "grad_norm": float(grad_norm)}
+        return StepLogs(**{k: float(v) for k, v in totals.items()}, grad_norm=float(grad_norm))
 
     def _forward_backward(self, micro_batches: list[dict]) -> dict:
         """Gradients of the mean loss over `micro_batches`; returns the mean loss terms (over all ranks)."""
@@ -158,34 +173,75 @@ class Trainer:
         self.scheduler.step()
         return grad_norm
 
-    def _run_graph_step(self, batch: dict) -> dict:
-        values = self.graph_step(batch)
-        names = sorted(values)
-        out = dict(zip(names, torch.stack([values[k].float() for k in names]).tolist()))  # the one sync per step
-        if not math.isfinite(out["loss"]):
-            raise FloatingPointError(f"loss is {out['loss']} at step {self.step + 1} (train.cuda_graph: this step's "
-                                     "update was applied; the checkpoints on disk predate it); lower optim.lr, "
-                                     "check the data, or resume from the last good checkpoint")
+    def _run_graph_step(self, batch: dict) -> StepLogs:
+        """Queue the batch's copy, check the previous step's loss (the host waits for that step here, while the
+        data of this one is ready), then replay: the host prepares the next batch while the device steps."""
+        self.graph_step.load(batch)
+        self.check_last_step()
+        logs = StepLogs(self.graph_step.replay())
         self.scheduler.step()
         self.step += 1
-        return out
+        self._unchecked = (self.step, logs)
+        return logs
 
-    def fit(self) -> dict:
+    def close(self) -> None:
+        """Stop the loaders' workers now. Left to interpreter exit, each persistent worker of a pinning loader is
+        joined with a 5 s timeout (pytorch/pytorch#81794): minutes for 2 x 12 workers after the run is done."""
+        iterators = [getattr(self, "_train_iter", None), getattr(self.val_loader, "_iterator", None)]
+        for iterator in iterators:
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):  # single-process ones have none
+                iterator._shutdown_workers()
+        self._train_iter = None
+        if self.val_loader is not None:
+            self.val_loader._iterator = None
+
+    def check_last_step(self) -> None:
+        """FloatingPointError when the last captured step's loss was not finite (before any later update)."""
+        if self._unchecked is None:
+            return
+        step, logs = self._unchecked
+        self._unchecked = None
+        if not math.isfinite(logs["loss"]):
+            raise FloatingPointError(f"loss is {logs['loss']} at step {step} (train.cuda_graph: this step's update "
+                                     "was applied; the checkpoints on disk predate it); lower optim.lr, check the "
+                                     "data, or resume from the last good checkpoint")
+
+    def learning_rate(self) -> float:
+        """The learning rate of the next step, from the host (the captured step keeps it in a device tensor)."""
+        base = self.scheduler.base_lrs[0]
+        return float(base) * lr_factor(self.cfg, self.scheduler.last_epoch)
+
+    def fit(self, stream: Optional[Iterator[dict]] = None) -> dict:
+        """Train to train.max_steps on `stream` (default: self.batches()); returns what the hooks report at the end.
+        Host syncs: with train.cuda_graph one per step, for the loss check, after the next batch is ready."""
         t = self.cfg.train
-        stream = self.batches()
+        stream = stream if stream is not None else self.batches()
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not self.dist.is_main)
+        first = True
         try:
             while self.step < t.max_steps:
                 start = time.perf_counter()
-                logs = self.run_step([next(stream) for _ in range(t.grad_accum)])
-                logs["step_time"] = time.perf_counter() - start
-                logs["samples_per_s"] = t.batch_size * t.grad_accum * self.dist.world_size / logs["step_time"]
-                logs["lr"] = float(self.scheduler.get_last_lr()[0])  # a device tensor with train.cuda_graph
+                micro_batches = [next(stream) for _ in range(t.grad_accum)]
+                if first:
+                    self.mark("first_batch")
+                logs = self.run_step(micro_batches)
+                if first:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    self.mark("first_step")
+                    first = False
+                step_time = time.perf_counter() - start
+                logs.add(step_time=step_time, lr=self.learning_rate(),
+                         samples_per_s=t.batch_size * t.grad_accum * self.dist.world_size / step_time)
                 bar.update(1)
-                bar.set_postfix(epoch=self.epoch, loss=f"{logs['loss']:.4f}")
+                if any(is_due(self, period) for period in (t.log_every, t.ckpt_every, t.eval_every, t.viz_every)):
+                    self.check_last_step()  # hooks read, save or evaluate now: a NaN stops first, with its step
+                if is_due(self, t.log_every):
+                    bar.set_postfix(epoch=self.epoch, loss=f"{logs['loss']:.4f}")
                 for hook in self.hooks:
                     hook.after_step(self, logs)
+            self.check_last_step()
         finally:
             bar.close()
         final: dict = {}
@@ -254,11 +310,14 @@ class Trainer:
 
 # ---------------------------------------------------------------------------------------------------- entry
 def evaluation(trainer: Trainer) -> Callable[[], dict]:
-    """The evaluation callable of EvalHook: lss.engine.eval.evaluate of the model on the val loader."""
+    """The evaluation callable of EvalHook: lss.engine.eval.evaluate of the model on the val loader (with its
+    "timing")."""
     def run() -> dict:
+        timing: dict = {}
         with preserved_rng():
-            return evaluate(trainer.model, trainer.val_loader, trainer.cfg, trainer.device, trainer.autocast,
-                            show_progress=trainer.dist.is_main)
+            result = evaluate(trainer.model, trainer.val_loader, trainer.cfg, trainer.device, trainer.autocast,
+                              show_progress=trainer.dist.is_main, timing=timing)
+        return {**result, "timing": timing}
 
     return run
 
@@ -351,7 +410,7 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
     run_dir = Path(out_dir or cfg.train.out_dir)
     check_run_dir(run_dir, resume, overwrite)  # on every rank, before any of them writes
     dist_info = init_distributed(device_type(cfg))
-    writer = None
+    writer, trainer = None, None
     try:
         device = select_device(cfg, dist_info)
         seed_everything(cfg.train.seed + dist_info.rank, cfg.train.deterministic, cfg.train.cudnn_benchmark)
@@ -359,9 +418,17 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
             ensure_dataset(cfg, dist_info)
         train_set = dataset_fn(cfg, cfg.data.train_split, True)
         val_set = dataset_fn(cfg, cfg.data.val_split, False)
-        trainer = Trainer(cfg, model_fn(cfg), train_set, val_set, run_dir, device, dist_info, collate_fn)
+        datasets_done = time.perf_counter() - started
+        model = model_fn(cfg)
+        model_done = time.perf_counter() - started
+        trainer = Trainer(cfg, model, train_set, val_set, run_dir, device, dist_info, collate_fn)
+        trainer.started = started
+        trainer.phases.update(datasets=round(datasets_done, 3), model=round(model_done, 3))
+        trainer.mark("trainer")  # the model on the device, optimizer, loaders
         if resume:
             trainer.resume(run_dir / "checkpoints" / "last.pt")
+        stream = trainer.batches()  # the workers start on the first batches while the rest starts up
+        trainer.mark("workers")
         if dist_info.is_main:
             if overwrite:
                 clear_run(run_dir)
@@ -371,8 +438,9 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
             print(f"lss: training on {device} ({dist_info.world_size} process(es)), {len(train_set)} train / "
                   f"{len(val_set)} val samples, run directory {run_dir}")
         trainer.register_hooks(default_hooks(trainer, writer, started, render_fn) + list(hooks))
+        trainer.mark("writer")
         try:
-            final = trainer.fit()
+            final = trainer.fit(stream)
         except KeyboardInterrupt:
             raise TrainingInterrupted(interrupted_message(trainer)) from None
         final["run_dir"] = str(run_dir)
@@ -380,6 +448,8 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
             (run_dir / "final.json").write_text(json.dumps({"config": config_to_dict(cfg), **final}, indent=1))
         return final
     finally:
+        if trainer is not None:
+            trainer.close()
         if writer is not None:
             writer.close()  # flushes tensorboard also when the run stops early
         shutdown(dist_info)

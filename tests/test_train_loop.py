@@ -1,0 +1,306 @@
+"""The training loop's data stream and host syncs: batches across epochs as the per-epoch passes gave them (resume
+mid-epoch included), the captured step's values read only where needed, the start-up record, evaluation of a
+padded last batch, loader workers with one BLAS thread, and the train_loop benchmark's start-up rows."""
+import json
+import os
+from collections.abc import Mapping
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lss.config import load_config
+from lss.data import collate
+from lss.engine.build import StreamSampler, build_dataset, build_loader
+from lss.engine.distributed import DistInfo, EpochSampler
+from lss.engine.eval import evaluate, pad_batch
+from lss.engine.hooks import LogHook, StepLogs
+from lss.engine.train import Trainer, train
+from test_engine import CLASSES, FakeBEVDataset, FakeModel, fake_cfg
+
+
+class IndexSet(torch.utils.data.Dataset):
+    def __init__(self, length):
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return {"index": torch.tensor(i)}
+
+
+def epoch_passes(length, batch_size, epochs, seed=0):
+    """The batches of one DataLoader pass per epoch over EpochSampler with drop_last (the loop before the stream)."""
+    sampler, out = EpochSampler(length, shuffle=True, seed=seed), []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        out += [b.tolist() for b in DataLoader(IndexSet(length), batch_size, sampler=sampler, drop_last=True,
+                                               collate_fn=lambda items: torch.stack([x["index"] for x in items]))]
+    return out
+
+
+def test_the_stream_sampler_gives_the_batches_of_the_epoch_passes_from_any_start():
+    expected = epoch_passes(7, 2, 4)  # 3 full batches per epoch, one sample of each epoch left out
+    sampler = StreamSampler(EpochSampler(7, shuffle=True, seed=0), 2)
+    stream = iter(torch.utils.data.BatchSampler(sampler, 2, drop_last=True))
+    assert [next(stream) for _ in range(12)] == expected
+    sampler.set_start(1, 2)  # epoch 1, after its first batch: micro-batch 4
+    stream = iter(torch.utils.data.BatchSampler(sampler, 2, drop_last=True))
+    assert [next(stream) for _ in range(8)] == expected[4:]
+
+
+def test_trainer_batches_follow_the_step_across_epochs(tmp_path):
+    cfg = fake_cfg(tmp_path, "train.batch_size=2")
+    trainer = Trainer(cfg, FakeModel(), IndexSet(7), None, tmp_path, torch.device("cpu"), DistInfo())
+    expected = epoch_passes(7, 2, 4)
+    stream = trainer.batches()
+    seen, epochs = [], []
+    for _ in range(12):
+        seen.append(next(stream)["index"].tolist())
+        epochs.append(trainer.epoch)
+    assert seen == expected and epochs == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    trainer.step = 5  # a resumed run continues with the batch the straight run used for step 6
+    stream = trainer.batches()
+    assert [next(stream)["index"].tolist() for _ in range(4)] == expected[5:9] and trainer.epoch == 2
+
+
+def test_step_logs_hold_host_values_and_read_device_values_once():
+    logs = StepLogs({"loss": torch.tensor(1.5), "grad_norm": torch.tensor(2.0, dtype=torch.float64)}, lr=0.1)
+    logs.add(step_time=0.25)
+    assert dict(logs) == {"loss": 1.5, "grad_norm": 2.0, "lr": 0.1, "step_time": 0.25} and len(logs) == 4
+
+
+@pytest.mark.cuda
+def test_step_logs_of_device_tensors_wait_for_the_copy_only_when_read():
+    values = {"loss": torch.tensor(3.0, device="cuda")}
+    logs = StepLogs(values, lr=0.5)
+    values["loss"].fill_(7.0)  # a later write (the next replay) does not reach the logs of this step
+    assert set(logs) == {"lr", "loss"} and logs["loss"] == 3.0 and logs["lr"] == 0.5
+
+
+class _ReadRecorder(Mapping):
+    """Logs that note every read of a value."""
+
+    def __init__(self, reads, **values):
+        self.values, self.reads = values, reads
+
+    def __getitem__(self, key):
+        self.reads.append(key)
+        return self.values[key]
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def __len__(self):
+        return len(self.values)
+
+
+class _FakeWriter:
+    def __init__(self):
+        self.records = []
+
+    def write(self, kind, step, values):
+        self.records.append((kind, step, json.loads(json.dumps(values))))
+
+
+def test_the_log_hook_reads_the_losses_only_at_its_period_and_writes_the_startup_once(tmp_path):
+    class FakeTrainer:
+        cfg = fake_cfg(tmp_path, "train.max_steps=5")
+        phases = {"datasets": 0.5, "first_step": 1.25}
+
+    writer, trainer, reads = _FakeWriter(), FakeTrainer(), []
+    hook = LogHook(2, writer, started=0.0)
+    for step in range(1, 6):
+        trainer.step = step
+        hook.after_step(trainer, _ReadRecorder(reads, loss=float(step)))
+    assert reads == ["loss"] * 3  # steps 2, 4 and the last one, 5
+    assert writer.records[0] == ("startup", 1, {"phases": {"datasets": 0.5, "first_step": 1.25}})
+    assert [(k, s, v["loss"]) for k, s, v in writer.records[1:]] == [("train", 2, 2.0), ("train", 4, 4.0),
+                                                                       ("train", 5, 5.0)]
+
+
+def test_train_writes_its_startup_phases_in_order(tmp_path):
+    cfg = fake_cfg(tmp_path, "train.eval_every=0", "train.viz_every=0")
+    train(cfg, str(tmp_path / "run"), model_fn=FakeModel, collate_fn=collate,
+          dataset_fn=lambda c, split, is_train: FakeBEVDataset(10 if is_train else 5))
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    startup = [r for r in records if r["kind"] == "startup"]
+    assert len(startup) == 1 and startup[0]["step"] == 1
+    from lss.benchmarks.train_loop import STARTUP_PHASES
+
+    phases = startup[0]["phases"]
+    assert list(phases) == list(STARTUP_PHASES)
+    times = [phases[p] for p in STARTUP_PHASES]
+    assert times == sorted(times) and times[0] >= 0
+    assert times[-1] <= next(r for r in records if r["kind"] == "train")["elapsed"]
+
+
+class _BatchSizes(FakeModel):
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def forward(self, batch):
+        self.sizes.append(batch["images"].shape[0])
+        return super().forward(batch)
+
+
+def test_evaluation_pads_the_last_batch_and_counts_only_the_real_samples(tmp_path):
+    model = _BatchSizes().eval()
+    dataset = FakeBEVDataset(5, 100)
+    results = {}
+    for batch_size in (1, 3):
+        cfg = fake_cfg(tmp_path, f"eval.batch_size={batch_size}")
+        loader = DataLoader(dataset, batch_size, collate_fn=collate)
+        timing = {}
+        model.sizes.clear()
+        torch.manual_seed(0)  # the items draw on the global RNG: the same draws for both batch sizes
+        results[batch_size] = evaluate(model, loader, cfg, torch.device("cpu"), show_progress=False, timing=timing)
+        assert timing["samples"] == 5 and timing["seconds"] >= timing["first_batch_s"] > 0
+        assert model.sizes == [batch_size] * len(loader)  # the last batch of 2 went through as 3
+    assert results[1]["union"] == results[3]["union"] and results[1]["sweep"] == results[3]["sweep"]
+    assert set(results[1]["iou"]) == set(CLASSES)
+
+
+def test_pad_batch_repeats_the_last_sample_of_every_field():
+    batch = {"images": torch.arange(6.0).view(2, 3), "sample_token": ["a", "b"], "det_boxes": [torch.zeros(1, 9)] * 2}
+    padded = pad_batch(batch, 4)
+    assert padded["images"].tolist() == [[0, 1, 2], [3, 4, 5], [3, 4, 5], [3, 4, 5]]
+    assert padded["sample_token"] == ["a", "b", "b", "b"] and len(padded["det_boxes"]) == 4
+
+
+class _BlasThreads(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        from threadpoolctl import threadpool_info
+
+        return {"threads": torch.tensor([p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"])}
+
+
+def test_loader_workers_run_one_blas_thread():
+    cfg = load_config(None, ["data.workers=1"])
+    loader = build_loader(cfg, _BlasThreads(), None, 2, False, torch.device("cpu"), 0)
+    batch = next(iter(loader))
+    assert batch["threads"].numel() > 0 and batch["threads"].eq(1).all()
+
+
+def test_evaluation_datasets_read_no_lidar(synthetic_root):
+    cfg = load_config(None, [f"data.dataroot={synthetic_root}", "data.depth_targets=true"])
+    assert "depth_targets" in build_dataset(cfg, "train", True)[0]
+    assert "depth_targets" not in build_dataset(cfg, "val", False)[0]
+
+
+def test_startup_rows_give_each_phase_its_own_time():
+    from lss.benchmarks.train_loop import startup_rows
+
+    records = [{"kind": "train", "step": 10}, {"kind": "startup", "step": 1,
+                                               "phases": {"datasets": 1.0, "model": 1.5, "first_step": 4.0}}]
+    rows = startup_rows("c", records, train_call_s=2.0)
+    assert [r["impl"] for r in rows] == ["startup: datasets", "startup: model", "startup: first_step"]
+    assert [r["ms"] for r in rows] == pytest.approx([1000.0, 500.0, 2500.0])
+    assert rows[-1]["notes"] == "done 6.00 s after process start"
+    assert startup_rows("c", records[:1], None)[0]["notes"] == "metrics.jsonl has no startup record"
+
+
+# ------------------------------------------------------------------------------------ dataset-index cache
+def _dataset(root, *extra):
+    from lss.data import NuScenesBEV
+
+    cfg = load_config(None, [f"data.dataroot={root}", "data.depth_targets=true", *extra])
+    return NuScenesBEV(root, "v1.0-mini", "val", cfg, is_train=False, verbose=False)
+
+
+def test_a_cached_index_gives_the_same_dataset_without_the_tables(synthetic_root, tmp_path, monkeypatch):
+    import lss.data.nuscenes as nuscenes
+    from lss.data.index_cache import cache_dir
+
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
+    built = _dataset(synthetic_root)
+    assert len(list((cache_dir() / "index").glob("*.pkl"))) == 1
+
+    def no_tables(*args):
+        raise RuntimeError("the tables were read although the index is cached")
+
+    monkeypatch.setattr(nuscenes, "load_tables", no_tables)
+    cached = _dataset(synthetic_root)
+    assert set(vars(built)) == set(vars(cached))
+    for name, a in vars(built).items():
+        b = getattr(cached, name)
+        assert (a == b).all() if hasattr(a, "shape") else name == "config" or repr(a) == repr(b), name
+    a, b = built[1], cached[1]
+    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k])) and "depth_targets" in a
+    with pytest.raises(RuntimeError, match="tables were read"):  # other classes: another index
+        _dataset(synthetic_root, "data.classes=[vehicle]")
+
+
+def test_an_edited_table_invalidates_the_cached_index(synthetic_root, tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    import lss.data.nuscenes as nuscenes
+
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "data"
+    shutil.copytree(synthetic_root, root)
+    _dataset(root)
+    table = root / "v1.0-mini" / "sample.json"
+    stat = table.stat()
+    os.utime(table, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    monkeypatch.setattr(nuscenes, "load_tables", lambda *a: (_ for _ in ()).throw(RuntimeError("tables read")))
+    with pytest.raises(RuntimeError, match="tables read"):
+        _dataset(root)
+
+
+def test_a_cached_index_does_not_import_the_devkit(synthetic_root, tmp_path):
+    import subprocess
+    import sys
+
+    code = (f"import sys; from lss.config import load_config; from lss.engine.build import build_dataset; "
+            f"cfg = load_config(None, ['data.dataroot={synthetic_root}', 'data.depth_targets=true']); "
+            f"ds = build_dataset(cfg, 'train', True); ds[0]; print('nuscenes' in sys.modules)")
+    env = dict(os.environ, LSS_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env) for _ in range(2)]
+    assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["True", "False"], [r.stderr[-500:] for r in runs]
+
+
+def test_train_stops_its_loader_workers_before_it_returns(tmp_path):
+    import multiprocessing
+
+    cfg = fake_cfg(tmp_path, "data.workers=1", "train.max_steps=4", "train.eval_every=2", "train.viz_every=0")
+    train(cfg, str(tmp_path / "run"), model_fn=FakeModel, collate_fn=collate,
+          dataset_fn=lambda c, split, is_train: FakeBEVDataset(10 if is_train else 5))
+    # persistent validation workers left to interpreter exit are joined with a timeout each (minutes for many)
+    assert multiprocessing.active_children() == []
+
+
+class _NanAtStep(FakeModel):
+    """A model whose training forward gives NaN at its `bad`-th call."""
+
+    def __init__(self, bad):
+        super().__init__()
+        self.bad, self.calls = bad, 0
+
+    def forward(self, batch):
+        out = super().forward(batch)["segmentation"]
+        if self.training:
+            self.calls += 1
+            out = out * float("nan") if self.calls == self.bad else out
+        return {"segmentation": out}
+
+
+@pytest.mark.parametrize("log_every", [0, 1])
+def test_the_static_buffer_step_stops_at_a_nan_loss_before_the_next_update(tmp_path, log_every):
+    from lss.engine.graph_step import GraphedTrainStep
+
+    cfg = fake_cfg(tmp_path, "train.max_steps=6", f"train.log_every={log_every}", "train.eval_every=0",
+                   "train.ckpt_every=0", "train.viz_every=0", "train.amp=none")
+    model = _NanAtStep(bad=1 + 3)  # one warm-up call, then steps 1, 2, 3
+    trainer = Trainer(cfg, model, FakeBEVDataset(10), None, tmp_path, torch.device("cpu"), DistInfo())
+    trainer.graph_step = GraphedTrainStep(trainer.model, trainer.loss_fn, trainer.optimizer, None, 0.0, warmup=1,
+                                          capture=False)
+    with pytest.raises(FloatingPointError, match="loss is nan at step 3 "):
+        trainer.fit()
+    assert trainer.step == 3 and model.calls == 4  # step 4 was never run
