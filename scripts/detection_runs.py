@@ -130,8 +130,14 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for name, run in summary["runs"].items():
+        seg = [p for p in run["curve"] if p.get("iou")]
+        if seg:
+            line, = axes[2].plot([p["step"] for p in seg], [100 * p["iou"].get("vehicle", float("nan")) for p in seg],
+                                 "o-", label=f"{name} vehicle")
+            axes[2].plot([p["step"] for p in seg], [100 * p["mean_iou"] for p in seg], "s:", color=line.get_color(),
+                         label=f"{name} mean")
         points = [p for p in run["curve"] if p.get("mAP") is not None]
         if not points:
             continue
@@ -143,6 +149,7 @@ def plot(summary: dict, path: Path) -> None:
             ax.plot(steps, n, "s--", color=line.get_color(), label=f"{name} NDS")
     axes[0].set_title("vehicle classes with ground truth")
     axes[1].set_title("all 10 classes (official mAP / NDS)")
+    axes[2].set_title("BEV segmentation IoU % at 0.5 (joint and alone)")
     for ax in axes:
         ax.set_xlabel("training step")
         ax.set_ylim(bottom=0)
@@ -175,6 +182,15 @@ def to_text(summary: dict) -> str:
                                              if row["has_ground_truth"]))
             lines.append("  TP errors (vehicles) " + ", ".join(
                 f"{k} {v:.3f}" for k, v in det["vehicles"]["tp_errors"].items() if v is not None))
+    alone = summary["runs"].get("segmentation_alone", {}).get("curve") or []
+    for name, run in summary["runs"].items():
+        common = {p["step"]: p for p in alone} if name != "segmentation_alone" else {}
+        both = [p for p in run["curve"] if p["step"] in common and p.get("iou")]
+        if both:
+            p, q = both[-1], common[both[-1]["step"]]
+            lines.append(f"segmentation {name} minus alone at step {p['step']}: vehicle IoU "
+                         f"{100 * (p['iou']['vehicle'] - q['iou']['vehicle']):+.2f}, mean IoU "
+                         f"{100 * (p['mean_iou'] - q['mean_iou']):+.2f} points")
     return "\n".join(lines)
 
 
