@@ -412,6 +412,10 @@ def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
     submission = json.loads((run / "detection_submission.json").read_text())
     assert len(submission["results"]) == 3
     assert result["eval"]["detection"]["mAP"] == detection["mAP"]
+    # The periodic evaluation logs the detection metrics next to the IoU: the learning curve of a run.
+    curve = [row for row in losses if row.get("kind") == "val"]
+    assert curve and set(curve[-1]["detection"]) == {"mAP", "NDS", "vehicle_mAP", "vehicle_NDS", "AP"}
+    assert set(curve[-1]["detection"]["AP"]) == set(DETECTION_CLASSES)
     assert len(list((run / "viz").glob("*.png"))) == 1
 
 
