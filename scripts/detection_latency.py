@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     p.add_argument("--set", action="append", default=[], dest="overrides")
     args = p.parse_args(argv)
     overrides = [f"data.dataroot={args.data_dir}", f"data.version={args.version}", "data.workers=0",
-                 "data.make_synthetic_if_missing=false"] + args.overrides
+                 "data.make_synthetic_if_missing=false", "data.depth_targets=false", "loss.depth_weight=0"] + args.overrides
     rows = {}
     with torch.no_grad():
         for refine in (True, False):

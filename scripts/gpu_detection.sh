@@ -23,7 +23,7 @@ else
     echo "build done at $((SECONDS - T0)) s"
   fi
   ARGS="--data-dir ${DET_DATA:-data/benchmark_accuracy} --steps ${DET_STEPS:-2000} \
---eval-every ${DET_EVAL_EVERY:-500} --workers ${DET_WORKERS:-6} --run-timeout ${DET_TIMEOUT:-450} \
+--eval-every ${DET_EVAL_EVERY:-500} --workers ${DET_WORKERS:-6} --run-timeout ${DET_TIMEOUT:-440} \
 --runs ${DET_RUNS:-refine_on,refine_off,segmentation_alone}"
 fi
 python3 scripts/detection_runs.py $ARGS --out-dir "$DET" ${DET_ARGS:-}
@@ -41,7 +41,7 @@ if [ "${DET_QUICK:-0}" = 1 ]; then
 else
   LAT+=(--data-dir "${DET_DATA:-data/benchmark_accuracy}")
 fi
-[ "${DET_LATENCY:-1}" = 1 ] && timeout 120 python3 scripts/detection_latency.py "${LAT[@]}" --out "$OUT/detection_latency.json"
+[ "${DET_LATENCY:-1}" = 1 ] && timeout 90 python3 scripts/detection_latency.py "${LAT[@]}" --out "$OUT/detection_latency.json"
 cp "$DET"/detection_runs.json "$DET"/detection_curve.png "$OUT"/ 2>/dev/null
 [ -d "$DET/runs" ] && (cd "$DET" && tar czf "$OUT/det_runs.tgz" --exclude='*.pt' --exclude=tensorboard runs)
 [ "${DET_QUICK:-0}" = 1 ] || nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
