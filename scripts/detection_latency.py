@@ -4,7 +4,7 @@ post-processing alone (decode + NMS + RoIAlign refinement from the head's output
 and the same model without the detection head (segmentation only). Random weights unless --ckpt; one real val
 sample of the set (so the heatmap peaks are those of the given weights), the same rig every call (cached LUT).
 
-    python scripts/detection_latency.py --data-dir data/benchmark_accuracy --ckpt-on RUN/checkpoints/last.pt --out X.json
+    python scripts/detection_latency.py --data-dir data/benchmark_accuracy --ckpt-on RUN/checkpoints/last.pt
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def main(argv=None) -> dict:
     p.add_argument("--set", action="append", default=[], dest="overrides")
     args = p.parse_args(argv)
     overrides = [f"data.dataroot={args.data_dir}", f"data.version={args.version}", "data.workers=0",
-                 "data.make_synthetic_if_missing=false", "data.depth_targets=false", "loss.depth_weight=0"] + args.overrides
+                 "data.make_synthetic_if_missing=false", "data.depth_targets=false", "loss.depth_weight=0"]
+    overrides += args.overrides
     rows = {}
     with torch.no_grad():
         for refine in (True, False):
