@@ -412,6 +412,10 @@ def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
     submission = json.loads((run / "detection_submission.json").read_text())
     assert len(submission["results"]) == 3
     assert result["eval"]["detection"]["mAP"] == detection["mAP"]
+    # The periodic evaluation logs the detection metrics next to the IoU: the learning curve of a run.
+    curve = [row for row in losses if row.get("kind") == "val"]
+    assert curve and set(curve[-1]["detection"]) == {"mAP", "NDS", "vehicle_mAP", "vehicle_NDS", "AP"}
+    assert set(curve[-1]["detection"]["AP"]) == set(DETECTION_CLASSES)
     assert len(list((run / "viz").glob("*.png"))) == 1
 
 
@@ -422,3 +426,30 @@ def test_drawing_no_boxes_leaves_the_pictures_unchanged():
     draw_bev_boxes(panel, np.zeros((0, 9), np.float32), (-16.0, -16.0), (1.0, 1.0), (32, 32), (255, 0, 0))
     draw_camera_boxes(panel, np.zeros((0, 9)), np.eye(3), np.eye(3), np.zeros(3), np.eye(3), np.zeros(3), (255, 0, 0))
     assert (panel == 7).all()
+
+
+@pytest.mark.slow
+def test_full_model_lowers_the_detection_loss_on_a_tiny_set(synthetic_root):
+    from lss.config import load_config
+    from lss.data import collate
+    from lss.engine.build import build_dataset, build_model
+    from lss.engine.losses import TotalLoss
+
+    tiny = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",
+            "grid.ybound=[-16.0, 16.0, 1.0]", "grid.dbound=[4.0, 20.0, 2.0]", "model.context_channels=8",
+            f"data.dataroot={synthetic_root}", "data.version=v1.0-mini", "train.device=cpu", "data.workers=0"]
+    config = load_config("configs/synthetic_detection.yaml", tiny)
+    torch.manual_seed(0)
+    dataset = build_dataset(config, "train", is_train=False)
+    batch = collate([dataset[0], dataset[1]])
+    assert all(len(b) for b in batch["det_boxes"])
+    model, criterion = build_model(config).train(), TotalLoss(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    first_stage = []
+    for _ in range(10):
+        losses = criterion(model(batch), batch)
+        first_stage.append(float(losses["loss/det_heatmap"] + losses["loss/det_regression"]))
+        optimizer.zero_grad()
+        losses["loss"].backward()
+        optimizer.step()
+    assert first_stage[-1] < 0.5 * first_stage[0], first_stage

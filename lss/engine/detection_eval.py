@@ -24,6 +24,8 @@ _TABLE_COLUMNS = {"trans_err": "ATE (m)", "scale_err": "ASE (1-IoU)", "orient_er
                   "vel_err": "AVE (m/s)", "attr_err": "AAE (1-acc)"}
 # A box slower than this (m/s) gets the "standing still" attribute (the devkit's baselines use the same cut).
 _MOVING_SPEED = 0.2
+# The nuScenes vehicle classes; the "vehicles" summary scores those of them with ground truth in the split.
+VEHICLE_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle")
 SUBMISSION_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False,
                    "use_external": False}
 
@@ -119,6 +121,7 @@ def summarize(metrics, classes_with_gt: Iterable[str]) -> dict:
             "has_ground_truth": name in classes_with_gt,
         }
     present = [per_class[n]["AP"] for n in classes_with_gt]
+    vehicles = [n for n in classes_with_gt if n in VEHICLE_CLASSES]
     return {
         "mAP": float(metrics.mean_ap),
         "NDS": float(metrics.nd_score),
@@ -126,7 +129,25 @@ def summarize(metrics, classes_with_gt: Iterable[str]) -> dict:
         "mAP_classes_with_gt": float(np.mean(present)) if present else 0.0,
         "classes_with_gt": classes_with_gt,
         "per_class": per_class,
+        "vehicles": {"classes": vehicles, **subset_scores(per_class, vehicles, metrics.cfg.mean_ap_weight)},
     }
+
+
+def subset_scores(per_class: dict, classes: Iterable[str], mean_ap_weight: float = 5.0) -> dict:
+    """mAP and NDS over a subset of the classes, by the devkit's formulas: mAP the mean of the classes' AP, each TP
+    error the mean over the classes where it is defined, NDS = (w mAP + sum of max(0, 1 - error)) / (w + 5)."""
+    classes = list(classes)
+    if not classes:
+        return {"mAP": 0.0, "NDS": 0.0, "tp_errors": {m: None for m in TP_ERRORS}}
+    mean_ap = float(np.mean([per_class[n]["AP"] for n in classes]))
+    errors = {}
+    for m in TP_ERRORS:
+        defined = [per_class[n][m] for n in classes if per_class[n][m] is not None]
+        errors[m] = float(np.mean(defined)) if defined else None
+    # A metric undefined for every class counts as the worst error (the devkit would give NaN).
+    tp_scores = [max(0.0, 1.0 - e) if e is not None else 0.0 for e in errors.values()]
+    return {"mAP": mean_ap, "NDS": (mean_ap_weight * mean_ap + sum(tp_scores)) / (mean_ap_weight + len(TP_ERRORS)),
+            "tp_errors": errors}
 
 
 def format_table(summary: dict) -> str:
@@ -146,6 +167,10 @@ def format_table(summary: dict) -> str:
     lines.append(f"mAP {summary['mAP']:.4f}, NDS {summary['NDS']:.4f} on {summary['eval_set']} "
                  f"({summary['num_samples']} samples); mAP over the {len(summary['classes_with_gt'])} classes with "
                  f"ground truth: {summary['mAP_classes_with_gt']:.4f}")
+    vehicles = summary.get("vehicles")
+    if vehicles and vehicles["classes"]:
+        lines.append(f"vehicles ({', '.join(vehicles['classes'])}): mAP {vehicles['mAP']:.4f}, NDS "
+                     f"{vehicles['NDS']:.4f}")
     return "\n".join(lines) + "\n"
 
 

@@ -129,6 +129,14 @@ class LogHook(Hook):
         self.writer.close()
 
 
+def detection_curve_point(summary: dict) -> dict:
+    """What the metrics file keeps of a detection evaluation (lss.engine.detection_eval.summarize): mAP, NDS, the
+    vehicle classes' mAP and NDS and every class's AP."""
+    vehicles = summary.get("vehicles", {})
+    return {"mAP": summary["mAP"], "NDS": summary["NDS"], "vehicle_mAP": vehicles.get("mAP"),
+            "vehicle_NDS": vehicles.get("NDS"), "AP": {n: row["AP"] for n, row in summary["per_class"].items()}}
+
+
 class EvalHook(Hook):
     """`eval_function()` (returning lss.engine.eval.evaluate's dict) every `period` steps and at the end; best.pt
     follows the mean IoU. Every rank runs it (evaluation sums over ranks); only rank 0 has a `writer`."""
@@ -143,8 +151,12 @@ class EvalHook(Hook):
         result = self.eval_function()
         self.last = result
         if self.writer is not None:
-            self.writer.write("val", trainer.step, {"iou": result["iou"], "mean_iou": result["mean_iou"],
-                                                    **({"timing": result["timing"]} if "timing" in result else {})})
+            values = {"iou": result["iou"], "mean_iou": result["mean_iou"]}
+            if "timing" in result:
+                values["timing"] = result["timing"]
+            if "detection" in result:
+                values["detection"] = detection_curve_point(result["detection"])
+            self.writer.write("val", trainer.step, values)
             tqdm.write(f"step {trainer.step}: val IoU " +
                        ", ".join(f"{c} {100 * v:.2f}" for c, v in result["iou"].items()))
         best = trainer.state.get("best_iou")

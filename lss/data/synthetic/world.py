@@ -292,6 +292,9 @@ def build_scene(index: int, name: str, location: Location, num_samples: int, see
     yaw_of = {1: road.heading, -1: road.heading + math.pi}
 
     def add_track(category, size, color, s, lat, rd, yaw, attrs):
+        if category == "vehicle.motorcycle":
+            # nuScenes gives cycles the rider attribute, never vehicle.moving/stopped (the detection metric's AAE)
+            attrs = ["cycle.with_rider"] * len(attrs)
         xy = rd.point(s, lat)
         agents.append(Agent(category, size, color, xy[..., 0], xy[..., 1], np.broadcast_to(yaw, t.shape).copy(),
                             attrs))

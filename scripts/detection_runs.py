@@ -1,0 +1,198 @@
+"""Detection recipe runs for docs/detection.md: configs/synthetic_detection.yaml trained as parallel `lss train`
+processes on one synthetic set (same steps, same seed), the RoIAlign refinement on and off, and optionally the
+segmentation head alone on the same data. Each run evaluates every --eval-every steps (nuScenes DetectionEval and
+BEV IoU); this script collects the curves into detection_runs.json, detection_curve.png and a printed summary.
+
+    python scripts/detection_runs.py --data-dir data/benchmark_accuracy --out-dir /tmp/det --steps 2000
+    python scripts/detection_runs.py --quick --out-dir /tmp/det_quick   # a tiny CPU run of the same path
+
+A run still going at --run-timeout seconds is stopped (SIGINT, then SIGKILL); its last evaluation is reported and
+marked as such.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lss.benchmarks._runs import (SyntheticSet, child_env, ensure_synthetic_set, lss_command,  # noqa: E402
+                                  log_tail, read_jsonl)
+from lss.benchmarks.accuracy import BENCHMARK_SET, QUICK_OVERRIDES  # noqa: E402
+
+CONFIG = "configs/synthetic_detection.yaml"
+QUICK_SET = SyntheticSet("v1.0-trainval", scenes=2, samples_per_scene=4, image_size=(400, 225), seed=0)
+# name -> overrides of CONFIG; every run gets the same data, steps and seed
+RUNS = {
+    "refine_on": ("detection.refine=true",),
+    "refine_off": ("detection.refine=false",),
+    # the whole step as one CUDA graph (possible without the detection head): fast, so 3 workers keep up with it
+    "segmentation_alone": ("model.heads=[segmentation]", "data.detection_targets=false", "train.cuda_graph=true",
+                           "data.workers=3"),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", default="data/benchmark_accuracy")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--workers", type=int, default=6, help="data workers per run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", default="refine_on,refine_off", help=f"comma-separated, from {', '.join(RUNS)}")
+    p.add_argument("--run-timeout", type=float, default=None, help="seconds per run before it is stopped")
+    p.add_argument("--set", action="append", default=[], dest="overrides", help="extra override for every run")
+    p.add_argument("--quick", action="store_true", help="tiny CPU runs on a tiny generated set (tests the path)")
+    return p.parse_args(argv)
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = QUICK_SET if args.quick else BENCHMARK_SET
+    data_dir = Path(args.data_dir if not args.quick else out / "data")
+    gen_seconds = ensure_synthetic_set(data_dir, spec)
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise SystemExit(f"unknown run(s) {unknown}; expected names from {list(RUNS)}")
+    common = [f"data.dataroot={data_dir}", f"data.version={spec.version}", f"train.max_steps={args.steps}",
+              f"train.eval_every={args.eval_every}", f"train.ckpt_every={args.steps}", "train.viz_every=0",
+              f"train.seed={args.seed}", f"data.workers={args.workers}", "data.make_synthetic_if_missing=false"]
+    quick = list(QUICK_OVERRIDES) + ["train.log_every=1", "data.workers=0"] if args.quick else []
+    procs = {}
+    for name in names:
+        run_dir = out / "runs" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = lss_command("train", CONFIG, common + list(RUNS[name]) + quick + list(args.overrides), "--out",
+                          str(run_dir), "--overwrite")
+        log = (run_dir / "train.log").open("w")
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                        env=child_env(2 if args.quick else 4)), time.perf_counter(), log)
+        print(f"started {name}: {' '.join(cmd)}", flush=True)
+    results = {}
+    for name, (proc, started, log) in procs.items():
+        timed_out = False
+        left = None if args.run_timeout is None else max(1.0, args.run_timeout - (time.perf_counter() - started))
+        try:
+            proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        results[name] = collect(out / "runs" / name, proc.returncode, timed_out, time.perf_counter() - started)
+        if proc.returncode != 0 and not timed_out:
+            print(f"{name} failed (exit {proc.returncode}):\n{log_tail(out / 'runs' / name / 'train.log')}")
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.quick else "cpu"
+    summary = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+               "dataset": spec.describe(), "data_dir": str(data_dir), "generation_seconds": gen_seconds,
+               "config": CONFIG, "steps": args.steps, "eval_every": args.eval_every, "seed": args.seed,
+               "workers": args.workers, "overrides": list(args.overrides), "quick": args.quick, "runs": results}
+    (out / "detection_runs.json").write_text(json.dumps(summary, indent=1))
+    plot(summary, out / "detection_curve.png")
+    print(to_text(summary), flush=True)
+    return summary
+
+
+def collect(run_dir: Path, returncode: int, timed_out: bool, seconds: float) -> dict:
+    """Curves (every evaluation) and the last evaluation of one run directory."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    val = [r for r in rows if r.get("kind") == "val"]
+    train = [r for r in rows if r.get("kind") == "train"]
+    curve = [{"step": r["step"], "mean_iou": r.get("mean_iou"), "iou": r.get("iou"), **r.get("detection", {})}
+             for r in val]
+    final_path = run_dir / "final.json"
+    final = json.loads(final_path.read_text()) if final_path.is_file() else {}
+    detection = final.get("val", {}).get("detection")
+    return {"returncode": returncode, "timed_out": timed_out, "wall_seconds": round(seconds, 1),
+            "last_step": train[-1]["step"] if train else 0, "finished": final_path.is_file(), "curve": curve,
+            "detection": detection, "iou": final.get("val", {}).get("iou", curve[-1]["iou"] if curve else None)}
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    for name, run in summary["runs"].items():
+        seg = [p for p in run["curve"] if p.get("iou")]
+        if seg:
+            line, = axes[2].plot([p["step"] for p in seg], [100 * p["iou"].get("vehicle", float("nan")) for p in seg],
+                                 "o-", label=f"{name} vehicle")
+            axes[2].plot([p["step"] for p in seg], [100 * p["mean_iou"] for p in seg], "s:", color=line.get_color(),
+                         label=f"{name} mean")
+        points = [p for p in run["curve"] if p.get("mAP") is not None]
+        if not points:
+            continue
+        steps = [p["step"] for p in points]
+        for ax, key in ((axes[0], "vehicle"), (axes[1], "all")):
+            m = [p["vehicle_mAP"] if key == "vehicle" else p["mAP"] for p in points]
+            n = [p["vehicle_NDS"] if key == "vehicle" else p["NDS"] for p in points]
+            line, = ax.plot(steps, m, "o-", label=f"{name} mAP")
+            ax.plot(steps, n, "s--", color=line.get_color(), label=f"{name} NDS")
+    axes[0].set_title("vehicle classes with ground truth")
+    axes[1].set_title("all 10 classes (official mAP / NDS)")
+    axes[2].set_title("BEV segmentation IoU % at 0.5 (joint and alone)")
+    for ax in axes:
+        ax.set_xlabel("training step")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ds = summary["dataset"]
+    fig.suptitle(f"{summary['config']} on synthetic {ds['version']} ({ds['scenes']} scenes x "
+                 f"{ds['samples_per_scene']}, seed {ds['seed']}); {summary['device']}, {summary['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def to_text(summary: dict) -> str:
+    lines = [f"detection runs: {summary['device']} {summary['date']}, {summary['steps']} steps, seed "
+             f"{summary['seed']}, set {summary['dataset']}"]
+    for name, run in summary["runs"].items():
+        status = "finished" if run["finished"] else ("stopped at the time limit" if run["timed_out"] else
+                                                     f"failed (exit {run['returncode']})")
+        lines.append(f"{name}: {status}, last step {run['last_step']}, {run['wall_seconds']} s")
+        for p in run["curve"]:
+            det = "" if p.get("mAP") is None else (
+                f" mAP {p['mAP']:.4f} NDS {p['NDS']:.4f} vehicles mAP {p['vehicle_mAP']:.4f} NDS "
+                f"{p['vehicle_NDS']:.4f}")
+            iou = " ".join(f"{c} {100 * v:.2f}" for c, v in (p.get("iou") or {}).items())
+            lines.append(f"  step {p['step']}:{det} | IoU {iou}")
+        det = run["detection"]
+        if det:
+            lines.append("  AP " + ", ".join(f"{n} {row['AP']:.3f}" for n, row in det["per_class"].items()
+                                             if row["has_ground_truth"]))
+            lines.append("  TP errors (vehicles) " + ", ".join(
+                f"{k} {v:.3f}" for k, v in det["vehicles"]["tp_errors"].items() if v is not None))
+    alone = summary["runs"].get("segmentation_alone", {}).get("curve") or []
+    for name, run in summary["runs"].items():
+        common = {p["step"]: p for p in alone} if name != "segmentation_alone" else {}
+        both = [p for p in run["curve"] if p["step"] in common and p.get("iou")]
+        if both:
+            p, q = both[-1], common[both[-1]["step"]]
+            lines.append(f"segmentation {name} minus alone at step {p['step']}: vehicle IoU "
+                         f"{100 * (p['iou']['vehicle'] - q['iou']['vehicle']):+.2f}, mean IoU "
+                         f"{100 * (p['mean_iou'] - q['mean_iou']):+.2f} points")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run_all(parse_args())
