@@ -182,14 +182,16 @@ def test_cuda_matches_cpu_across_word_and_band_boundaries(n, extent):
                                        (100000, 10)])
 @pytest.mark.parametrize("extent", [30.0, 1000.0])
 def test_cuda_batched_nms_class_grouping_matches_cpu(n, classes, extent):
-    # The CUDA batched_nms groups boxes by class and skips tiles and words of other classes: class runs that start
-    # and end inside words, strips and bands, classes of a single box, labels that are not 0..C-1.
+    # Many classes against torchvision's per-class NMS: class runs that start and end inside words, strips and bands,
+    # classes of a single box, labels that are not 0..C-1.
     boxes, scores = random_boxes(n, seed=n + classes, extent=extent)
     gen = torch.Generator().manual_seed(classes)
     idxs = torch.randint(0, classes, (n,), generator=gen) * 3 - 5
     idxs[torch.randperm(n, generator=gen)[:3]] = 10**6 + torch.arange(3)  # three classes of one box each
+    # torch.rand repeats values among 20000 draws, and torchvision orders equal scores arbitrarily: distinct scores.
+    scores = (torch.randperm(n, generator=gen) + 1).float() / n
     got = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5)
-    # Distinct scores: torchvision's result (by decreasing score) is the same list.
+    # With distinct scores torchvision's result (by decreasing score) is the same list.
     want = torchvision.ops.batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
     assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
     if n > 20000:

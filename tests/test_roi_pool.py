@@ -273,8 +273,9 @@ def test_cuda_graph_capture_pools_bad_rois_to_zeros(channels_last):
     torch.cuda.synchronize()
     torch.testing.assert_close(out[:1], expected, atol=0, rtol=0)
     assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+    assert torch.equal(roi_pool(x, rois, 2), out)  # an eager CUDA call does not read the error flag by default
     with pytest.raises(ValueError, match="must be finite; roi 2 is"):
-        roi_pool(x, rois, 2)
+        roi_pool(x, rois, 2, validate=True)
 
 
 def test_module_repr():
