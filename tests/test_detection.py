@@ -448,10 +448,10 @@ def test_full_model_lowers_the_detection_loss_on_a_tiny_set(synthetic_root):
     model, criterion = build_model(config).train(), TotalLoss(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     first_stage = []
-    for _ in range(20):
+    for _ in range(30):
         losses = criterion(model(batch), batch)
         first_stage.append(float(losses["loss/det_heatmap"] + losses["loss/det_regression"]))
         optimizer.zero_grad()
         losses["loss"].backward()
         optimizer.step()
-    assert first_stage[-1] < 0.5 * first_stage[0], first_stage
+    assert max(first_stage[-3:]) < 0.5 * first_stage[0], first_stage
