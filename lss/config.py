@@ -62,7 +62,8 @@ class DataConfig:
     visibility_mask: bool = False
     detection_targets: bool = False
     depth_targets: bool = False  # per camera feature cell: depth bin of the nearest LIDAR_TOP return (docs/training.md)
-    workers: int = 4
+    # loader processes per rank; "auto": min(12, this rank's share of the CPUs - 2), at least 1
+    workers: Union[int, Literal["auto"]] = 4
     image_mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     image_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
@@ -211,7 +212,13 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], where)
+        for option in inner:  # the first type that takes the value
+            try:
+                return _convert(value, option, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}={value!r}: expected " + " or ".join(_type_name(a) if typing.get_origin(a)
+                          is not Literal else _allowed(typing.get_args(a)) for a in inner))
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping for section {tp.__name__}, got {value!r}")
@@ -319,7 +326,8 @@ def validate(cfg: Config) -> Config:
     _check(0 < data.bev_scale_lim[0] <= data.bev_scale_lim[1],
            f"data.bev_scale_lim={list(data.bev_scale_lim)}: expected [min, max] with 0 < min <= max (1.0: no scaling)")
     _check(len(data.classes) > 0, "data.classes is empty: expected at least one class, e.g. [vehicle]")
-    _at_least(data, "data", ("min_lidar_pts", "workers"), 0)
+    _at_least(data, "data", ("min_lidar_pts",), 0)
+    _check(data.workers == "auto" or data.workers >= 0, f"data.workers={data.workers}: expected >= 0 or auto")
     _check(0 <= data.min_visibility <= MAX_VISIBILITY,
            f"data.min_visibility={data.min_visibility}: expected 0 to {MAX_VISIBILITY} (the nuScenes visibility "
            "levels; 0 keeps every box)")

@@ -296,3 +296,20 @@ def test_a_yaml_syntax_error_is_one_line_with_the_position(tmp_path):
     with pytest.raises(ConfigError, match=rf"config file {path} is not valid YAML: .*line \d+, column \d+") as e:
         load_config(path)
     assert "\n" not in str(e.value)
+
+
+def test_auto_loader_workers_follow_the_cpus_and_ranks(monkeypatch):
+    from lss.engine import build
+
+    cfg = load_config(None, ["data.workers=auto"])
+    assert cfg.data.workers == "auto" and load_config(None, ["data.workers=3"]).data.workers == 3
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert build.loader_workers(cfg) == 12
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two torchrun ranks share the 16 CPUs
+    assert build.loader_workers(cfg) == 6
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert build.loader_workers(cfg) == 1  # never none: a 2-core machine still loads in a worker
+    with pytest.raises(ConfigError, match=r"data.workers='many': expected int or 'auto'"):
+        load_config(None, ["data.workers=many"])

@@ -136,7 +136,7 @@ def loader_rate(config: str, overrides: list[str], device: torch.device, batches
     """Batches/s of the training loader alone (dataset, sampler, workers and pinning as the trainer builds them),
     after every worker has delivered a first batch; returns (rate, workers)."""
     from lss.config import load_config
-    from lss.engine.build import StreamSampler, build_dataset, build_loader
+    from lss.engine.build import StreamSampler, build_dataset, build_loader, loader_workers
     from lss.engine.distributed import EpochSampler
 
     cfg = load_config(resolve_config(config), overrides)
@@ -145,14 +145,14 @@ def loader_rate(config: str, overrides: list[str], device: torch.device, batches
     sampler = StreamSampler(EpochSampler(len(dataset), shuffle=True, seed=t.seed), t.batch_size)
     loader = build_loader(cfg, dataset, sampler, t.batch_size, True, device, t.seed)
     stream = iter(loader)
-    for _ in range(max(2 * cfg.data.workers, 1)):
+    for _ in range(max(2 * loader_workers(cfg), 1)):
         next(stream)
     start = time.perf_counter()
     for _ in range(batches):
         next(stream)
     rate = batches / (time.perf_counter() - start)
     del stream
-    return rate, cfg.data.workers
+    return rate, loader_workers(cfg)
 
 
 def step_impl(cfg, device: torch.device) -> str:

@@ -124,13 +124,24 @@ def ensure_dataset(cfg: Config, dist_info: Optional[DistInfo] = None) -> None:
         barrier(dist_info)
 
 
+def loader_workers(cfg: Config) -> int:
+    """data.workers, with "auto" resolved on this machine: this rank's share of the usable CPUs (torchrun's
+    LOCAL_WORLD_SIZE ranks share the host) less 2 for the training process and the pinning thread, at most 12 (the
+    loop keeps up with the captured step at 12 on a 16-core H100 machine, docs/benchmarks.md), at least 1."""
+    if cfg.data.workers != "auto":
+        return cfg.data.workers
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    return max(1, min(12, cpus // ranks - 2))
+
+
 def build_loader(cfg: Config, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool,
                  device: torch.device, seed: int, persistent: bool = False,
                  collate_fn: Callable = collate) -> DataLoader:
     """A loader of `dataset` in `sampler`'s order with data.workers workers. `persistent`: keep the worker processes
     from epoch to epoch (the training loader: starting them again every epoch stalls training on small sets, whose
     epochs last seconds)."""
-    workers = cfg.data.workers
+    workers = loader_workers(cfg)
     # an own generator keeps the loaders from drawing on the global RNG (resume then continues the same stream)
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate_fn,
