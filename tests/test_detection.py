@@ -164,6 +164,7 @@ def test_second_stage_gradients_reach_bev_features_through_roi_align(device):
 def test_head_losses_train_end_to_end():
     torch.manual_seed(0)
     config = Config()
+    config.detection.refine = True
     config.grid.xbound, config.grid.ybound = (-16.0, 16.0, 0.5), (-16.0, 16.0, 0.5)
     head = DetectionHead(16, config)
     features = torch.randn(2, 16, 64, 64, requires_grad=True)
@@ -193,6 +194,7 @@ def test_head_losses_train_end_to_end():
 def test_head_forward_sees_features_only_and_scores_extra_proposals_by_its_heatmap():
     torch.manual_seed(0)
     config = Config()
+    config.detection.refine = True
     config.grid.xbound, config.grid.ybound = (-16.0, 16.0, 0.5), (-16.0, 16.0, 0.5)
     head = DetectionHead(16, config).train()
     features = torch.randn(2, 16, 64, 64)
@@ -221,6 +223,7 @@ def test_head_overfits_one_sample():
     config = Config()
     config.grid.xbound, config.grid.ybound = (-8.0, 8.0, 0.5), (-8.0, 8.0, 0.5)
     config.detection.head_channels = 16
+    config.detection.refine = True
     config.detection.refine_hidden = 32
     config.detection.refine_proposals = 16
     head = DetectionHead(8, config)
@@ -397,7 +400,8 @@ def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
             "train.eval_every=2", "train.viz_every=2", "train.ckpt_every=2", "train.log_every=1",
             "train.device=cpu", "eval.batch_size=2", "viz.num=1", "viz.gif=false",
             "model.heads=[segmentation, detection]", "data.detection_targets=true", "detection.head_channels=8",
-            "detection.refine_hidden=16", "detection.refine_proposals=8", f"data.dataroot={synthetic_root}"]
+            "detection.refine=true", "detection.refine_hidden=16", "detection.refine_proposals=8",
+            f"data.dataroot={synthetic_root}"]
     run = tmp_path / "run"
     result = demo(overrides=tiny, out_dir=str(run))
     losses = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

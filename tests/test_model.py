@@ -103,8 +103,8 @@ def test_depth_logits_are_exposed_and_the_depth_loss_trains_the_camera_encoder()
 
 
 def test_training_forward_with_and_without_ground_truth_boxes():
-    cfg = tiny_cfg("model.heads=[segmentation, detection]", "detection.head_channels=8", "detection.refine_hidden=16",
-                   "detection.refine_proposals=4")
+    cfg = tiny_cfg("model.heads=[segmentation, detection]", "detection.head_channels=8", "detection.refine=true",
+                   "detection.refine_hidden=16", "detection.refine_proposals=4")
     model = LiftSplatShoot(cfg).train()
     batch = rig_batch(cfg)
     out = model(batch)  # no det_boxes: the second stage sees the first-stage proposals only

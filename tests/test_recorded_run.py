@@ -15,7 +15,7 @@ TINY = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=
         "train.eval_every=4", "train.viz_every=0", "train.ckpt_every=4", "train.log_every=1",
         "train.device=cpu", "train.deterministic=true", "eval.batch_size=2",
         "model.heads=[segmentation, detection]", "data.detection_targets=true", "detection.head_channels=8",
-        "detection.refine_hidden=16", "detection.refine_proposals=8", "data.depth_targets=true",
+        "detection.refine=true", "detection.refine_hidden=16", "detection.refine_proposals=8", "data.depth_targets=true",
         "loss.depth_weight=1.0"]
 
 # metrics.jsonl of this run, recorded on CPU (torch 2.14.1) with the code as it stood on 2026-11-24 before the move
