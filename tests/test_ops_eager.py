@@ -75,3 +75,18 @@ def test_compiled_forward_backward_matches_eager(name):
     got = torch.autograd.grad(compiled(), inputs)  # the backward graph AOTAutograd traced through the C++ autograd
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@needs_ext
+def test_host_overhead_script_times_every_op_against_torchvision():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "host_overhead.py"
+    out = subprocess.run([sys.executable, str(script), "--calls", "20"], capture_output=True, text=True,
+                         check=True).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "call" not in line]
+    assert [r[0].strip() for r in rows] == ["roi_pool fwd", "roi_pool fwd+bwd", "roi_align fwd", "roi_align fwd+bwd",
+                                            "nms", "batched_nms"]
+    assert all(float(v) > 0 for r in rows for v in r[1:])
