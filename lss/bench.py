@@ -26,13 +26,16 @@ class BenchContext:
         """Median milliseconds of `fn()` over `reps` runs after `warmup` runs."""
         if self.quick:
             warmup, reps = min(warmup, 2), min(reps, 5)
+        fn()  # the cold call (lazy kernel loading, allocator growth, autotuning) decides nothing
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if time.perf_counter() - t0 > 0.05:  # a slow peer: a few repetitions give its median well enough
-            warmup, reps = 1, min(reps, 3)
-        for _ in range(warmup - 1):
+            warmup, reps = 2, min(reps, 3)
+        for _ in range(warmup - 2):
             fn()
         times = []
         if self.device.type == "cuda":

@@ -304,3 +304,22 @@ def test_the_static_buffer_step_stops_at_a_nan_loss_before_the_next_update(tmp_p
     with pytest.raises(FloatingPointError, match="loss is nan at step 3 "):
         trainer.fit()
     assert trainer.step == 3 and model.calls == 4  # step 4 was never run
+
+
+def test_bench_timer_is_not_fooled_by_a_slow_cold_call():
+    # A fast op whose first call is slow (lazy kernel loading) gets the full repetitions; a slow op gets a few.
+    import time
+
+    from lss.bench import BenchContext
+
+    ctx, calls = BenchContext(torch.device("cpu")), []
+
+    def cold_then_fast():
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.1)
+
+    assert ctx.time(cold_then_fast, warmup=10, reps=50) < 5.0 and len(calls) == 60
+    calls.clear()
+    assert ctx.time(lambda: (calls.append(1), time.sleep(0.06)), warmup=10, reps=50) >= 60.0
+    assert len(calls) == 5  # the cold call, the timed check, 3 repetitions
