@@ -138,7 +138,7 @@ def cmd_export(args) -> int:
     done = export_checkpoint(cfg, args.ckpt, args.out, rig_file=args.rig, rig_sample=args.rig_sample,
                              rig_inputs=args.rig_inputs, splat=args.bev_pool, opset=args.opset,
                              resize_mode=args.resize_mode)
-    rig_note = "rig inputs" if args.rig_inputs else f"fixed rig in {done['path'].with_suffix('.rig.json')}"
+    rig_note = "rig inputs" if done["rig_path"] is None else f"fixed rig in {done['rig_path']}"
     print(f"wrote {done['path']} (opset {args.opset}, bev_pool {args.bev_pool}, {rig_note}, Resize mode "
           f"{done['resize_mode']}; trained with {done['upsample_mode']})")
     if not args.check:

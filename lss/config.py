@@ -376,7 +376,7 @@ def validate(cfg: Config) -> Config:
     _check(0 < cfg.optim.lr < math.inf, f"optim.lr={cfg.optim.lr}: expected a finite value > 0")
     _check(0 <= cfg.optim.weight_decay < math.inf,
            f"optim.weight_decay={cfg.optim.weight_decay}: expected a finite value >= 0")
-    _at_least(cfg.optim, "optim", ("weight_decay", "grad_clip", "warmup_steps"), 0)
+    _at_least(cfg.optim, "optim", ("grad_clip", "warmup_steps"), 0)
 
     _check(t.grad_accum >= 1 and t.batch_size >= 1 and t.max_steps >= 1,
            "train.batch_size, train.grad_accum and train.max_steps must be >= 1, got "

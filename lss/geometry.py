@@ -334,7 +334,7 @@ class FrustumLUT:
         index tensors 1-D int32/int64 of one dtype and device with P, P and cells + 1 elements; cell_start
         non-decreasing from 0 to at most P; sorted_points in [0, P); point_cell -1 or in [0, cells); and the three
         describing the same assignment of points to cells. Raises ValueError naming the field, the bad value and
-        the valid range. Synchronises with the device once (more only to describe an error). Returns self."""
+        the valid range. Synchronises with the device twice (more only to describe an error). Returns self."""
         for name in ("B", "N", "D", "fH", "fW", "nz", "nx", "ny"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

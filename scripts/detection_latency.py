@@ -22,7 +22,8 @@ sys.path.insert(0, str(REPO))
 
 from lss.config import load_config  # noqa: E402
 from lss.data import collate  # noqa: E402
-from lss.engine.build import build_autocast, build_dataset, build_model, load_for_inference, to_device  # noqa: E402
+from lss.engine.build import (build_autocast, build_dataset, build_model, load_for_inference, select_device,  # noqa: E402
+                              to_device)
 from lss.models.heads.detection import decode_detections, propose  # noqa: E402
 
 CONFIG = "configs/synthetic_detection.yaml"
@@ -65,9 +66,8 @@ def main(argv=None) -> dict:
             if ckpt:
                 model, _ = load_for_inference(cfg, ckpt)
             else:
-                model = build_model(cfg).eval()
+                model = build_model(cfg).to(select_device(cfg)).eval()
             device = next(model.parameters()).device
-            model.to(device)
             autocast = build_autocast(cfg, device)
             dataset = build_dataset(cfg, cfg.data.val_split, is_train=False)
             batch = to_device(collate([dataset[0]]), device)

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lss.benchmarks._runs import (SyntheticSet, child_env, ensure_synthetic_set, lss_command,  # noqa: E402
-                                  log_tail, read_jsonl)
+                                  log_tail, read_jsonl, stop)
 from lss.benchmarks.accuracy import BENCHMARK_SET, QUICK_OVERRIDES  # noqa: E402
 
 CONFIG = "configs/synthetic_detection.yaml"
@@ -55,10 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_all(args: argparse.Namespace) -> dict:
-    out = Path(args.out_dir)
+    out = Path(args.out_dir).resolve()  # the runs start in the repository root
     out.mkdir(parents=True, exist_ok=True)
     spec = QUICK_SET if args.quick else BENCHMARK_SET
-    data_dir = Path(args.data_dir if not args.quick else out / "data")
+    data_dir = Path(args.data_dir if not args.quick else out / "data").resolve()
     gen_seconds = ensure_synthetic_set(data_dir, spec)
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
@@ -86,12 +86,7 @@ def run_all(args: argparse.Namespace) -> dict:
             proc.wait(timeout=left)
         except subprocess.TimeoutExpired:
             timed_out = True
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, signal.SIGINT, 20)
         log.close()
         results[name] = collect(out / "runs" / name, proc.returncode, timed_out, time.perf_counter() - started)
         if proc.returncode != 0 and not timed_out:

@@ -76,6 +76,17 @@ def child_env(threads: int) -> dict:
     return env
 
 
+def stop(proc: subprocess.Popen, sig: int, grace: float) -> None:
+    """Send `sig` to a child run (SIGABRT: it prints every thread's stack; SIGINT: it stops as on Ctrl-C), give it
+    `grace` seconds to end, then kill it."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Records of a metrics.jsonl file; a line cut short by a killed run is skipped."""
     rows = []

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from lss.benchmarks._runs import (SyntheticSet, child_env, ensure_synthetic_set, log_tail, lss_command,
-                                  read_jsonl, resolve_config)
+                                  read_jsonl, resolve_config, stop)
 from lss.benchmarks.accuracy import QUICK_OVERRIDES, QUICK_SET
 
 LOOP_SET = SyntheticSet("v1.0-mini", scenes=4, samples_per_scene=20, image_size=(1600, 900), seed=0)
@@ -58,16 +58,6 @@ def child_env_with_stacks() -> dict:
     return dict(child_env(os.cpu_count() or 1), PYTHONFAULTHANDLER="1")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGABRT (the child prints every thread's stack), then kill."""
-    proc.send_signal(signal.SIGABRT)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def watch_train(cmd: list[str], run_dir: Path, timeout: float) -> tuple[float, dict[int, float], int]:
     """Run `cmd`, noting when each "train" record of run_dir/metrics.jsonl appears (seconds after the spawn).
     Returns (total seconds, step -> seconds seen, exit code)."""
@@ -85,7 +75,7 @@ def watch_train(cmd: list[str], run_dir: Path, timeout: float) -> tuple[float, d
             if code is not None:
                 return now, seen, code
             if now > timeout:
-                stop(proc)
+                stop(proc, signal.SIGABRT, 5)
                 return now, seen, -9
             time.sleep(POLL_S)
 
@@ -208,8 +198,8 @@ def eval_rate(config: str, overrides: list[str], ckpt: Path, out: Path, timeout:
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        stop(proc)
-        output = proc.stdout.read() if proc.stdout else ""
+        stop(proc, signal.SIGABRT, 5)
+        output, _ = proc.communicate()  # what communicate() had read before the timeout, and the rest
         raise RuntimeError(f"`{shlex.join(cmd)}` ran past {timeout:.0f} s:\n{output[-3000:]}") from None
     wall = time.perf_counter() - start
     if proc.returncode != 0:

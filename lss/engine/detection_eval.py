@@ -33,7 +33,7 @@ SUBMISSION_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "
 def default_attribute(name: str, speed: float) -> str:
     """The attribute the evaluation scores (AAE) for a class, from the predicted speed (m/s)."""
     moving = bool(speed > _MOVING_SPEED)
-    if name in ("car", "truck", "bus", "trailer", "construction_vehicle"):
+    if name in VEHICLE_CLASSES:
         return "vehicle.moving" if moving else "vehicle.parked"
     if name == "pedestrian":
         return "pedestrian.moving" if moving else "pedestrian.standing"

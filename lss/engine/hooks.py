@@ -111,7 +111,7 @@ class LogHook(Hook):
     """A "train" record every `period` steps, with `elapsed`: seconds since `started` (time.perf_counter() when
     train() was called, so the record shows the time to the first step, start-up included). After the first step
     also a "startup" record: {"phases": the trainer's start-up phases, each the seconds since train() was called
-    when it ended}. Reading the step's loss terms waits for the step (lss.engine.train.StepLogs): only at the
+    when it ended}. Reading the step's loss terms waits for the step (StepLogs): only at the
     period."""
 
     def __init__(self, period: int, writer: MetricsWriter, started: float):

@@ -24,6 +24,7 @@ class IoUMeter:
         shape = (len(self.thresholds), len(self.classes))
         self.intersection = torch.zeros(shape, dtype=torch.float64)
         self.union = torch.zeros(shape, dtype=torch.float64)
+        self._cut: Optional[torch.Tensor] = None  # thresholds as a T x 1 x 1 x 1 x 1 tensor beside the counts
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -32,11 +33,13 @@ class IoUMeter:
                              f"both be B x {len(self.classes)} x nx x ny")
         probs = logits.float().sigmoid()
         truth = targets > 0.5
-        thresholds = torch.tensor(self.thresholds, device=probs.device).view(-1, 1, 1, 1, 1)
-        pred = probs.unsqueeze(0) > thresholds  # T x B x K x nx x ny
-        dims = (1, 3, 4)
         if self.intersection.device != probs.device:  # count where the predictions are: no host sync per batch
             self.intersection, self.union = self.intersection.to(probs.device), self.union.to(probs.device)
+            self._cut = None
+        if self._cut is None:  # the thresholds on the counts' device, copied there once
+            self._cut = torch.tensor(self.thresholds, device=probs.device).view(-1, 1, 1, 1, 1)
+        pred = probs.unsqueeze(0) > self._cut  # T x B x K x nx x ny
+        dims = (1, 3, 4)
         self.intersection += (pred & truth).sum(dim=dims).double()
         self.union += (pred | truth).sum(dim=dims).double()
 
@@ -46,7 +49,8 @@ class IoUMeter:
             for counts in (self.intersection, self.union):
                 buf = counts.to(_collective_device())
                 dist.all_reduce(buf)
-                counts.copy_(buf)
+                if buf is not counts:
+                    counts.copy_(buf)
 
     def compute(self) -> dict:
         self.intersection, self.union = self.intersection.cpu(), self.union.cpu()

@@ -256,8 +256,8 @@ class Trainer:
         if not bool(torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()):
             raise FloatingPointError(
                 f"weights are not finite after step {self.step}; {path} was not written and {self._on_disk(name)}"
-                f"{' (the last good checkpoint is kept)' if name in self.saved else ''}. Lower optim.lr (now {self.cfg.optim.lr:g}) or set optim.grad_clip, "
-                f"check the data, then {self._continue_hint()}")
+                f"{' (the last good checkpoint is kept)' if name in self.saved else ''}. Lower optim.lr (now "
+                f"{self.cfg.optim.lr:g}) or set optim.grad_clip, check the data, then {self._continue_hint()}")
         if self.dist.is_main:
             try:
                 ckpt_io.save_checkpoint(path, self.model, self.step, self.cfg, self.optimizer, self.scheduler,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lss.config import Config
-from lss.errors import ArgumentError, CheckpointError
+from lss.errors import ArgumentError
 from lss.export.graph import CUSTOM_DOMAIN, RIG_KEYS, DeployModel
 from lss.ops.upsample import MODES
 
@@ -135,15 +135,13 @@ def export_checkpoint(cfg: Config, ckpt: Union[str, Path], out: Union[str, Path]
                       rig_sample: int = 0, rig_inputs: bool = False, splat: str = "onnx",
                       opset: int = DEFAULT_OPSET, resize_mode: Optional[str] = None) -> dict:
     """`lss export`: load checkpoint `ckpt`, write `out` and, for a fixed rig, OUT.rig.json (the rig baked in).
-    Returns what the check needs: {"model" (PyTorch, CPU, eval), "path", "rig", "upsample_mode", "resize_mode"}."""
+    Returns what the check needs: {"model" (PyTorch, CPU, eval), "path", "rig", "rig_path" (None with rig inputs),
+    "upsample_mode", "resize_mode"}."""
     from lss.engine.checkpoint import load_checkpoint
     from lss.engine.eval import load_checkpoint_model
 
     check_options(opset, splat, rig_inputs, resize_mode)
     path = Path(ckpt)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist: pass the path of a checkpoint file, e.g. "
-                              "RUN_DIR/checkpoints/best.pt")
     trained = trained_upsample_mode(load_checkpoint(path), cfg)
     cfg = copy.deepcopy(cfg)
     cfg.model.upsample_mode = trained  # the network as it was trained; the Resize mode may differ (resize_mode)
@@ -153,6 +151,9 @@ def export_checkpoint(cfg: Config, ckpt: Union[str, Path], out: Union[str, Path]
         rig = read_rig(rig_file, len(cfg.data.cameras)) if rig_file else dataset_rig(cfg, rig_sample)
     out = export_model(model, out, cfg, rig=rig, rig_inputs=rig_inputs, splat=splat, opset=opset,
                        upsample_mode=trained, resize_mode=resize_mode)
+    rig_path = None
     if rig is not None:
-        write_rig(rig, out.with_suffix(".rig.json"))
-    return {"model": model, "path": out, "rig": rig, "upsample_mode": trained, "resize_mode": resize_mode or trained}
+        rig_path = out.with_suffix(".rig.json")
+        write_rig(rig, rig_path)
+    return {"model": model, "path": out, "rig": rig, "rig_path": rig_path, "upsample_mode": trained,
+            "resize_mode": resize_mode or trained}

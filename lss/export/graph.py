@@ -124,7 +124,6 @@ class DeployModel(nn.Module):
             return
         points = frustum_to_ego(self.frustum, *(rig[k].float()[None] for k in RIG_KEYS))
         lut = FrustumLUT.build(points, self.grid)
-        self.num_cameras = points.shape[1]
         if splat == "custom":
             self.register_buffer("sorted_points", lut.sorted_points, persistent=False)
             self.register_buffer("cell_start", lut.cell_start, persistent=False)

@@ -1,9 +1,8 @@
 """Roi format conversion and validation shared by roi_align and roi_pool."""
 from __future__ import annotations
 
-from typing import Sequence, Union
-
 import math
+from typing import Sequence, Union
 
 import torch
 

@@ -74,6 +74,11 @@ def _prepare_weight(op: str, weight: Optional[Tensor], logits: Tensor, name: str
     return weight
 
 
+def _is_index(targets: Tensor) -> bool:
+    """Class-index targets (integers), as opposed to dense float or bool targets of the logits' shape."""
+    return not (targets.is_floating_point() or targets.dtype == torch.bool)
+
+
 def _label_weight(weight: Tensor) -> Tensor:
     """mmcv's per-class sample weight as the kernels take it: C + 1 entries, entry C (background rows) equal to 1."""
     return torch.cat([weight, weight.new_ones(1)])
@@ -99,7 +104,7 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, r
         raise TypeError(f"{op}: targets must be a tensor, got {type(targets).__name__}")
     if targets.device != logits.device:
         raise ValueError(f"{op}: targets are on {targets.device} but logits are on {logits.device}")
-    if targets.is_floating_point() or targets.dtype == torch.bool:
+    if not _is_index(targets):
         if targets.shape != logits.shape:
             raise ValueError(
                 f"{op}: dense targets must have the logits' shape {tuple(logits.shape)}, got {tuple(targets.shape)} "
@@ -117,7 +122,7 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, r
         targets = targets.long()
         C = logits.shape[1]
         _check_class_range(op, targets, 0, C, f"[0, C] = [0, {C}] (C = background)")
-    index_targets = not (targets.is_floating_point() or targets.dtype == torch.bool)
+    index_targets = _is_index(targets)
     if weight is not None and not index_targets:
         raise ValueError(f"{op}: weight scales sample n by weight[targets[n]] (mmcv's meaning) and needs int64 "
                          "class-index targets; to weight the class columns of dense targets pass class_weight=")
@@ -208,7 +213,7 @@ def softmax_focal_loss(
     """
     op = "softmax_focal_loss"
     _check_common(op, logits, alpha, gamma, reduction)
-    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dtype == torch.bool:
+    if not isinstance(targets, Tensor) or not _is_index(targets):
         raise TypeError(f"{op}: targets must be an integer tensor of class indices (int64 N)")
     if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
         raise ValueError(
@@ -248,7 +253,7 @@ def sigmoid_focal_loss_reference(
 ) -> Tensor:
     """Pure-PyTorch `sigmoid_focal_loss` (same arguments and semantics), computed in float32 or float64."""
     if weight is not None:
-        if targets.is_floating_point() or targets.dtype == torch.bool:
+        if not _is_index(targets):
             raise ValueError("sigmoid_focal_loss: weight needs int64 class-index targets; use class_weight=")
         weight = _label_weight(weight)
     return _sigmoid_reference(inputs, targets, alpha, gamma, weight if weight is not None else class_weight,
@@ -259,7 +264,7 @@ def _sigmoid_reference(logits, targets, alpha, gamma, weight, reduction, mask):
     """The reference with the kernels' weight: C entries by column, or C + 1 by class-index target."""
     dtype = _compute_dtype(logits)
     x = logits.to(dtype)
-    index_targets = not (targets.is_floating_point() or targets.dtype == torch.bool)
+    index_targets = _is_index(targets)
     if index_targets:
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) > x.shape[1]):
             raise ValueError(f"sigmoid_focal_loss: class-index targets must lie in [0, C] = [0, {x.shape[1]}]")

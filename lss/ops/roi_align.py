@@ -25,7 +25,8 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     that many points per bin side; <= 0 uses ceil(roi size / output size). aligned=True shifts by half a pixel
     (pixel centres at +0.5, the detectron2 convention). mode "avg" equals torchvision.ops.roi_align; "max" takes
     the largest bilinear sample. spatial_scale must be finite and > 0 and sampling_ratio at most
-    lss.ops._roi.MAX_SAMPLING_RATIO (64), else ValueError. Accumulates in float32 (float64 for float64 input); no gradient for rois.
+    lss.ops._roi.MAX_SAMPLING_RATIO (64), else ValueError. Accumulates in float32 (float64 for float64 input); no
+    gradient for rois.
 
     validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N),
     which the forward kernel records. Reading that record is a host sync on CUDA: the host waits for the forward
