@@ -2,11 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
-import platform
-import shutil
-import subprocess
 import sys
 
 
@@ -43,6 +39,11 @@ def _sample_count(text: str) -> int:
 
 
 def cmd_env(args) -> int:
+    import importlib.metadata
+    import platform
+    import shutil
+    import subprocess
+
     import torch
 
     from lss.ops import _ext

@@ -1,9 +1,11 @@
 """train.cuda_graph: the captured training step gives the eager step's trajectory; its warm-up leaves no trace;
 configs it cannot serve are rejected with the setting to change; checkpoints stay portable between both kinds of
-run. CPU tests run the step eagerly on its static buffers (capture=False); the cuda-marked ones capture it."""
+run; the first call times its warm-up steps and the capture. CPU tests run the step eagerly on its static buffers
+(capture=False); the cuda-marked ones capture it."""
 import contextlib
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -68,6 +70,22 @@ def test_static_buffer_step_matches_eager_steps_bit_for_bit_on_cpu():
     assert step.graph is None and set(step.static) == set(_batches(cfg, "cpu", 1)[0])
 
 
+def test_the_first_call_times_each_warm_up_step():
+    cfg = tiny_cfg()
+    model, loss_fn, optimizer = _setup(cfg, "cpu")
+    step = GraphedTrainStep(model, loss_fn, optimizer, None, cfg.optim.grad_clip, warmup=3, capture=False)
+    a, b = _batches(cfg, "cpu", 2)
+    start = time.perf_counter()
+    step(a)
+    first_call = time.perf_counter() - start
+    assert list(step.setup_seconds) == ["warmup_step_1", "warmup_step_2", "warmup_step_3"]  # no capture on the CPU
+    assert all(s > 0 for s in step.setup_seconds.values())
+    assert sum(step.setup_seconds.values()) <= first_call  # the warm-up steps are parts of the first call
+    setup = dict(step.setup_seconds)
+    step(b)
+    assert step.setup_seconds == setup  # later calls add nothing
+
+
 def test_batches_that_do_not_fit_the_static_buffers_are_rejected():
     cfg = tiny_cfg()
     model, loss_fn, optimizer = _setup(cfg, "cpu")
@@ -128,6 +146,8 @@ def test_captured_step_follows_the_eager_trajectory_on_cuda():
     cfg = tiny_cfg()
     eager, graphed, pa, pb, step = _run_both(cfg, "cuda", 4, True, torch.bfloat16)
     assert step.graph is not None
+    assert list(step.setup_seconds) == ["warmup_step_1", "warmup_step_2", "capture"]
+    assert all(s > 0 for s in step.setup_seconds.values())
     assert all(math.isfinite(v) for v in graphed)
     # the same kernels on the same inputs; cuDNN may pick other algorithms inside the capture
     for a, b in zip(eager, graphed):

@@ -1,8 +1,11 @@
 """The training loop's data stream and host syncs: batches across epochs as the per-epoch passes gave them (resume
 mid-epoch included), the captured step's values read only where needed, the start-up record, evaluation of a
-padded last batch, loader workers with one BLAS thread, and the train_loop benchmark's start-up rows."""
+padded last batch, loader workers with one BLAS thread, the train_loop benchmark's start-up rows, and what importing
+the trainer leaves out."""
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Mapping
 
 import pytest
@@ -103,6 +106,9 @@ class _FakeWriter:
     def write(self, kind, step, values):
         self.records.append((kind, step, json.loads(json.dumps(values))))
 
+    def close(self):
+        pass
+
 
 def test_the_log_hook_reads_the_losses_only_at_its_period_and_writes_the_startup_once(tmp_path):
     class FakeTrainer:
@@ -115,7 +121,8 @@ def test_the_log_hook_reads_the_losses_only_at_its_period_and_writes_the_startup
         trainer.step = step
         hook.after_step(trainer, _ReadRecorder(reads, loss=float(step)))
     assert reads == ["loss"] * 3  # steps 2, 4 and the last one, 5
-    assert writer.records[0] == ("startup", 1, {"phases": {"datasets": 0.5, "first_step": 1.25}})
+    assert writer.records[0] == ("startup", 1, {"phases": {"datasets": 0.5, "first_step": 1.25},
+                                                "first_step_detail": {}})
     assert [(k, s, v["loss"]) for k, s, v in writer.records[1:]] == [("train", 2, 2.0), ("train", 4, 4.0),
                                                                        ("train", 5, 5.0)]
 
@@ -134,6 +141,26 @@ def test_train_writes_its_startup_phases_in_order(tmp_path):
     times = [phases[p] for p in STARTUP_PHASES]
     assert times == sorted(times) and times[0] >= 0
     assert times[-1] <= next(r for r in records if r["kind"] == "train")["elapsed"]
+    assert startup[0]["first_step_detail"] == {}  # the eager step has no parts
+
+
+def test_the_startup_record_splits_the_first_static_buffer_step(tmp_path):
+    from lss.engine.graph_step import GraphedTrainStep
+
+    cfg = fake_cfg(tmp_path, "train.max_steps=2", "train.eval_every=0", "train.ckpt_every=0", "train.amp=none")
+    trainer = Trainer(cfg, FakeModel(), FakeBEVDataset(10), None, tmp_path, torch.device("cpu"), DistInfo())
+    trainer.graph_step = GraphedTrainStep(trainer.model, trainer.loss_fn, trainer.optimizer, None, 0.0, warmup=2,
+                                          capture=False)
+    writer = _FakeWriter()
+    trainer.register_hooks([LogHook(1, writer, trainer.started)])
+    trainer.fit()
+    startup = [values for kind, _, values in writer.records if kind == "startup"]
+    assert len(startup) == 1
+    phases, detail = startup[0]["phases"], startup[0]["first_step_detail"]
+    assert list(phases) == ["first_batch", "first_step"] and list(detail) == ["warmup_step_1", "warmup_step_2"]
+    assert all(s >= 0 for s in detail.values())
+    # each value is rounded to 1 ms: allow half a millisecond per rounded number
+    assert sum(detail.values()) <= phases["first_step"] - phases["first_batch"] + 0.0005 * (len(detail) + 2)
 
 
 class _BatchSizes(FakeModel):
@@ -200,6 +227,12 @@ def test_startup_rows_give_each_phase_its_own_time():
                                                "phases": {"datasets": 1.0, "model": 1.5, "first_step": 4.0}}]
     rows = startup_rows("c", records, train_call_s=2.0)
     assert [r["impl"] for r in rows] == ["startup: datasets", "startup: model", "startup: first_step"]
+    records[1]["first_step_detail"] = {"warmup_step_1": 1.5, "warmup_step_2": 0.25, "capture": 0.5}
+    parts = startup_rows("c", records, train_call_s=2.0)[3:]  # after the first_step row (2.5 s)
+    assert [(r["impl"], r["ms"]) for r in parts] == [
+        ("startup: first_step: warmup_step_1", 1500.0), ("startup: first_step: warmup_step_2", 250.0),
+        ("startup: first_step: capture", 500.0), ("startup: first_step: rest", 250.0)]
+    assert "cuDNN autotuning" in parts[0]["notes"] and "60 % of the first step" in parts[0]["notes"]
     assert [r["ms"] for r in rows] == pytest.approx([1000.0, 500.0, 2500.0])
     assert rows[-1]["notes"] == "done 6.00 s after process start"
     assert startup_rows("c", records[:1], None)[0]["notes"] == "metrics.jsonl has no startup record"
@@ -323,3 +356,26 @@ def test_bench_timer_is_not_fooled_by_a_slow_cold_call():
     calls.clear()
     assert ctx.time(lambda: (calls.append(1), time.sleep(0.06)), warmup=10, reps=50) >= 60.0
     assert len(calls) == 5  # the cold call, the timed check, 3 repetitions
+
+
+def test_importing_the_trainer_and_the_cli_leaves_out_what_training_does_not_need_yet(tmp_path):
+    code = f"""
+import sys
+from pathlib import Path
+import lss.cli
+assert [m for m in ("torch", "importlib.metadata", "subprocess") if m in sys.modules] == [], "lss.cli"
+import lss.engine.train
+heavy = ("matplotlib", "nuscenes", "scipy", "sklearn", "shapely", "tensorboard", "torch.utils.tensorboard", "onnx",
+         "onnxruntime", "lss.viz", "lss.export", "lss.benchmarks")
+assert [m for m in heavy if m in sys.modules] == [], [m for m in heavy if m in sys.modules]
+from lss.engine.hooks import MetricsWriter
+writer = MetricsWriter(Path({str(tmp_path)!r}), None)
+assert "torch.utils.tensorboard" not in sys.modules, "tensorboard before the first record"
+writer.write("train", 1, {{"loss": 1.0}})
+writer.close()
+assert "torch.utils.tensorboard" in sys.modules
+print("clean")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr[-2000:]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

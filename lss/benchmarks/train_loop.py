@@ -3,13 +3,14 @@
 Rows: time from process start to the first completed step (the wrapper's spawn time to the first "train" record of
 metrics.jsonl, split at train()'s call by the record's `elapsed`), then one "startup:" row per start-up phase (from
 the "startup" record the trainer writes: datasets, model, trainer, workers, writer, first_batch, first_step; ms is
-the phase's own duration) and the import time of the trainer's modules in a fresh process; steps/s of the loop in
-steady state (from `elapsed` of later records; from the times the wrapper saw the records appear where `elapsed` is
-missing), steps/s of the training loader alone (the same dataset, sampler and workers, no model: above the loop's
-rate the loop is bound by the step, near it by the data), steps/s of the step alone at the same config
-(lss.benchmarks.train_step's step on random batches of the same shape), their ratio, and validation samples/s of
-`lss eval` on the training split (more batches than the small val split; the rate after the first batch, from the
-"timing" of eval.json).
+the phase's own duration; with train.cuda_graph also one "startup: first_step: <part>" row per part of the first
+step: each warm-up step, the capture and the rest) and the import time of the trainer's modules in a fresh process
+(its notes: the longest imports by package); steps/s of the loop in steady state (from `elapsed` of later records;
+from the times the wrapper saw the records appear where `elapsed` is missing), steps/s of the training loader alone
+(the same dataset, sampler and workers, no model: above the loop's rate the loop is bound by the step, near it by
+the data), steps/s of the step alone at the same config (lss.benchmarks.train_step's step on random batches of the
+same shape), their ratio, and validation samples/s of `lss eval` on the training split (more batches than the small
+val split; the rate after the first batch, from the "timing" of eval.json).
 
 A run past its time limit gets SIGABRT first, so that the log (train.log / the eval row) ends with the Python stack
 of every thread (PYTHONFAULTHANDLER): where it hung.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -101,7 +103,8 @@ def loop_rates(records: list[dict], seen: dict[int, float]) -> dict:
 
 def startup_rows(case: str, records: list[dict], train_call_s: Optional[float]) -> list[dict]:
     """One row per start-up phase of the "startup" record (ms: the phase alone; notes: seconds since the process
-    started, where the wrapper knows when train() was called, else since train() was called)."""
+    started, where the wrapper knows when train() was called, else since train() was called), the first step's
+    parts after its row."""
     startup = next((r for r in records if r.get("kind") == "startup"), None)
     if startup is None:
         return [{"case": case, "impl": "startup", "ms": None, "notes": "metrics.jsonl has no startup record"}]
@@ -111,8 +114,34 @@ def startup_rows(case: str, records: list[dict], train_call_s: Optional[float]) 
         at = phases[name]
         rows.append({"case": case, "impl": f"startup: {name}", "ms": 1e3 * (at - before),
                      "notes": f"done {base + at:.2f} s after {since}"})
+        if name == "first_step":
+            rows += first_step_rows(case, startup.get("first_step_detail") or {}, at - before)
         before = at
     return rows
+
+
+def first_step_rows(case: str, detail: dict[str, float], first_step_s: float) -> list[dict]:
+    """One row per part of the first step (the startup record's first_step_detail), then the rest of it."""
+    if not detail:
+        return []
+    rows = [{"case": case, "impl": f"startup: first_step: {part}", "ms": 1e3 * seconds,
+             "notes": f"{first_step_part(part)}, {100 * seconds / max(first_step_s, 1e-9):.0f} % of the first step"}
+            for part, seconds in detail.items()]
+    rest = first_step_s - sum(detail.values())
+    rows.append({"case": case, "impl": "startup: first_step: rest", "ms": 1e3 * rest,
+                 "notes": "the batch check and copy, undoing the warm-up, the first replay"})
+    return rows
+
+
+def first_step_part(part: str) -> str:
+    """A part of the first step (GraphedTrainStep.setup_seconds) in words."""
+    if part == "capture":
+        return "the CUDA-graph capture"
+    if part == "warmup_step_1":
+        return "eager warm-up step 1 (cuDNN autotuning, optimizer state allocation)"
+    if part.startswith("warmup_step_"):
+        return f"eager warm-up step {part.removeprefix('warmup_step_')}"
+    return part
 
 
 def import_seconds() -> float:
@@ -120,6 +149,18 @@ def import_seconds() -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import lss.engine.train"], check=True, env=child_env(os.cpu_count() or 1))
     return time.perf_counter() - start
+
+
+def import_breakdown(top: int = 8) -> list[tuple[str, float]]:
+    """The `top` longest imports of a fresh interpreter importing the trainer, as (package, seconds): each module's
+    own time (python -X importtime) summed over its package's first two name parts (torch._dynamo, sympy.polys)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", "import lss.engine.train"], check=True,
+                          capture_output=True, text=True, env=child_env(os.cpu_count() or 1))
+    seconds: dict[str, float] = {}
+    for own_us, module in re.findall(r"^import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)", done.stderr, re.M):
+        package = ".".join(module.split(".")[:2])
+        seconds[package] = seconds.get(package, 0.0) + int(own_us) / 1e6
+    return sorted(seconds.items(), key=lambda item: -item[1])[:top]
 
 
 def loader_rate(config: str, overrides: list[str], device: torch.device, batches: int) -> tuple[float, int]:
@@ -249,8 +290,10 @@ def run(ctx) -> list[dict]:
                        f"{first:.1f} s" if first_s else loop["source"]) + f"; run {total:.1f} s in all"}]
     rows += startup + failed
     try:
+        longest = ", ".join(f"{package} {s:.2f} s" for package, s in import_breakdown())
         rows.append({"case": case, "impl": "startup: imports", "ms": 1e3 * import_seconds(),
-                     "notes": "a fresh interpreter importing lss.engine.train (part of process start -> train())"})
+                     "notes": "a fresh interpreter importing lss.engine.train (part of process start -> train()); "
+                              f"longest (own time by package, -X importtime): {longest}"})
     except subprocess.CalledProcessError as e:
         rows.append({"case": case, "impl": "startup: imports", "ms": None, "notes": f"FAILED: {e}"})
     rows.append({"case": case, "impl": "loop", "ms": 1e3 / loop["steady_steps_per_s"],

@@ -14,6 +14,7 @@ once the device is known); and batches of one fixed set of shapes (the train loa
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Optional
 
 import torch
@@ -46,6 +47,10 @@ class GraphedTrainStep:
     step's peak in `peak_bytes`. `capture=False` runs the same step eagerly on the static buffers
     (for CPU tests of everything but the capture).
 
+    `setup_seconds` says where the first call's time went: "warmup_step_<i>" for each eager warm-up step (the first
+    one holds cuDNN autotuning and the optimizer state's allocation) and "capture" (with `capture`), each measured
+    after a device synchronize.
+
     `check_batch(batch)` runs on every incoming batch before it is copied (host-side validation that the captured
     step cannot do without a sync). The optimizer's learning rate becomes a device tensor (the scheduler fills it in
     place; the graph reads it at every replay).
@@ -65,6 +70,7 @@ class GraphedTrainStep:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.outputs: Optional[dict] = None
         self.peak_bytes: Optional[int] = None  # peak allocated device memory of a step (CUDA, after the capture)
+        self.setup_seconds: dict[str, float] = {}  # part of the first call -> seconds (see the class)
 
     @property
     def device(self) -> torch.device:
@@ -119,9 +125,11 @@ class GraphedTrainStep:
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for _ in range(self.warmup):
+            for i in range(1, self.warmup + 1):
+                start = self._clock()
                 self.optimizer.zero_grad(set_to_none=True)
                 self._step()
+                self.setup_seconds[f"warmup_step_{i}"] = self._clock() - start
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
         snapshot.restore()
@@ -130,13 +138,20 @@ class GraphedTrainStep:
         if not self.capture:
             return
         self.graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(device)
+        start = self._clock()  # synchronized: the peak below is the captured step's alone
         torch.cuda.reset_peak_memory_stats(device)
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = self._step()
         # the capture allocates and frees as a replay does, so its peak is the step's peak
         self.peak_bytes = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()  # the warm-up's cached blocks; the graph's pool keeps what the step needs
+        self.setup_seconds["capture"] = self._clock() - start
+
+    def _clock(self) -> float:
+        """time.perf_counter() once the device has done the work queued so far (on every stream)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def autocast(self):
         if self.amp_dtype is None:

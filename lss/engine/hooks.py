@@ -72,17 +72,26 @@ def is_due(trainer, period: int) -> bool:
 
 
 class MetricsWriter:
-    """metrics.jsonl plus tensorboard events in the run directory (rank 0 only)."""
+    """metrics.jsonl plus tensorboard events in the run directory (rank 0 only). The tensorboard writer is made at
+    the first record: its import (tensorboard, protobuf, fsspec) comes after the first step."""
 
     def __init__(self, out_dir: Path, resume_step: Optional[int]):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.path = out_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # drop records past the resumed checkpoint so the file reads as one continuous run
             kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
-        self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=resume_step)
+        self.tb_dir, self.resume_step = out_dir / "tensorboard", resume_step
+        self._tb = None
+
+    @property
+    def tb(self):
+        """The tensorboard SummaryWriter (made on first use; events past `resume_step` are purged)."""
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=self.resume_step)
+        return self._tb
 
     def write(self, kind: str, step: int, values: dict) -> None:
         record = {"kind": kind, "step": step, **values}
@@ -96,7 +105,8 @@ class MetricsWriter:
         self.tb.add_image(tag, image, step, dataformats="HWC")
 
     def close(self) -> None:
-        self.tb.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def _flatten(values: dict, prefix: str = ""):
@@ -111,8 +121,9 @@ class LogHook(Hook):
     """A "train" record every `period` steps, with `elapsed`: seconds since `started` (time.perf_counter() when
     train() was called, so the record shows the time to the first step, start-up included). After the first step
     also a "startup" record: {"phases": the trainer's start-up phases, each the seconds since train() was called
-    when it ended}. Reading the step's loss terms waits for the step (StepLogs): only at the
-    period."""
+    when it ended, "first_step_detail": the parts of the first step, each its own seconds (with train.cuda_graph: the
+    warm-up steps and the capture; else empty)}. Reading the step's loss terms waits for the step (StepLogs): only at
+    the period."""
 
     def __init__(self, period: int, writer: MetricsWriter, started: float):
         self.period, self.writer, self.started = period, writer, started
@@ -120,7 +131,9 @@ class LogHook(Hook):
 
     def after_step(self, trainer, logs) -> None:
         if not self.startup_written:
-            self.writer.write("startup", trainer.step, {"phases": dict(getattr(trainer, "phases", {}))})
+            startup = {"phases": dict(getattr(trainer, "phases", {})),
+                       "first_step_detail": dict(getattr(trainer, "first_step_detail", {}))}
+            self.writer.write("startup", trainer.step, startup)
             self.startup_written = True
         if is_due(trainer, self.period):
             self.writer.write("train", trainer.step, {**logs, "elapsed": time.perf_counter() - self.started})
