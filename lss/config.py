@@ -162,6 +162,8 @@ class DetectionConfig:
     focal_alpha: float = -1.0  # heatmap focal loss (our sigmoid_focal_loss op); negative: no alpha (CornerNet)
     focal_gamma: float = 2.0
     heatmap_weight: float = 1.0
+    # one weight per detection class scaling that class's heatmap loss (e.g. more for rare classes); null: all 1
+    heatmap_class_weights: Optional[tuple[float, ...]] = None
     regression_weight: float = 0.25
     # per channel: offset x, y, z, log w, l, h, sin, cos yaw, vx, vy
     code_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2)
@@ -169,6 +171,7 @@ class DetectionConfig:
     score_threshold: float = 0.05
     nms_iou: float = 0.2  # on the boxes' axis-aligned BEV envelopes, per class; <= 0 disables NMS
     max_detections: int = 300  # per sample (the nuScenes evaluation accepts at most 500)
+    max_objects: int = 256  # per training sample: the fixed size of the dataset's padded targets
     # second stage: RoIAlign on the BEV features + MLP refining score and box; off by default: at 2,000 steps it
     # scored below the first stage alone (docs/detection.md#measured)
     refine: bool = False
@@ -394,8 +397,12 @@ def validate(cfg: Config) -> Config:
         if t.compile and t.compile_mode == "reduce-overhead":
             problems.append("train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the "
                             "other")
-        if "detection" in model.heads:
-            problems.append("the detection head's decoding has data-dependent sizes")
+        if "detection" in model.heads and cfg.detection.refine:
+            problems.append("the detection head's second stage (detection.refine) decodes proposals of "
+                            "data-dependent sizes")
+        if "detection" in model.heads and not data.detection_targets:
+            problems.append("the detection head needs the dataset's fixed-shape targets (data.detection_targets: "
+                            "true)")
         _check(not problems, "train.cuda_graph: true cannot be used here: " + "; ".join(problems) +
                ". Set train.cuda_graph: false")
 
@@ -413,8 +420,13 @@ def validate(cfg: Config) -> Config:
     _check(1 <= d.max_detections <= MAX_DETECTIONS,
            f"detection.max_detections={d.max_detections}: expected 1 to {MAX_DETECTIONS} (the nuScenes evaluation "
            "accepts at most 500 boxes per sample)")
-    _at_least(d, "detection", ("head_channels", "top_k", "roi_size", "refine_hidden", "refine_proposals"), 1)
+    _at_least(d, "detection", ("head_channels", "top_k", "roi_size", "refine_hidden", "refine_proposals",
+                               "max_objects"), 1)
     _at_least(d, "detection", ("min_radius",), 0)
+    _check(d.heatmap_class_weights is None or (len(d.heatmap_class_weights) == len(DETECTION_CLASSES)
+                                                and all(0 <= w < math.inf for w in d.heatmap_class_weights)),
+           f"detection.heatmap_class_weights={d.heatmap_class_weights}: expected null or "
+           f"{len(DETECTION_CLASSES)} finite weights >= 0, one per class of {list(DETECTION_CLASSES)}")
     _check(0 < d.gaussian_overlap < 1, f"detection.gaussian_overlap={d.gaussian_overlap}: expected a fraction in "
            "(0, 1)")
     _check(d.match_distance > 0 and d.roi_enlarge > 0, "detection: match_distance and roi_enlarge must be "

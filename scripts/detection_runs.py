@@ -1,9 +1,12 @@
 """Detection recipe runs for docs/detection.md: configs/synthetic_detection.yaml trained as parallel `lss train`
-processes on one synthetic set (same steps, same seed), the RoIAlign refinement on and off, and optionally the
-segmentation head alone on the same data. Each run evaluates every --eval-every steps (nuScenes DetectionEval and
-BEV IoU); this script collects the curves into detection_runs.json, detection_curve.png and a printed summary.
+processes on one synthetic set (same steps, same seeds), e.g. the RoIAlign refinement on and off, and optionally the
+segmentation head alone on the same data, each recipe once per seed. Each run evaluates every --eval-every steps
+(nuScenes DetectionEval and BEV IoU); this script collects the curves into detection_runs.json (with each recipe's
+mean and standard deviation over the seeds), detection_curve.png and a printed summary.
 
     python scripts/detection_runs.py --data-dir data/benchmark_accuracy --out-dir /tmp/det --steps 2000
+    python scripts/detection_runs.py --runs refine_off --seeds 0,1,2 --out-dir /tmp/det \
+        --recipe "weighted=detection.heatmap_class_weights=[1, 2, 4, 1, 1, 1, 2, 1, 1, 1]"
     python scripts/detection_runs.py --quick --out-dir /tmp/det_quick   # a tiny CPU run of the same path
 
 A run still going at --run-timeout seconds is stopped (SIGINT, then SIGKILL); its last evaluation is reported and
@@ -31,12 +34,12 @@ CONFIG = "configs/synthetic_detection.yaml"
 QUICK_SET = SyntheticSet("v1.0-trainval", scenes=2, samples_per_scene=4, image_size=(400, 225), seed=0)
 # name -> overrides of CONFIG; every run gets the same data, steps and seed
 RUNS = {
-    "refine_on": ("detection.refine=true",),
+    # the second stage decodes proposals of data-dependent sizes: eager steps
+    "refine_on": ("detection.refine=true", "train.cuda_graph=false"),
     "refine_off": ("detection.refine=false",),
-    # the whole step as one CUDA graph (possible without the detection head): fast, so 3 workers keep up with it
-    "segmentation_alone": ("model.heads=[segmentation]", "data.detection_targets=false", "train.cuda_graph=true",
-                           "data.workers=3"),
+    "segmentation_alone": ("model.heads=[segmentation]", "data.detection_targets=false"),
 }
+METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,8 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--workers", type=int, default=6, help="data workers per run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runs", default="refine_on,refine_off", help=f"comma-separated, from {', '.join(RUNS)}")
+    p.add_argument("--seeds", default="0", help="comma-separated training seeds; every recipe runs once per seed")
+    p.add_argument("--runs", default="refine_on,refine_off",
+                   help=f"comma-separated recipes, from {', '.join(RUNS)} and the --recipe names")
+    p.add_argument("--recipe", action="append", default=[],
+                   help="NAME=section.key=value[;section.key=value...]: a recipe of its own (add NAME to --runs)")
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per run before it is stopped")
     p.add_argument("--set", action="append", default=[], dest="overrides", help="extra override for every run")
     p.add_argument("--quick", action="store_true", help="tiny CPU runs on a tiny generated set (tests the path)")
@@ -60,24 +66,33 @@ def run_all(args: argparse.Namespace) -> dict:
     spec = QUICK_SET if args.quick else BENCHMARK_SET
     data_dir = Path(args.data_dir if not args.quick else out / "data").resolve()
     gen_seconds = ensure_synthetic_set(data_dir, spec)
+    recipes = dict(RUNS)
+    for item in args.recipe:
+        name, sep, overrides = item.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--recipe {item!r}: expected NAME=section.key=value[;section.key=value...]")
+        recipes[name.strip()] = tuple(o.strip() for o in overrides.split(";") if o.strip())
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNS]
+    unknown = [n for n in names if n not in recipes]
     if unknown:
-        raise SystemExit(f"unknown run(s) {unknown}; expected names from {list(RUNS)}")
+        raise SystemExit(f"unknown run(s) {unknown}; expected names from {list(recipes)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     common = [f"data.dataroot={data_dir}", f"data.version={spec.version}", f"train.max_steps={args.steps}",
               f"train.eval_every={args.eval_every}", f"train.ckpt_every={args.steps}", "train.viz_every=0",
-              f"train.seed={args.seed}", f"data.workers={args.workers}", "data.make_synthetic_if_missing=false"]
-    quick = list(QUICK_OVERRIDES) + ["train.log_every=1", "data.workers=0"] if args.quick else []
+              f"data.workers={args.workers}", "data.make_synthetic_if_missing=false"]
+    quick = list(QUICK_OVERRIDES) + ["train.log_every=1", "data.workers=0", "train.cuda_graph=false"] \
+        if args.quick else []
     procs = {}
-    for name in names:
-        run_dir = out / "runs" / name
+    for name, seed in ((n, s) for n in names for s in seeds):
+        run = f"{name}_s{seed}"
+        run_dir = out / "runs" / run
         run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = lss_command("train", CONFIG, common + list(RUNS[name]) + quick + list(args.overrides), "--out",
-                          str(run_dir), "--overwrite")
+        cmd = lss_command("train", CONFIG, common + [f"train.seed={seed}"] + list(recipes[name]) + quick +
+                          list(args.overrides), "--out", str(run_dir), "--overwrite")
         log = (run_dir / "train.log").open("w")
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                        env=child_env(2 if args.quick else 4)), time.perf_counter(), log)
-        print(f"started {name}: {' '.join(cmd)}", flush=True)
+        procs[run] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                       env=child_env(2 if args.quick else 4)), time.perf_counter(), log)
+        print(f"started {run}: {' '.join(cmd)}", flush=True)
     results = {}
     for name, (proc, started, log) in procs.items():
         timed_out = False
@@ -96,12 +111,37 @@ def run_all(args: argparse.Namespace) -> dict:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.quick else "cpu"
     summary = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
                "dataset": spec.describe(), "data_dir": str(data_dir), "generation_seconds": gen_seconds,
-               "config": CONFIG, "steps": args.steps, "eval_every": args.eval_every, "seed": args.seed,
-               "workers": args.workers, "overrides": list(args.overrides), "quick": args.quick, "runs": results}
+               "config": CONFIG, "steps": args.steps, "eval_every": args.eval_every, "seeds": seeds,
+               "workers": args.workers, "overrides": list(args.overrides), "quick": args.quick,
+               "recipes": {n: {"overrides": list(recipes[n]), **over_seeds(results, n, seeds)} for n in names},
+               "runs": results}
     (out / "detection_runs.json").write_text(json.dumps(summary, indent=1))
     plot(summary, out / "detection_curve.png")
     print(to_text(summary), flush=True)
     return summary
+
+
+def over_seeds(results: dict, name: str, seeds: list[int]) -> dict:
+    """Mean and standard deviation over the seeds of a recipe's finished runs: the final mAP, NDS, vehicle mAP and
+    NDS, the IoU per class and the AP per class."""
+    finals = [results[f"{name}_s{s}"] for s in seeds if results[f"{name}_s{s}"]["finished"]]
+    points = [run["curve"][-1] for run in finals if run["curve"]]
+
+    def stats(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return None
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+        return [mean, std]
+
+    out = {"finished_seeds": len(finals),
+           "final": {m: stats([p.get(m) for p in points]) for m in METRICS},
+           "iou": {c: stats([(p.get("iou") or {}).get(c) for p in points])
+                   for c in (points[0].get("iou") or {} if points else {})},
+           "AP": {c: stats([(p.get("AP") or {}).get(c) for p in points])
+                  for c in (points[0].get("AP") or {} if points else {})}}
+    return out
 
 
 def collect(run_dir: Path, returncode: int, timed_out: bool, seconds: float) -> dict:
@@ -159,8 +199,8 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def to_text(summary: dict) -> str:
-    lines = [f"detection runs: {summary['device']} {summary['date']}, {summary['steps']} steps, seed "
-             f"{summary['seed']}, set {summary['dataset']}"]
+    lines = [f"detection runs: {summary['device']} {summary['date']}, {summary['steps']} steps, seeds "
+             f"{summary['seeds']}, set {summary['dataset']}"]
     for name, run in summary["runs"].items():
         status = "finished" if run["finished"] else ("stopped at the time limit" if run["timed_out"] else
                                                      f"failed (exit {run['returncode']})")
@@ -177,9 +217,15 @@ def to_text(summary: dict) -> str:
                                              if row["has_ground_truth"]))
             lines.append("  TP errors (vehicles) " + ", ".join(
                 f"{k} {v:.3f}" for k, v in det["vehicles"]["tp_errors"].items() if v is not None))
-    alone = summary["runs"].get("segmentation_alone", {}).get("curve") or []
+    for name, recipe in summary["recipes"].items():
+        final = "  ".join(f"{m} {v[0]:.4f} +- {v[1]:.4f}" for m, v in recipe["final"].items() if v)
+        lines.append(f"recipe {name} ({recipe['finished_seeds']} seeds finished): {final}")
+        if recipe["AP"]:
+            lines.append("  AP " + ", ".join(f"{c} {v[0]:.3f}" for c, v in recipe["AP"].items() if v))
     for name, run in summary["runs"].items():
-        common = {p["step"]: p for p in alone} if name != "segmentation_alone" else {}
+        seed = name.rsplit("_s", 1)[-1]
+        alone = summary["runs"].get(f"segmentation_alone_s{seed}", {}).get("curve") or []
+        common = {p["step"]: p for p in alone} if not name.startswith("segmentation_alone") else {}
         both = [p for p in run["curve"] if p["step"] in common and p.get("iou")]
         if both:
             p, q = both[-1], common[both[-1]["step"]]

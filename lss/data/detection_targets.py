@@ -1,12 +1,16 @@
 """Training targets of the detection head's first stage: a gaussian centre heatmap per class and the box
-regression (lss.boxes.REGRESSION_CHANNELS) at each object's centre cell, on the H x W map of a lss.geometry.BevGrid."""
+regression (lss.boxes.REGRESSION_CHANNELS) at each object's centre cell, on the H x W map of a lss.geometry.BevGrid.
+
+`encode_targets` encodes a batch of box lists (any number of boxes per sample); `dense_targets` encodes one
+sample in fixed shapes (objects padded to a maximum count), which the dataset yields while training so that the
+loss needs no host work and the whole training step can be captured as one CUDA graph."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
 
-from lss.boxes import BOX_DIM, boxes_to_regression, centre_cells, check_boxes, gaussian_radius
+from lss.boxes import BOX_DIM, REGRESSION_CHANNELS, boxes_to_regression, centre_cells, check_boxes, gaussian_radius
 from lss.config import DETECTION_CLASSES
 from lss.geometry import BevGrid
 
@@ -60,3 +64,46 @@ def encode_targets(boxes: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
     mask[:, 8:10] = velocity_known.float()
     return {"heatmap": heatmap, "batch": batch, "row": row, "col": col, "labels": all_labels,
             "regression": regression, "regression_mask": mask}
+
+
+# The keys of dense_targets, in the batch the training loss reads (lss.engine.detection_loss).
+DENSE_TARGET_KEYS = ("det_target_heatmap", "det_target_index", "det_target_regression", "det_target_mask")
+
+
+def dense_targets(boxes: torch.Tensor, labels: torch.Tensor, grid: BevGrid, num_classes: int = len(DETECTION_CLASSES),
+                  min_overlap: float = 0.1, min_radius: int = 2, max_objects: int = 256) -> dict:
+    """One sample's first-stage targets (M x 9 boxes, M labels) in fixed shapes, padded to `max_objects` objects:
+    "det_target_heatmap" num_classes x H x W (as encode_targets), "det_target_index" max_objects int64 (the centre
+    cell, row * W + col), "det_target_regression" and "det_target_mask" max_objects x 10 (the regression target
+    and its mask; padding rows are 0 in both). Raises ValueError when more than `max_objects` boxes lie on the map."""
+    targets = encode_targets([boxes], [labels], grid, num_classes, min_overlap, min_radius)
+    count = len(targets["labels"])
+    if count > max_objects:
+        raise ValueError(f"a training sample has {count} detection boxes on the {grid.nx} x {grid.ny} map, more than "
+                         f"detection.max_objects={max_objects}; raise detection.max_objects")
+    index = torch.zeros(max_objects, dtype=torch.long)
+    index[:count] = targets["row"] * grid.ny + targets["col"]
+    regression = torch.zeros(max_objects, len(REGRESSION_CHANNELS))
+    regression[:count] = targets["regression"]
+    mask = torch.zeros(max_objects, len(REGRESSION_CHANNELS))
+    mask[:count] = targets["regression_mask"]
+    return {"det_target_heatmap": targets["heatmap"][0], "det_target_index": index,
+            "det_target_regression": regression, "det_target_mask": mask}
+
+
+def pad_targets(targets: dict, batch_size: int, width: int) -> dict:
+    """encode_targets' output (a batch of samples, `width` = W of the map) in dense_targets' fixed-shape form,
+    stacked over the batch, padded to the largest object count of a sample (at least 1)."""
+    sample = targets["batch"]
+    counts = torch.bincount(sample, minlength=batch_size)
+    slots = max(int(counts.max()) if len(counts) else 0, 1)
+    slot = torch.arange(len(sample), device=sample.device) - (torch.cumsum(counts, 0) - counts)[sample]
+    device, channels = targets["heatmap"].device, len(REGRESSION_CHANNELS)
+    index = torch.zeros(batch_size, slots, dtype=torch.long, device=device)
+    index[sample, slot] = targets["row"] * width + targets["col"]
+    regression = torch.zeros(batch_size, slots, channels, device=device)
+    regression[sample, slot] = targets["regression"]
+    mask = torch.zeros(batch_size, slots, channels, device=device)
+    mask[sample, slot] = targets["regression_mask"]
+    return {"det_target_heatmap": targets["heatmap"], "det_target_index": index,
+            "det_target_regression": regression, "det_target_mask": mask}

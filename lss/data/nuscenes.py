@@ -18,12 +18,14 @@ from pyquaternion import Quaternion
 from lss.config import DETECTION_CLASSES, Config
 from lss.data import targets as T
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
+from lss.data.detection_targets import dense_targets
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
 from lss.data.index_cache import index_key, load_index, save_index
 from lss.data.tables import (DatasetNotFoundError, MapNotFoundError, SampleError, SampleFileNotFoundError,
                              check_annotation, load_tables, loaded_or_named, locate_dataroot, resolve_split)
 from lss.data.transforms import image_size_from_header, load_augmented_image, sample_augmentation
 from lss.errors import ConfigError, DatasetError
+from lss.geometry import BevGrid
 
 __all__ = ["DatasetNotFoundError", "MapNotFoundError", "NuScenesBEV", "load_tables", "locate_dataroot",
            "resolve_split"]
@@ -438,5 +440,10 @@ class NuScenesBEV(torch.utils.data.Dataset):
             boxes, labels = self.detection_targets(index, bev)
             item["det_boxes"] = torch.from_numpy(boxes.copy())
             item["det_labels"] = torch.from_numpy(labels.copy())
+            if self.is_train:  # fixed-shape targets: the loss needs no host work (a capturable training step)
+                det = self.config.detection
+                grid = BevGrid.from_config(self.config.grid)
+                item.update(dense_targets(item["det_boxes"], item["det_labels"], grid, len(DETECTION_CLASSES),
+                                          det.gaussian_overlap, det.min_radius, det.max_objects))
         return item
 

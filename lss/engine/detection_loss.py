@@ -4,14 +4,14 @@ to the ground truth."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from lss.boxes import BOX_DIM, RESIDUAL_WEIGHT_CHANNELS, Proposals, box_residuals
 from lss.config import Config
-from lss.data.detection_targets import encode_targets
+from lss.data.detection_targets import DENSE_TARGET_KEYS, encode_targets, pad_targets
 from lss.geometry import BevGrid
 from lss.ops import sigmoid_focal_loss
 
@@ -48,35 +48,64 @@ def match_proposals(proposals: Proposals, gt_boxes: Sequence[torch.Tensor], gt_l
     return matched, nearest, proposals.valid & (nearest < match_distance)
 
 
-def detection_loss(outputs: dict, batch: dict, config: Config) -> dict[str, torch.Tensor]:
+def first_stage_targets(batch: dict, heatmap_logits: torch.Tensor,
+                        config: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first stage's targets on the device: heatmap B x K x H x W, centre cells B x M (row * W + col),
+    regression B x M x 10 and its mask B x M x 10 (0 on padding rows). From the batch's dense targets when the
+    dataset made them (lss.data.detection_targets.dense_targets, while training), else encoded from "det_boxes" /
+    "det_labels"."""
+    device = heatmap_logits.device
+    if DENSE_TARGET_KEYS[0] in batch:
+        heat, index, target, mask = (batch[k] for k in DENSE_TARGET_KEYS)
+        if tuple(heat.shape) != tuple(heatmap_logits.shape):
+            raise ValueError(f"detection targets {tuple(heat.shape)} and heatmap logits {tuple(heatmap_logits.shape)} "
+                             "differ; the dataset and the model must use the same grid and detection classes")
+        return (heat.to(device, torch.float32), index.to(device), target.to(device, torch.float32),
+                mask.to(device, torch.float32))
+    cfg = config.detection
+    grid = BevGrid.from_config(config.grid).with_shape(heatmap_logits.shape[-2:])
+    targets = encode_targets(batch["det_boxes"], batch["det_labels"], grid, heatmap_logits.shape[1],
+                             cfg.gaussian_overlap, cfg.min_radius, device=device)
+    dense = pad_targets(targets, heatmap_logits.shape[0], heatmap_logits.shape[-1])
+    return tuple(dense[k] for k in DENSE_TARGET_KEYS)
+
+
+def detection_loss(outputs: dict, batch: dict, config: Config, code_weights: Optional[torch.Tensor] = None,
+                   class_weights: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """Weighted detection losses (sum them for the total): "det_heatmap" (penalty-reduced focal loss of the
     heatmap logits on the gaussian targets, per object), "det_regression" (weighted L1 at the object centres, per
     object) and, with the second stage, "det_refine_score" (BCE towards 1 - distance / match_distance) and
-    "det_refine_box" (weighted L1 of the residuals of the positive proposals)."""
+    "det_refine_box" (weighted L1 of the residuals of the positive proposals).
+
+    `code_weights`, `class_weights`: detection.code_weights and detection.heatmap_class_weights as tensors on the
+    device (made here when None; a captured training step passes buffers, as it cannot copy from the host)."""
     cfg = config.detection
-    if "det_boxes" not in batch or "det_labels" not in batch:
+    refine = "det_refine_scores" in outputs
+    if (refine or DENSE_TARGET_KEYS[0] not in batch) and ("det_boxes" not in batch or "det_labels" not in batch):
         raise KeyError("detection_loss: the batch has no 'det_boxes'/'det_labels'; set data.detection_targets: "
                        "true so that the dataset provides the detection targets")
     heatmap_logits, regression = outputs["det_heatmap"], outputs["det_regression"]
-    grid = BevGrid.from_config(config.grid).with_shape(heatmap_logits.shape[-2:])
-    targets = encode_targets(batch["det_boxes"], batch["det_labels"], grid, heatmap_logits.shape[1],
-                             cfg.gaussian_overlap, cfg.min_radius, device=heatmap_logits.device)
-    num_objects = max(len(targets["labels"]), 1)
+    heat, index, target, mask = first_stage_targets(batch, heatmap_logits, config)
+    # without a host sync: a captured training step reads the object count on the device
+    num_objects = mask[..., 0].sum().clamp(min=1)
 
     # CornerNet's penalty-reduced focal loss: positives at the centre cells, negatives down-weighted near them.
-    centres = (targets["heatmap"] == 1).float()
-    penalty = torch.where(centres.bool(), 1.0, (1 - targets["heatmap"]) ** 4)
+    centres = (heat == 1).float()
+    penalty = torch.where(centres.bool(), 1.0, (1 - heat) ** 4)
+    if class_weights is None and cfg.heatmap_class_weights is not None:
+        class_weights = heatmap_logits.new_tensor(cfg.heatmap_class_weights, dtype=torch.float32)
     focal = sigmoid_focal_loss(heatmap_logits.float(), centres, alpha=cfg.focal_alpha, gamma=cfg.focal_gamma,
-                               reduction="none")
+                               reduction="none", class_weight=class_weights)
     heatmap_loss = (focal * penalty).sum() / num_objects
 
-    predicted = regression.float()[targets["batch"], :, targets["row"], targets["col"]]
-    code_weights = torch.tensor(cfg.code_weights, device=predicted.device)
-    l1 = (predicted - targets["regression"]).abs() * targets["regression_mask"] * code_weights
+    channels = regression.shape[1]
+    predicted = regression.float().flatten(2).gather(2, index.unsqueeze(1).expand(-1, channels, -1)).transpose(1, 2)
+    code_weights = predicted.new_tensor(cfg.code_weights) if code_weights is None else code_weights.float()
+    l1 = (predicted - target).abs() * mask * code_weights
     losses = {"det_heatmap": cfg.heatmap_weight * heatmap_loss,
               "det_regression": cfg.regression_weight * l1.sum() / num_objects}
 
-    if "det_refine_scores" in outputs:
+    if refine:
         proposals = outputs["det_proposals"]
         matched, distance, positive = match_proposals(proposals, batch["det_boxes"], batch["det_labels"],
                                                       cfg.match_distance)

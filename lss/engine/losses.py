@@ -117,6 +117,12 @@ class TotalLoss(nn.Module):
         self.config = config
         self.segmentation = SegmentationLoss(config)
         self.detection = "detection" in config.model.heads
+        # buffers: no host-to-device copy inside a captured training step
+        det = config.detection
+        self.register_buffer("det_code_weights", torch.tensor(det.code_weights, dtype=torch.float32),
+                             persistent=False)
+        self.register_buffer("det_class_weights", None if det.heatmap_class_weights is None else
+                             torch.tensor(det.heatmap_class_weights, dtype=torch.float32), persistent=False)
         self.depth_weight = config.loss.depth_weight
         self.depth = config.data.depth_targets
 
@@ -125,7 +131,7 @@ class TotalLoss(nn.Module):
         if self.detection or self.depth:
             out["loss/segmentation"] = out["loss"].detach()
         if self.detection:
-            terms = detection_loss(outputs, batch, self.config)
+            terms = detection_loss(outputs, batch, self.config, self.det_code_weights, self.det_class_weights)
             out["loss"] = out["loss"] + sum(terms.values())
             out.update({f"loss/{k}": v.detach() for k, v in terms.items()})
         if self.depth:
