@@ -118,7 +118,9 @@ class TrainConfig:
     max_steps: int = 30000
     grad_accum: int = 1
     amp: Literal["bf16", "fp16", "none"] = "bf16"  # autocast applies on CUDA only
-    channels_last: bool = True
+    # channels_last memory format for the convolutions: on an H100 the captured step is as fast without it (13.6 ms
+    # either way) and cuDNN's channels_last kernels add 10-20 s to the first step (docs/benchmarks.md)
+    channels_last: bool = False
     compile: bool = False
     # torch.compile mode; "reduce-overhead" replays CUDA graphs
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
@@ -126,9 +128,9 @@ class TrainConfig:
     cuda_graph: bool = False  # capture the whole step (LUT, forward, loss, backward, optimizer) as one CUDA graph
     seed: int = 0
     deterministic: bool = False
-    # cuDNN autotuning: tries the convolution algorithms of every new shape (tens of seconds in the first step);
-    # false: cuDNN's heuristics pick them, for a faster start (docs/benchmarks.md, training loop)
-    cudnn_benchmark: bool = True
+    # cuDNN autotuning: tries the convolution algorithms of every new shape (30 s more in the first step on an H100,
+    # for the same captured step time); false: cuDNN's heuristics pick them (docs/benchmarks.md, training loop)
+    cudnn_benchmark: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs/lss"
     log_every: int = 10

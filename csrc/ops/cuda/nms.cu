@@ -3,8 +3,7 @@
 // bitmask, packed row after row (about n^2 / 16 bytes: 0.63 GB at 100k boxes). One block then walks the words on
 // the device in bands of 8: a warp resolves a band box by box from the band's diagonal block, held in shared
 // memory, and the whole block ORs the band's kept rows into the later words while it loads the next band's block.
-// Only the kept count crosses to the host. batched_nms orders the boxes by class first (by score within a class), so
-// both kernels skip the words of other classes; its kept boxes are put back in score order at the end.
+// Only the kept count crosses to the host.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -81,9 +80,7 @@ __device__ inline bool suppresses(const Box<T>& a, T area_a, const Box<T>& b, T 
 }
 
 // Block (row word, strip of kStripWords column words), one thread per row box: for each column word of the strip
-// at or after the row word, the bits of the column boxes after the row box that it suppresses. Batched boxes come
-// grouped by class (classes non-decreasing), so a strip whose first class is above the row word's last class holds
-// no bits: its IoUs are skipped, and only the words the reduce kernel's band loads read are written (as zeros).
+// at or after the row word, the bits of the column boxes after the row box that it suppresses.
 template <typename T, bool kBatched>
 __global__ void __launch_bounds__(kBoxesPerWord)
     nms_mask_kernel(int64_t n, int64_t words, const T* __restrict__ boxes, const int64_t* __restrict__ classes,
@@ -92,17 +89,6 @@ __global__ void __launch_bounds__(kBoxesPerWord)
   const int64_t col_begin = upper<int64_t>(static_cast<int64_t>(blockIdx.y) * kStripWords, row_word);
   const int64_t col_end = lower<int64_t>(static_cast<int64_t>(blockIdx.y + 1) * kStripWords, words);
   if (col_begin >= col_end) return;
-  if (kBatched) {
-    const int64_t row_last = lower<int64_t>(n, (row_word + 1) * kBoxesPerWord) - 1;
-    if (classes[col_begin * kBoxesPerWord] > classes[row_last]) {
-      const int64_t i = row_word * kBoxesPerWord + threadIdx.x;
-      const int64_t band_end = lower<int64_t>((row_word / kBandWords + 1) * kBandWords, col_end);
-      if (i < n) {
-        for (int64_t c = col_begin; c < band_end; ++c) mask[packed_row(i, words) + c] = 0;
-      }
-      return;
-    }
-  }
   __shared__ Box<T> col_boxes[kStripWords * kBoxesPerWord];
   __shared__ T col_areas[kStripWords * kBoxesPerWord];
   __shared__ int64_t col_classes[kBatched ? kStripWords * kBoxesPerWord : 1];
@@ -160,18 +146,14 @@ __device__ inline void load_band(uint64_t (&out)[kBandLoads], int64_t w0, int64_
 }
 
 // One block of kReduceThreads. removed (dynamic shared memory, one bit per box) collects the suppressed boxes.
-// group_end (batched boxes, grouped by class): per box, the index of the last box of its class. A kept row has bits
-// only up to there, and the mask kernel may have left its later words unwritten, so the OR pass reads each kept
-// row only up to its class's last word (and no word past the band's last class). nullptr: every later word.
 __global__ void __launch_bounds__(kReduceThreads)
     nms_reduce_kernel(int64_t n, int64_t words, const uint64_t* __restrict__ mask,
-                      const int64_t* __restrict__ order, const int64_t* __restrict__ group_end,
-                      int64_t* __restrict__ keep, int64_t* __restrict__ num_kept) {
+                      const int64_t* __restrict__ order, int64_t* __restrict__ keep,
+                      int64_t* __restrict__ num_kept) {
   extern __shared__ uint64_t removed[];
   __shared__ uint64_t band[kBandRows][kBandWords];  // [q][k]: row w0 * 64 + q, word w0 + k
   __shared__ int64_t kept_rows[kBandRows];           // packed_row of the band's kept boxes, in order
   __shared__ int kept_in_band[kBandRows];            // their positions in the band (0 .. kBandRows - 1)
-  __shared__ int64_t kept_end[kBandRows];            // one past the last word holding their class's boxes
   __shared__ int band_kept;
   __shared__ int64_t kept_before_band;
   for (int64_t j = threadIdx.x; j < words; j += kReduceThreads) removed[j] = 0;
@@ -204,7 +186,6 @@ __global__ void __launch_bounds__(kReduceThreads)
           if (lane == 0) {
             kept_rows[nk] = word_row0 + t * row_stride;
             kept_in_band[nk] = q;
-            kept_end[nk] = group_end == nullptr ? words : group_end[first + t] / kBoxesPerWord + 1;
           }
           ++nk;
           open &= ~(band[q][k] | (uint64_t(1) << t));
@@ -225,11 +206,7 @@ __global__ void __launch_bounds__(kReduceThreads)
     const int64_t kept_index = writes_keep ? order[w0 * kBoxesPerWord + kept_in_band[threadIdx.x]] : 0;
     // Each later word gets `slices` threads (when there are fewer later words than threads), each ORing every
     // slices-th kept row, so that all threads keep loads in flight until the last bands.
-    const int64_t last_word =
-        group_end == nullptr
-            ? words
-            : group_end[lower<int64_t>(n, (w0 + band_words) * kBoxesPerWord) - 1] / kBoxesPerWord + 1;
-    const int64_t later = upper<int64_t>(last_word - (w0 + band_words), 0);
+    const int64_t later = words - (w0 + band_words);
     const int slices = static_cast<int>(lower<int64_t>(upper<int64_t>(kReduceThreads / upper<int64_t>(later, 1), 1),
                                                        upper(nk, 1)));
     for (int64_t item = threadIdx.x; item < later * slices; item += kReduceThreads) {
@@ -240,14 +217,11 @@ __global__ void __launch_bounds__(kReduceThreads)
       for (; q + 7 * slices < nk; q += 8 * slices) {
         uint64_t v[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int row = q + u * slices;
-          v[u] = j < kept_end[row] ? mask[kept_rows[row] + j] : 0;
-        }
+        for (int u = 0; u < 8; ++u) v[u] = mask[kept_rows[q + u * slices] + j];
 #pragma unroll
         for (int u = 0; u < 8; ++u) r |= v[u];
       }
-      for (; q < nk; q += slices) r |= j < kept_end[q] ? mask[kept_rows[q] + j] : 0;
+      for (; q < nk; q += slices) r |= mask[kept_rows[q] + j];
       if (r != 0) atomicOr(reinterpret_cast<unsigned long long*>(removed + j), static_cast<unsigned long long>(r));
     }
     if (writes_keep) keep[kept_before_band + threadIdx.x] = kept_index;
@@ -275,19 +249,10 @@ at::Tensor nms_cuda_common(const char* op, const at::Tensor& boxes_, const at::T
             std::string(op) + ": " + std::to_string(n) + " boxes need " + std::to_string(smem) +
                 " bytes of shared memory for the suppression bitmap, more than the " + std::to_string(smem_left) +
                 " this GPU has left for it; split the boxes (e.g. by class or image) first");
-  const auto by_score = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).contiguous();
-  at::Tensor order = by_score;
-  at::Tensor classes, group_end;
-  if (idxs != nullptr) {
-    // Grouped by class, by score within a class (both sorts stable): suppression never crosses a class, so the
-    // kernels skip every pair of different classes, and the kept boxes are put back in score order at the end.
-    const auto scored_classes = idxs->index_select(0, by_score).to(at::kLong);
-    const auto grouping = std::get<1>(scored_classes.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
-    order = by_score.index_select(0, grouping).contiguous();
-    classes = scored_classes.index_select(0, grouping).contiguous();
-    group_end = (at::searchsorted(classes, classes, /*out_int32=*/false, /*right=*/true) - 1).contiguous();
-  }
+  const auto order = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).contiguous();
   const auto boxes = boxes_.index_select(0, order).to(nms_detail::nms_acc_type(boxes_)).contiguous();
+  at::Tensor classes;
+  if (idxs != nullptr) classes = idxs->index_select(0, order).to(at::kLong).contiguous();
   auto mask = at::empty({packed_size(n, words)}, boxes_.options().dtype(at::kLong));
   auto keep = at::empty({n}, boxes_.options().dtype(at::kLong));
   auto num_kept = at::empty({1}, boxes_.options().dtype(at::kLong));
@@ -306,15 +271,10 @@ at::Tensor nms_cuda_common(const char* op, const at::Tensor& boxes_, const at::T
                                       static_cast<int>(smem)));
   nms_reduce_kernel<<<1, kReduceThreads, smem, stream>>>(n, words,
                                                          reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>()),
-                                                         order.data_ptr<int64_t>(),
-                                                         idxs != nullptr ? group_end.data_ptr<int64_t>() : nullptr,
-                                                         keep.data_ptr<int64_t>(), num_kept.data_ptr<int64_t>());
+                                                         order.data_ptr<int64_t>(), keep.data_ptr<int64_t>(),
+                                                         num_kept.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const auto kept = keep.narrow(0, 0, num_kept.item<int64_t>());
-  if (idxs == nullptr) return kept.clone();
-  // Back to decreasing score (stable): each kept box's rank in the score order, sorted.
-  const auto rank = at::empty({n}, by_score.options()).scatter_(0, by_score, at::arange(n, by_score.options()));
-  return by_score.index_select(0, std::get<0>(rank.index_select(0, kept).sort(/*stable=*/true, 0, false)));
+  return keep.narrow(0, 0, num_kept.item<int64_t>()).clone();
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold) {
