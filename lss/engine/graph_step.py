@@ -7,7 +7,8 @@ step does, so the step needs about the eager step's memory (per-module CUDA grap
 reduce-overhead`, keep forward and backward memory apart and need about twice that).
 
 Requirements: gradient accumulation 1, bf16 or no autocast (fp16 needs a GradScaler and its host-side skip logic),
-Adam/AdamW, the segmentation model without the detection head (its decoding has data-dependent sizes), no per-module
+Adam/AdamW, the detection head's first stage only (its second stage decodes proposals of data-dependent sizes; the
+dataset yields the first stage's targets in fixed shapes, lss.data.detection_targets.dense_targets), no per-module
 CUDA graphs (checked when the config loads, lss.config.validate); one CUDA process (checked by `check_graph_config`
 once the device is known); and batches of one fixed set of shapes (the train loader drops the last partial batch).
 """
