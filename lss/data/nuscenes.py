@@ -175,7 +175,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
       "targets" K x nx x ny in {0, 1} (config.data.classes order), "sample_token" str;
       "visibility_mask" nx x ny bool when config.data.visibility_mask;
       "det_boxes" M x 9 [x, y, z, w, l, h, yaw, vx, vy] and "det_labels" M int64 (index into DETECTION_CLASSES)
-      when config.data.detection_targets;
+      when config.data.detection_targets, and in a training set also the first stage's fixed-shape targets
+      (lss.data.detection_targets.dense_targets: "det_target_heatmap", "det_target_index", ...);
       "depth_targets" N x fH x fW int64 when config.data.depth_targets: per camera feature cell (fH, fW =
       final_dim // model.downsample) the grid.dbound bin of the nearest LIDAR_TOP return, -1 where there is none
       (lss.data.depth).
