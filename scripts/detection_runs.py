@@ -63,9 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_all(args: argparse.Namespace) -> dict:
     out = Path(args.out_dir).resolve()  # the runs start in the repository root
     out.mkdir(parents=True, exist_ok=True)
-    spec = QUICK_SET if args.quick else BENCHMARK_SET
-    data_dir = Path(args.data_dir if not args.quick else out / "data").resolve()
-    gen_seconds = ensure_synthetic_set(data_dir, spec)
     recipes = dict(RUNS)
     for item in args.recipe:
         name, sep, overrides = item.partition("=")
@@ -77,6 +74,10 @@ def run_all(args: argparse.Namespace) -> dict:
     if unknown:
         raise SystemExit(f"unknown run(s) {unknown}; expected names from {list(recipes)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    # the names are checked first: a typo must not wait for the set's generation
+    spec = QUICK_SET if args.quick else BENCHMARK_SET
+    data_dir = Path(args.data_dir if not args.quick else out / "data").resolve()
+    gen_seconds = ensure_synthetic_set(data_dir, spec)
     common = [f"data.dataroot={data_dir}", f"data.version={spec.version}", f"train.max_steps={args.steps}",
               f"train.eval_every={args.eval_every}", f"train.ckpt_every={args.steps}", "train.viz_every=0",
               f"data.workers={args.workers}", "data.make_synthetic_if_missing=false"]

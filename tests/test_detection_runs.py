@@ -1,0 +1,46 @@
+"""scripts/detection_runs.py: recipes from the command line and the per-recipe statistics over seeds."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "detection_runs.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("detection_runs", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(finished, mAP, car, vehicle_iou):
+    point = {"step": 6000, "mAP": mAP, "NDS": mAP / 2, "vehicle_mAP": None, "vehicle_NDS": mAP,
+             "AP": {"car": car, "bus": 0.0}, "iou": {"vehicle": vehicle_iou}}
+    return {"finished": finished, "curve": [{"step": 3000, "mAP": 0.0}, point]}
+
+
+def test_statistics_over_the_finished_seeds():
+    runs = _module()
+    results = {"w_s0": _run(True, 0.2, 0.5, 0.3), "w_s1": _run(True, 0.3, 0.7, 0.4),
+               "w_s2": _run(False, 0.9, 0.9, 0.9)}  # an unfinished run does not count
+    stats = runs.over_seeds(results, "w", [0, 1, 2])
+    assert stats["finished_seeds"] == 2
+    mean, std = stats["final"]["mAP"]
+    assert math.isclose(mean, 0.25) and math.isclose(std, math.sqrt(0.005))  # sample standard deviation
+    assert stats["final"]["vehicle_mAP"] is None  # no values, no statistic
+    assert math.isclose(stats["AP"]["car"][0], 0.6) and stats["AP"]["bus"] == [0.0, 0.0]
+    assert math.isclose(stats["iou"]["vehicle"][0], 0.35)
+    one = runs.over_seeds({"w_s0": results["w_s0"]}, "w", [0])
+    assert one["final"]["mAP"] == [0.2, 0.0]
+
+
+def test_recipes_and_seeds_from_the_command_line(tmp_path):
+    runs = _module()
+    args = runs.parse_args(["--out-dir", str(tmp_path), "--recipe", "x=detection.refine=false", "--runs", "nope"])
+    with pytest.raises(SystemExit, match=r"unknown run\(s\) \['nope'\]; expected names from .*'x'"):
+        runs.run_all(args)
+    args = runs.parse_args(["--out-dir", str(tmp_path), "--recipe", "no-equals-sign"])
+    with pytest.raises(SystemExit, match="expected NAME=section.key=value"):
+        runs.run_all(args)
