@@ -144,23 +144,19 @@ def first_step_part(part: str) -> str:
     return part
 
 
-def import_seconds() -> float:
-    """Seconds a fresh interpreter takes to import the trainer (torch, torchvision, the model, the data code)."""
+def import_profile(top: int = 8) -> tuple[float, list[tuple[str, float]]]:
+    """One fresh interpreter importing the trainer (torch, torchvision, the model, the data code) under
+    `python -X importtime`: its wall seconds, and the `top` longest imports as (package, seconds), each module's own
+    time summed over its package's first two name parts (torch._dynamo, sympy.polys)."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import lss.engine.train"], check=True, env=child_env(os.cpu_count() or 1))
-    return time.perf_counter() - start
-
-
-def import_breakdown(top: int = 8) -> list[tuple[str, float]]:
-    """The `top` longest imports of a fresh interpreter importing the trainer, as (package, seconds): each module's
-    own time (python -X importtime) summed over its package's first two name parts (torch._dynamo, sympy.polys)."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", "import lss.engine.train"], check=True,
                           capture_output=True, text=True, env=child_env(os.cpu_count() or 1))
+    wall = time.perf_counter() - start
     seconds: dict[str, float] = {}
     for own_us, module in re.findall(r"^import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)", done.stderr, re.M):
         package = ".".join(module.split(".")[:2])
         seconds[package] = seconds.get(package, 0.0) + int(own_us) / 1e6
-    return sorted(seconds.items(), key=lambda item: -item[1])[:top]
+    return wall, sorted(seconds.items(), key=lambda item: -item[1])[:top]
 
 
 def loader_rate(config: str, overrides: list[str], device: torch.device, batches: int) -> tuple[float, int]:
@@ -290,8 +286,9 @@ def run(ctx) -> list[dict]:
                        f"{first:.1f} s" if first_s else loop["source"]) + f"; run {total:.1f} s in all"}]
     rows += startup + failed
     try:
-        longest = ", ".join(f"{package} {s:.2f} s" for package, s in import_breakdown())
-        rows.append({"case": case, "impl": "startup: imports", "ms": 1e3 * import_seconds(),
+        wall, breakdown = import_profile()
+        longest = ", ".join(f"{package} {s:.2f} s" for package, s in breakdown)
+        rows.append({"case": case, "impl": "startup: imports", "ms": 1e3 * wall,
                      "notes": "a fresh interpreter importing lss.engine.train (part of process start -> train()); "
                               f"longest (own time by package, -X importtime): {longest}"})
     except subprocess.CalledProcessError as e:

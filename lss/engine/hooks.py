@@ -131,8 +131,10 @@ class LogHook(Hook):
 
     def after_step(self, trainer, logs) -> None:
         if not self.startup_written:
+            graph_step = getattr(trainer, "graph_step", None)
+            detail = graph_step.setup_seconds if graph_step is not None else {}
             startup = {"phases": dict(getattr(trainer, "phases", {})),
-                       "first_step_detail": dict(getattr(trainer, "first_step_detail", {}))}
+                       "first_step_detail": {k: round(v, 3) for k, v in detail.items()}}
             self.writer.write("startup", trainer.step, startup)
             self.startup_written = True
         if is_due(trainer, self.period):

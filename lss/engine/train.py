@@ -92,7 +92,6 @@ class Trainer:
         self.saved: dict[str, int] = {}  # checkpoint name -> step of the file on disk
         self.hooks: list[Hook] = []
         self.phases: dict[str, float] = {}  # start-up phase -> seconds since train() was called (LogHook writes them)
-        self.first_step_detail: dict[str, float] = {}  # part of the first step -> its own seconds (train.cuda_graph)
         self.started = time.perf_counter()
         self._unchecked: Optional[tuple[int, StepLogs]] = None  # the captured step's last values, not yet checked
 
@@ -231,8 +230,6 @@ class Trainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     self.mark("first_step")
-                    if self.graph_step is not None:
-                        self.first_step_detail = {k: round(v, 3) for k, v in self.graph_step.setup_seconds.items()}
                     first = False
                 step_time = time.perf_counter() - start
                 logs.add(step_time=step_time, lr=self.learning_rate(),
