@@ -81,22 +81,17 @@ def dense_targets(boxes: torch.Tensor, labels: torch.Tensor, grid: BevGrid, num_
     if count > max_objects:
         raise ValueError(f"a training sample has {count} detection boxes on the {grid.nx} x {grid.ny} map, more than "
                          f"detection.max_objects={max_objects}; raise detection.max_objects")
-    index = torch.zeros(max_objects, dtype=torch.long)
-    index[:count] = targets["row"] * grid.ny + targets["col"]
-    regression = torch.zeros(max_objects, len(REGRESSION_CHANNELS))
-    regression[:count] = targets["regression"]
-    mask = torch.zeros(max_objects, len(REGRESSION_CHANNELS))
-    mask[:count] = targets["regression_mask"]
-    return {"det_target_heatmap": targets["heatmap"][0], "det_target_index": index,
-            "det_target_regression": regression, "det_target_mask": mask}
+    return {k: v[0] for k, v in pad_targets(targets, 1, grid.ny, slots=max_objects).items()}
 
 
-def pad_targets(targets: dict, batch_size: int, width: int) -> dict:
+def pad_targets(targets: dict, batch_size: int, width: int, slots: Optional[int] = None) -> dict:
     """encode_targets' output (a batch of samples, `width` = W of the map) in dense_targets' fixed-shape form,
-    stacked over the batch, padded to the largest object count of a sample (at least 1)."""
+    stacked over the batch, padded to `slots` objects per sample (default: the largest object count of a sample, at
+    least 1)."""
     sample = targets["batch"]
     counts = torch.bincount(sample, minlength=batch_size)
-    slots = max(int(counts.max()) if len(counts) else 0, 1)
+    if slots is None:
+        slots = max(int(counts.max()) if len(counts) else 0, 1)
     slot = torch.arange(len(sample), device=sample.device) - (torch.cumsum(counts, 0) - counts)[sample]
     device, channels = targets["heatmap"].device, len(REGRESSION_CHANNELS)
     index = torch.zeros(batch_size, slots, dtype=torch.long, device=device)
