@@ -2,13 +2,15 @@
 that the kernels cost next to nothing (one 2 x 8 x 8 map, one roi, one box), so the time is argument checks,
 dispatch and autograd bookkeeping.
 
-    python scripts/host_overhead.py [--device cpu|cuda] [--calls 3000]
+    python scripts/host_overhead.py [--device cpu|cuda] [--calls 3000] [--rounds 7]
 
 On CUDA the call returns before the kernel runs (except where an op must read a size back), so the figure is the
-host's share of an eager call there too."""
+host's share of an eager call there too. Ours and torchvision's are timed in alternating rounds and each figure is
+the median over the rounds, so that a busy moment of the machine does not land on one side only."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -34,6 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(1)
@@ -48,11 +51,15 @@ def main() -> None:
         "nms": (lambda m: m.nms(boxes, scores, 0.5)),
         "batched_nms": (lambda m: m.batched_nms(boxes, scores, idxs, 0.5)),
     }
-    print(f"{device.type}, torch {torch.__version__}, torchvision {torchvision.__version__}; us per call")
+    print(f"{device.type}, torch {torch.__version__}, torchvision {torchvision.__version__}; us per call, median of "
+          f"{args.rounds} alternating rounds of {args.calls} calls")
     print("| call | lss | torchvision | torchvision / lss |\n|---|---|---|---|")
     for name, call in pairs.items():
-        ours = per_call_us(lambda: call(ops), args.calls, device)
-        theirs = per_call_us(lambda: call(torchvision.ops), args.calls, device)
+        times = {ops: [], torchvision.ops: []}
+        for _ in range(args.rounds):
+            for impl, got in times.items():
+                got.append(per_call_us(lambda: call(impl), args.calls, device))
+        ours, theirs = (statistics.median(times[impl]) for impl in (ops, torchvision.ops))
         print(f"| {name} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f} |")
 
 

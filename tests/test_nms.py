@@ -106,10 +106,7 @@ def test_batched_matches_per_class_nms(device, offset):
     boxes, scores = random_boxes(400, seed=9, device=device, offset=offset)
     idxs = torch.randint(0, 5, (400,), generator=torch.Generator().manual_seed(0)).to(device)
     keep = batched_nms(boxes, scores, idxs, 0.5)
-    per_class = torch.cat([torch.nonzero(idxs == c).flatten()[nms(boxes[idxs == c], scores[idxs == c], 0.5)]
-                           for c in range(5)])
-    expected = per_class[torch.sort(scores[per_class], descending=True, stable=True).indices]
-    assert torch.equal(keep, expected)
+    assert torch.equal(keep.cpu(), per_class_nms(boxes, scores, idxs, 0.5))
     assert set(keep.tolist()) == set(torchvision.ops.boxes._batched_nms_vanilla(boxes, scores, idxs, 0.5).tolist())
 
 
@@ -123,6 +120,20 @@ def test_batched_negative_coordinates_keep_classes_apart(device):
     idxs = torch.tensor([0, 1, 0], device=device)
     assert batched_nms(boxes, scores, idxs, 0.5).tolist() == [0, 1]
     assert nms_reference(boxes.cpu(), scores.cpu(), 0.5, idxs.cpu()).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_batched_large_labels_lose_no_precision(device):
+    # Boxes 0 and 1 share class 10**5 and overlap with IoU 100 / 199 > 0.5, so 1 goes. Shifting them by
+    # label * (max coordinate + 1) = 10**7 + 10**5 in float32 (ulp 1 there) would round 19.9 to 20 and make the IoU
+    # exactly 0.5 (kept): classes are compared, not offset, so the IoU is that of the boxes as given.
+    boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 19.9], [0.0, 0.0, 99.0, 99.0]], device=device)
+    scores = torch.tensor([0.9, 0.8, 0.7], device=device)
+    idxs = torch.tensor([10**5, 10**5, 3], device=device)
+    assert batched_nms(boxes, scores, idxs, 0.5).tolist() == [0, 2]
+    assert nms_reference(boxes.cpu(), scores.cpu(), 0.5, idxs.cpu()).tolist() == [0, 2]
+    shifted = boxes + (idxs * (boxes.max() + 1)).to(boxes)[:, None]
+    assert torchvision.ops.nms(shifted, scores, 0.5).tolist() == [0, 1, 2]  # what the offset would have given
 
 
 def special_boxes(n, seed, device="cpu"):
@@ -177,13 +188,23 @@ def test_cuda_matches_cpu_across_word_and_band_boundaries(n, extent):
         assert torch.equal(nms(boxes.to("cuda", dtype), scores.cuda(), 0.5).cpu(), nms(boxes.to(dtype), scores, 0.5))
 
 
+def per_class_nms(boxes, scores, idxs, threshold):
+    """torchvision's NMS run class by class on the CPU (exact, no coordinate offsets), merged by decreasing score."""
+    boxes, scores, idxs = boxes.cpu(), scores.cpu(), idxs.cpu()
+    kept = torch.cat([torch.nonzero(idxs == c).flatten()[torchvision.ops.nms(boxes[idxs == c], scores[idxs == c],
+                                                                              threshold)] for c in idxs.unique()])
+    return kept[torch.sort(scores[kept], descending=True, stable=True).indices]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("n,classes", [(700, 1), (700, 2), (3000, 7), (5000, 40), (20000, 10), (20000, 900),
                                        (100000, 10)])
 @pytest.mark.parametrize("extent", [30.0, 1000.0])
 def test_cuda_batched_nms_class_grouping_matches_cpu(n, classes, extent):
-    # Many classes against torchvision's per-class NMS: class runs that start and end inside words, strips and bands,
-    # classes of a single box, labels that are not 0..C-1.
+    # Many classes against torchvision's per-class NMS: classes of every size (one segment each), classes of a
+    # single box, labels that are not 0..C-1. Not against torchvision.ops.batched_nms on CUDA: below 25k boxes it
+    # shifts boxes by label * (max coordinate + 1) in float32, which moves IoUs near the threshold (with these labels
+    # it keeps one box more at 20000 / 900 / 30 m and one fewer at 20000 / 10 / 1000 m than its own per-class NMS).
     boxes, scores = random_boxes(n, seed=n + classes, extent=extent)
     gen = torch.Generator().manual_seed(classes)
     idxs = torch.randint(0, classes, (n,), generator=gen) * 3 - 5
@@ -191,9 +212,7 @@ def test_cuda_batched_nms_class_grouping_matches_cpu(n, classes, extent):
     # torch.rand repeats values among 20000 draws, and torchvision orders equal scores arbitrarily: distinct scores.
     scores = (torch.randperm(n, generator=gen) + 1).float() / n
     got = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5)
-    # With distinct scores torchvision's result (by decreasing score) is the same list.
-    want = torchvision.ops.batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
-    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), per_class_nms(boxes, scores, idxs, 0.5))
     if n > 20000:
         return  # the CPU kernel's O(N x kept) loop takes too long here
     assert torch.equal(got.cpu(), batched_nms(boxes, scores, idxs, 0.5))
@@ -226,6 +245,23 @@ def test_cuda_too_many_boxes_names_the_limit():
     boxes = torch.zeros(2_000_000, 4, device="cuda")
     with pytest.raises(RuntimeError, match="shared memory for the suppression bitmap.*split the boxes"):
         nms(boxes, torch.zeros(2_000_000, device="cuda"), 0.5)
+    with pytest.raises(RuntimeError, match="boxes of one class need .* shared memory"):
+        batched_nms(boxes, torch.zeros(2_000_000, device="cuda"), torch.zeros(2_000_000, device="cuda").long(), 0.5)
+
+
+@pytest.mark.cuda
+def test_cuda_batched_nms_beyond_one_nms_limit():
+    # 2M boxes are too many for one nms call (above), but in 2,000 classes each class is a segment of its own.
+    n, classes = 2_000_000, 2000
+    boxes, _ = random_boxes(n, seed=5, extent=3000.0)
+    gen = torch.Generator().manual_seed(5)
+    idxs = torch.randint(0, classes, (n,), generator=gen)
+    scores = (torch.randperm(n, generator=gen) + 1).float() / n  # distinct: torchvision orders ties arbitrarily
+    got = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
+    few = torch.nonzero(idxs < 20).flatten()  # check 20 classes against torchvision's per-class NMS
+    want = few[per_class_nms(boxes[few], scores[few], idxs[few], 0.5)]
+    assert torch.equal(got[idxs[got] < 20], want)
+    assert 0 < len(got) < n
 
 
 @pytest.mark.cuda

@@ -47,6 +47,8 @@ class RoIAlignFunction : public Function<RoIAlignFunction> {
     ctx->saved_data["aligned"] = aligned;
     ctx->saved_data["max_mode"] = max_mode;
     ctx->mark_non_differentiable({argmax, bad_rois});
+    // No zero gradients for argmax and the bad-roi record (a fill of argmax's size per backward otherwise).
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({rois, argmax});
     return {output, argmax, bad_rois};
   }
@@ -55,6 +57,7 @@ class RoIAlignFunction : public Function<RoIAlignFunction> {
     static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                           int64_t, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt, int64_t, bool,
                                           bool)>("lss::_roi_align_backward");
+    if (!grad_outputs[0].defined()) return variable_list(8);
     const auto saved = ctx->get_saved_variables();
     auto& data = ctx->saved_data;
     at::Tensor grad_input = op.call(grad_outputs[0], saved[0], saved[1], data["spatial_scale"].toDouble(),
@@ -79,6 +82,8 @@ class RoIPoolFunction : public Function<RoIPoolFunction> {
     ctx->saved_data["pooled_height"] = pooled_height;
     ctx->saved_data["pooled_width"] = pooled_width;
     ctx->mark_non_differentiable({argmax, bad_rois});
+    // No zero gradients for argmax and the bad-roi record (a fill of argmax's size per backward otherwise).
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({rois, argmax});
     return {output, argmax, bad_rois};
   }
@@ -87,6 +92,7 @@ class RoIPoolFunction : public Function<RoIPoolFunction> {
     static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                           int64_t, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt)>(
         "lss::_roi_pool_backward");
+    if (!grad_outputs[0].defined()) return variable_list(5);
     const auto saved = ctx->get_saved_variables();
     auto& data = ctx->saved_data;
     at::Tensor grad_input = op.call(grad_outputs[0], saved[0], saved[1], data["spatial_scale"].toDouble(),

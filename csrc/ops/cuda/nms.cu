@@ -4,11 +4,19 @@
 // the device in bands of 8: a warp resolves a band box by box from the band's diagonal block, held in shared
 // memory, and the whole block ORs the band's kept rows into the later words while it loads the next band's block.
 // Only the kept count crosses to the host.
+// batched_nms orders the boxes by class (by score within a class) and treats each class as a segment of its own:
+// the tile kernel covers only pairs inside a segment (its own packed triangle, about sum n_c^2 / 16 bytes), and the
+// reduction runs one block per segment, all classes at once. Kept boxes are marked by score rank and read back in
+// score order. The class counts cross to the host once, to size the launches. Below kSegmentedMinBoxes boxes, where
+// that extra round trip would cost more than it saves, batched_nms is one segment whose tile kernel compares labels.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
+#include <atomic>
 #include <string>
+#include <vector>
 
 #include "ops/nms_common.h"
 
@@ -20,6 +28,7 @@ constexpr int kStripWords = 8;  // column words per mask-kernel block: amortizes
 constexpr int kBandWords = 8;   // words the reduce kernel resolves between two block barriers
 constexpr int kBandRows = kBandWords * kBoxesPerWord;
 constexpr int kReduceThreads = 1024;
+constexpr int64_t kSegmentedMinBoxes = 2048;  // batched_nms: one segment per class from here on
 constexpr int kBandLoads = kBandRows * kBandWords / kReduceThreads;  // band words each reduce thread loads
 static_assert(kBandRows * kBandWords % kReduceThreads == 0, "every reduce thread loads the same number of words");
 static_assert(kBandRows <= kReduceThreads, "one reduce thread writes each kept box of a band");
@@ -31,7 +40,33 @@ C10_HOST_DEVICE inline int64_t packed_row(int64_t i, int64_t words) {
   return kBoxesPerWord * (r * words - r * (r - 1) / 2) + (i - r * kBoxesPerWord) * (words - r) - r;
 }
 
-int64_t packed_size(int64_t n, int64_t words) { return packed_row(n, words) + n / kBoxesPerWord; }
+C10_HOST_DEVICE inline int64_t packed_size(int64_t n, int64_t words) {
+  return packed_row(n, words) + n / kBoxesPerWord;
+}
+
+// Boxes that suppress only each other (all boxes for nms, one class for batched_nms): contiguous in the sorted
+// order, by decreasing score. Its words follow the previous segment's words in the tile kernel's grid; its packed
+// triangle starts at mask_base.
+struct Segment {
+  int64_t first;       // first box in the sorted order
+  int64_t count;       // boxes
+  int64_t first_word;  // first word in the grid of all segments' words
+  int64_t mask_base;   // offset of its packed triangle in the mask
+};
+static_assert(sizeof(Segment) == 4 * sizeof(int64_t), "segments travel as rows of an int64 tensor");
+
+// The segment that owns grid word `word`: the table's last one starting at or before it (table null: `single`).
+__device__ inline Segment segment_of_word(const Segment* __restrict__ table, int64_t count, const Segment& single,
+                                          int64_t word) {
+  if (table == nullptr) return single;
+  int64_t lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (table[mid].first_word <= word) lo = mid;
+    else hi = mid - 1;
+  }
+  return table[lo];
+}
 
 // IoU rounded step by step (no fused multiply-add), so the GPU matches the CPU kernel bit for bit.
 __device__ inline float mul_rn(float a, float b) { return __fmul_rn(a, b); }
@@ -79,35 +114,41 @@ __device__ inline bool suppresses(const Box<T>& a, T area_a, const Box<T>& b, T 
   return div_rn(inter, sub_rn(add_rn(area_a, area_b), inter)) > threshold;
 }
 
-// Block (row word, strip of kStripWords column words), one thread per row box: for each column word of the strip
-// at or after the row word, the bits of the column boxes after the row box that it suppresses.
-template <typename T, bool kBatched>
+// Block (grid word, strip of kStripWords column words of its segment), one thread per row box: for each column word
+// of the strip at or after the row word, the bits of the segment's later boxes that the row box suppresses. With
+// kClasses, only boxes of the same class (classes[], in the sorted order) suppress each other.
+template <typename T, bool kClasses>
 __global__ void __launch_bounds__(kBoxesPerWord)
-    nms_mask_kernel(int64_t n, int64_t words, const T* __restrict__ boxes, const int64_t* __restrict__ classes,
-                    T threshold, uint64_t* __restrict__ mask) {
-  const int64_t row_word = blockIdx.x;
+    nms_mask_kernel(const Segment* __restrict__ segments, int64_t num_segments, Segment single,
+                    const T* __restrict__ boxes, const int64_t* __restrict__ classes, T threshold,
+                    uint64_t* __restrict__ mask) {
+  const Segment seg = segment_of_word(segments, num_segments, single, blockIdx.x);
+  const int64_t n = seg.count, words = ceil_div(n, kBoxesPerWord);
+  const int64_t row_word = blockIdx.x - seg.first_word;
   const int64_t col_begin = upper<int64_t>(static_cast<int64_t>(blockIdx.y) * kStripWords, row_word);
   const int64_t col_end = lower<int64_t>(static_cast<int64_t>(blockIdx.y + 1) * kStripWords, words);
   if (col_begin >= col_end) return;
+  boxes += 4 * seg.first;
+  mask += seg.mask_base;
   __shared__ Box<T> col_boxes[kStripWords * kBoxesPerWord];
   __shared__ T col_areas[kStripWords * kBoxesPerWord];
-  __shared__ int64_t col_classes[kBatched ? kStripWords * kBoxesPerWord : 1];
+  __shared__ int64_t col_classes[kClasses ? kStripWords * kBoxesPerWord : 1];
   const int64_t first_col = col_begin * kBoxesPerWord;
   const int slots = static_cast<int>(col_end - col_begin) * kBoxesPerWord;
   for (int s = threadIdx.x; s < slots; s += kBoxesPerWord) {
-    // Slots past the last box hold a zero box; their bits are cleared below.
+    // Slots past the segment's last box hold a zero box; their bits are cleared below.
     const bool real = first_col + s < n;
     const Box<T> b = real ? load_box(boxes, first_col + s) : Box<T>{T(0), T(0), T(0), T(0)};
     col_boxes[s] = b;
     col_areas[s] = box_area(b);
-    if (kBatched) col_classes[s] = real ? classes[first_col + s] : 0;
+    if (kClasses) col_classes[s] = real ? classes[seg.first + first_col + s] : 0;
   }
   __syncthreads();
   const int64_t i = row_word * kBoxesPerWord + threadIdx.x;
   if (i >= n) return;
   const Box<T> box = load_box(boxes, i);
   const T area = box_area(box);
-  const int64_t cls = kBatched ? classes[i] : 0;
+  const int64_t cls = kClasses ? classes[seg.first + i] : 0;
   const bool nonneg_threshold = threshold >= T(0);
   uint64_t* row = mask + packed_row(i, words);
   for (int64_t c = col_begin; c < col_end; ++c) {
@@ -118,7 +159,7 @@ __global__ void __launch_bounds__(kBoxesPerWord)
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         const int s = base + g + u;
-        const bool hit = (!kBatched || col_classes[s] == cls) &&
+        const bool hit = (!kClasses || col_classes[s] == cls) &&
                          suppresses(box, area, col_boxes[s], col_areas[s], threshold, nonneg_threshold);
         hits |= static_cast<unsigned>(hit) << u;
       }
@@ -145,12 +186,19 @@ __device__ inline void load_band(uint64_t (&out)[kBandLoads], int64_t w0, int64_
   }
 }
 
-// One block of kReduceThreads. removed (dynamic shared memory, one bit per box) collects the suppressed boxes.
+// One block of kReduceThreads per segment. removed (dynamic shared memory, one bit per box) collects the suppressed
+// boxes. A kept box at sorted position p gives index[p]: kFlags false (one segment), the kept list keep[0 ..
+// *num_kept - 1] in order; kFlags true, kept_flags[index[p]] = true.
+template <bool kFlags>
 __global__ void __launch_bounds__(kReduceThreads)
-    nms_reduce_kernel(int64_t n, int64_t words, const uint64_t* __restrict__ mask,
-                      const int64_t* __restrict__ order, int64_t* __restrict__ keep,
-                      int64_t* __restrict__ num_kept) {
+    nms_reduce_kernel(const Segment* __restrict__ segments, Segment single, const uint64_t* __restrict__ mask,
+                      const int64_t* __restrict__ index, int64_t* __restrict__ keep, int64_t* __restrict__ num_kept,
+                      bool* __restrict__ kept_flags) {
   extern __shared__ uint64_t removed[];
+  const Segment seg = segments == nullptr ? single : segments[blockIdx.x];
+  const int64_t n = seg.count, words = ceil_div(n, kBoxesPerWord);
+  mask += seg.mask_base;
+  index += seg.first;
   __shared__ uint64_t band[kBandRows][kBandWords];  // [q][k]: row w0 * 64 + q, word w0 + k
   __shared__ int64_t kept_rows[kBandRows];           // packed_row of the band's kept boxes, in order
   __shared__ int kept_in_band[kBandRows];            // their positions in the band (0 .. kBandRows - 1)
@@ -203,7 +251,7 @@ __global__ void __launch_bounds__(kReduceThreads)
     if (w0 + kBandWords < words) load_band(next, w0 + kBandWords, n, words, mask);
     const int nk = band_kept;
     const bool writes_keep = threadIdx.x < nk;
-    const int64_t kept_index = writes_keep ? order[w0 * kBoxesPerWord + kept_in_band[threadIdx.x]] : 0;
+    const int64_t kept_index = writes_keep ? index[w0 * kBoxesPerWord + kept_in_band[threadIdx.x]] : 0;
     // Each later word gets `slices` threads (when there are fewer later words than threads), each ORing every
     // slices-th kept row, so that all threads keep loads in flight until the last bands.
     const int64_t later = words - (w0 + band_words);
@@ -224,66 +272,134 @@ __global__ void __launch_bounds__(kReduceThreads)
       for (; q < nk; q += slices) r |= mask[kept_rows[q] + j];
       if (r != 0) atomicOr(reinterpret_cast<unsigned long long*>(removed + j), static_cast<unsigned long long>(r));
     }
-    if (writes_keep) keep[kept_before_band + threadIdx.x] = kept_index;
+    if (writes_keep) {
+      if (kFlags) kept_flags[kept_index] = true;
+      else keep[kept_before_band + threadIdx.x] = kept_index;
+    }
     __syncthreads();
   }
-  if (threadIdx.x == 0) *num_kept = kept;
+  if (!kFlags && threadIdx.x == 0) *num_kept = kept;
 }
 
-at::Tensor nms_cuda_common(const char* op, const at::Tensor& boxes_, const at::Tensor& scores,
-                           const at::Tensor* idxs, double iou_threshold) {
-  nms_detail::check_nms_args(op, boxes_, scores, idxs);
-  check_cuda_tensor(boxes_, "nms: boxes");
-  c10::cuda::CUDAGuard guard(boxes_.device());
-  const int64_t n = boxes_.size(0);
-  if (n == 0) return at::empty({0}, boxes_.options().dtype(at::kLong));
-  const int64_t words = ceil_div(n, kBoxesPerWord);
-  const int64_t smem = words * static_cast<int64_t>(sizeof(uint64_t));
-  int device = 0, smem_optin = 0;
+// Shared memory the reduction may take for its removed bits on the current device (queried once per device; the
+// kernels' dynamic shared-memory limit is raised to it at the same time).
+int64_t reduce_smem_limit() {
+  static std::atomic<int64_t> limits[64];
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 64 && limits[device].load() > 0) return limits[device].load();
+  int smem_optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  cudaFuncAttributes reduce_attr;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&reduce_attr, nms_reduce_kernel));
-  const int64_t smem_left = smem_optin - static_cast<int64_t>(reduce_attr.sharedSizeBytes);
+  cudaFuncAttributes attr;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, nms_reduce_kernel<true>));
+  const int64_t limit = smem_optin - static_cast<int64_t>(attr.sharedSizeBytes);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(nms_reduce_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(limit)));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(nms_reduce_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(limit)));
+  if (device < 64) limits[device].store(limit);
+  return limit;
+}
+
+// Both kernels over `boxes` (sorted, accumulation type, contiguous) cut into segments: `table` on the device
+// (num_segments rows) or, when undefined, the one segment `single`; `classes` (sorted, int64), when defined, keeps
+// boxes of other classes from suppressing each other inside a segment. max_count: the largest segment's box count;
+// total_words, mask_size: the grid's words and the mask's words over all segments. Returns the kept list (one
+// segment) or fills kept_flags.
+at::Tensor run_nms(const char* op, const at::Tensor& boxes, const at::Tensor& classes, const at::Tensor& table,
+                   int64_t num_segments, const Segment& single, int64_t max_count, int64_t total_words,
+                   int64_t mask_size, const at::Tensor& index, double iou_threshold, const at::Tensor* kept_flags) {
+  const int64_t max_words = ceil_div(max_count, kBoxesPerWord);
+  const int64_t smem = max_words * static_cast<int64_t>(sizeof(uint64_t));
+  const int64_t smem_left = reduce_smem_limit();
   LSS_CHECK(smem <= smem_left,
-            std::string(op) + ": " + std::to_string(n) + " boxes need " + std::to_string(smem) +
-                " bytes of shared memory for the suppression bitmap, more than the " + std::to_string(smem_left) +
+            std::string(op) + ": " + std::to_string(max_count) + " boxes" + (kept_flags ? " of one class" : "") +
+                " need " + std::to_string(smem) + " bytes of shared memory for the suppression bitmap, more than the " +
+                std::to_string(smem_left) +
                 " this GPU has left for it; split the boxes (e.g. by class or image) first");
-  const auto order = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).contiguous();
-  const auto boxes = boxes_.index_select(0, order).to(nms_detail::nms_acc_type(boxes_)).contiguous();
-  at::Tensor classes;
-  if (idxs != nullptr) classes = idxs->index_select(0, order).to(at::kLong).contiguous();
-  auto mask = at::empty({packed_size(n, words)}, boxes_.options().dtype(at::kLong));
-  auto keep = at::empty({n}, boxes_.options().dtype(at::kLong));
-  auto num_kept = at::empty({1}, boxes_.options().dtype(at::kLong));
+  const auto* segments = table.defined() ? reinterpret_cast<const Segment*>(table.data_ptr<int64_t>()) : nullptr;
+  auto mask = at::empty({mask_size}, boxes.options().dtype(at::kLong));
+  auto* mask_ptr = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
   auto stream = c10::cuda::getCurrentCUDAStream();
-  // words fits a grid's x dimension and ceil(words / kStripWords) its y dimension: the shared-memory check above
-  // bounds words by about 30k.
-  const dim3 mask_grid(static_cast<unsigned>(words), static_cast<unsigned>(ceil_div(words, kStripWords)));
+  // total_words fits a grid's x dimension and ceil(max_words / kStripWords) its y dimension: the shared-memory
+  // check above bounds max_words by about 30k.
+  const dim3 mask_grid(static_cast<unsigned>(total_words), static_cast<unsigned>(ceil_div(max_words, kStripWords)));
   AT_DISPATCH_FLOATING_TYPES(boxes.scalar_type(), "nms_mask_cuda", [&] {
-    auto* kernel = idxs != nullptr ? nms_mask_kernel<scalar_t, true> : nms_mask_kernel<scalar_t, false>;
-    kernel<<<mask_grid, kBoxesPerWord, 0, stream>>>(
-        n, words, boxes.data_ptr<scalar_t>(), idxs != nullptr ? classes.data_ptr<int64_t>() : nullptr,
-        static_cast<scalar_t>(iou_threshold), reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>()));
+    auto* kernel = classes.defined() ? nms_mask_kernel<scalar_t, true> : nms_mask_kernel<scalar_t, false>;
+    kernel<<<mask_grid, kBoxesPerWord, 0, stream>>>(segments, num_segments, single, boxes.data_ptr<scalar_t>(),
+                                                    classes.defined() ? classes.data_ptr<int64_t>() : nullptr,
+                                                    static_cast<scalar_t>(iou_threshold), mask_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  C10_CUDA_CHECK(cudaFuncSetAttribute(nms_reduce_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  nms_reduce_kernel<<<1, kReduceThreads, smem, stream>>>(n, words,
-                                                         reinterpret_cast<const uint64_t*>(mask.data_ptr<int64_t>()),
-                                                         order.data_ptr<int64_t>(), keep.data_ptr<int64_t>(),
-                                                         num_kept.data_ptr<int64_t>());
+  if (kept_flags != nullptr) {
+    nms_reduce_kernel<true><<<static_cast<unsigned>(num_segments), kReduceThreads, smem, stream>>>(
+        segments, single, mask_ptr, index.data_ptr<int64_t>(), nullptr, nullptr, kept_flags->data_ptr<bool>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return at::Tensor();
+  }
+  auto keep = at::empty({single.count}, boxes.options().dtype(at::kLong));
+  auto num_kept = at::empty({1}, boxes.options().dtype(at::kLong));
+  nms_reduce_kernel<false><<<1, kReduceThreads, smem, stream>>>(segments, single, mask_ptr, index.data_ptr<int64_t>(),
+                                                                 keep.data_ptr<int64_t>(),
+                                                                 num_kept.data_ptr<int64_t>(), nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return keep.narrow(0, 0, num_kept.item<int64_t>()).clone();
 }
 
-at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold) {
-  return nms_cuda_common("nms", boxes, scores, nullptr, iou_threshold);
+at::Tensor nms_cuda(const at::Tensor& boxes_, const at::Tensor& scores, double iou_threshold) {
+  nms_detail::check_nms_args("nms", boxes_, scores, nullptr);
+  check_cuda_tensor(boxes_, "nms: boxes");
+  c10::cuda::CUDAGuard guard(boxes_.device());
+  const int64_t n = boxes_.size(0);
+  if (n == 0) return at::empty({0}, boxes_.options().dtype(at::kLong));
+  const auto order = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).contiguous();
+  const auto boxes = boxes_.index_select(0, order).to(nms_detail::nms_acc_type(boxes_)).contiguous();
+  const int64_t words = ceil_div(n, kBoxesPerWord);
+  return run_nms("nms", boxes, at::Tensor(), at::Tensor(), 1, Segment{0, n, 0, 0}, n, words, packed_size(n, words),
+                 order, iou_threshold, nullptr);
 }
 
-at::Tensor batched_nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs,
+// Classes as segments: boxes ordered by class, by decreasing score within a class (stable both times, so equal
+// scores keep index order as on the CPU); the reduction marks kept boxes by score rank, read back in score order.
+at::Tensor batched_nms_cuda(const at::Tensor& boxes_, const at::Tensor& scores, const at::Tensor& idxs,
                             double iou_threshold) {
-  return nms_cuda_common("batched_nms", boxes, scores, &idxs, iou_threshold);
+  nms_detail::check_nms_args("batched_nms", boxes_, scores, &idxs);
+  check_cuda_tensor(boxes_, "batched_nms: boxes");
+  c10::cuda::CUDAGuard guard(boxes_.device());
+  const int64_t n = boxes_.size(0);
+  if (n == 0) return at::empty({0}, boxes_.options().dtype(at::kLong));
+  const auto by_score = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true)).contiguous();
+  if (n < kSegmentedMinBoxes) {
+    const auto boxes = boxes_.index_select(0, by_score).to(nms_detail::nms_acc_type(boxes_)).contiguous();
+    const auto classes = idxs.index_select(0, by_score).to(at::kLong).contiguous();
+    const int64_t words = ceil_div(n, kBoxesPerWord);
+    return run_nms("batched_nms", boxes, classes, at::Tensor(), 1, Segment{0, n, 0, 0}, n, words,
+                   packed_size(n, words), by_score, iou_threshold, nullptr);
+  }
+  const auto [classes, rank] = idxs.index_select(0, by_score).to(at::kLong).sort(/*stable=*/true, /*dim=*/0,
+                                                                                  /*descending=*/false);
+  const auto sorted = by_score.index_select(0, rank);
+  const auto boxes = boxes_.index_select(0, sorted).to(nms_detail::nms_acc_type(boxes_)).contiguous();
+  const auto counts = std::get<2>(at::unique_consecutive(classes, /*return_inverse=*/false,
+                                                         /*return_counts=*/true)).cpu();
+  const int64_t num_segments = counts.size(0);
+  auto table_host = at::empty({num_segments, 4}, counts.options().pinned_memory(true));
+  auto* rows = reinterpret_cast<Segment*>(table_host.data_ptr<int64_t>());
+  const int64_t* count = counts.data_ptr<int64_t>();
+  int64_t first = 0, words = 0, mask_size = 0, max_count = 0;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    rows[s] = Segment{first, count[s], words, mask_size};
+    const int64_t w = ceil_div(count[s], kBoxesPerWord);
+    first += count[s];
+    words += w;
+    mask_size += packed_size(count[s], w);
+    max_count = std::max(max_count, count[s]);
+  }
+  const auto table = table_host.to(boxes_.options().dtype(at::kLong), /*non_blocking=*/true);
+  auto kept_flags = at::zeros({n}, boxes_.options().dtype(at::kBool));
+  run_nms("batched_nms", boxes, at::Tensor(), table, num_segments, Segment{0, 0, 0, 0}, max_count, words, mask_size,
+          rank, iou_threshold, &kept_flags);
+  return by_score.masked_select(kept_flags);
 }
 
 }  // namespace

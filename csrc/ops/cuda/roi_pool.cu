@@ -1,6 +1,6 @@
-// CUDA RoIPool. Forward: NCHW features are read in place by one thread per output with the bin fastest; channels_last
-// features by warps of consecutive channels, the tile written out through shared memory. Backward: each output adds
-// its gradient to its arg-max pixel, directly in the NCHW gradient (float32 buffer for fp16/bf16); under
+// CUDA RoIPool. Forward: NCHW features are read in place by one thread per bin and 4 channels, bin fastest;
+// channels_last features by warps of consecutive channels, the tile written out through shared memory. Backward: each
+// output adds its gradient to its arg-max pixel, directly in the NCHW gradient (float32 buffer for fp16/bf16); under
 // torch.use_deterministic_algorithms(True) the sort-based segment sum of roi_scatter.cuh instead. The forward kernels
 // validate the rois (roi::roi_ok): a bad roi pools to zeros and is noted in the bad-roi record, the op's third output,
 // which the Python wrapper reads.
@@ -44,7 +44,11 @@ __device__ __forceinline__ acc_t pool_window(const roi::PoolBin& p, const scalar
   return best;
 }
 
-// NCHW input: one thread per output, index = output index (pw fastest).
+// NCHW input: one thread per (roi, chunk of kPoolChannels channels, bin), the bin fastest. The thread computes its
+// window once and walks it once, loading the chunk's channels at each pixel together (independent loads in flight);
+// per channel the result is pool_window's.
+constexpr int kPoolChannels = 4;
+
 template <typename scalar_t, typename acc_t, typename index_t>
 __global__ void roi_pool_forward_nchw_kernel(index_t total, const scalar_t* __restrict__ input,
                                              const acc_t* __restrict__ rois, int64_t N, index_t C, int H, int W,
@@ -52,21 +56,57 @@ __global__ void roi_pool_forward_nchw_kernel(index_t total, const scalar_t* __re
                                              scalar_t* __restrict__ output, int32_t* __restrict__ argmax,
                                              int64_t* __restrict__ bad_rois) {
   const index_t plane = static_cast<index_t>(H) * W;
+  const index_t bins = static_cast<index_t>(pooled_h) * pooled_w;
+  const index_t chunks = (C + kPoolChannels - 1) / kPoolChannels;
   for (index_t idx = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<index_t>(gridDim.x) * blockDim.x) {
-    const int pw = static_cast<int>(idx % pooled_w);
-    index_t t = idx / pooled_w;
-    const int ph = static_cast<int>(t % pooled_h);
-    t /= pooled_h;
-    const index_t c = t % C, k = t / C;
+    const index_t bin = idx % bins, t = idx / bins;
+    const index_t chunk = t % chunks, k = t / chunks;
+    const int ph = static_cast<int>(bin / pooled_w), pw = static_cast<int>(bin % pooled_w);
     const auto p = roi::pool_bin<acc_t>(rois + k * 5, N, spatial_scale, pooled_h, pooled_w, H, W, ph, pw);
     // One thread per roi reports a bad one.
-    if (p.batch < 0 && c == 0 && ph == 0 && pw == 0) roi_scatter::record_bad_roi(bad_rois, rois + k * 5, k, N);
+    if (p.batch < 0 && chunk == 0 && bin == 0) roi_scatter::record_bad_roi(bad_rois, rois + k * 5, k, N);
+    const index_t c0 = chunk * kPoolChannels;
+    const int nc = static_cast<int>(C - c0 < kPoolChannels ? C - c0 : kPoolChannels);
     const index_t image = p.batch >= 0 ? static_cast<index_t>(p.batch) : index_t(0);
-    int32_t arg;
-    const acc_t v = pool_window<scalar_t, acc_t, index_t>(p, input + (image * C + c) * plane, index_t(1), W, arg);
-    output[idx] = static_cast<scalar_t>(v);
-    argmax[idx] = arg;
+    const scalar_t* base = input + (image * C + c0) * plane;
+    const bool empty = p.batch < 0 || p.h1 <= p.h0 || p.w1 <= p.w0;
+    acc_t best[kPoolChannels];
+    int32_t arg[kPoolChannels];
+#pragma unroll
+    for (int u = 0; u < kPoolChannels; ++u) {
+      best[u] = static_cast<acc_t>(-FLT_MAX);
+      arg[u] = -1;
+    }
+    if (!empty) {
+      const int h0 = static_cast<int>(p.h0), h1 = static_cast<int>(p.h1);
+      const int w0 = static_cast<int>(p.w0), w1 = static_cast<int>(p.w1);
+      for (int h = h0; h < h1; ++h) {
+        for (int w = w0; w < w1; ++w) {
+          const int pixel = h * W + w;
+          acc_t v[kPoolChannels];
+#pragma unroll
+          for (int u = 0; u < kPoolChannels; ++u) {
+            v[u] = u < nc ? static_cast<acc_t>(base[static_cast<index_t>(u) * plane + pixel]) : acc_t(0);
+          }
+#pragma unroll
+          for (int u = 0; u < kPoolChannels; ++u) {
+            if (v[u] > best[u]) {  // torchvision's rule: the first pixel strictly above -FLT_MAX so far
+              best[u] = v[u];
+              arg[u] = pixel;
+            }
+          }
+        }
+      }
+    }
+    const index_t out = (k * C + c0) * bins + bin;
+#pragma unroll
+    for (int u = 0; u < kPoolChannels; ++u) {
+      if (u < nc) {
+        output[out + static_cast<index_t>(u) * bins] = static_cast<scalar_t>(empty ? acc_t(0) : best[u]);
+        argmax[out + static_cast<index_t>(u) * bins] = arg[u];
+      }
+    }
   }
 }
 
@@ -198,8 +238,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::T
             static_cast<int>(H), static_cast<int>(W), ph, pw, scale, output.data_ptr<scalar_t>(),
             argmax.data_ptr<int32_t>(), bad_rois.data_ptr<int64_t>());
       } else {
-        roi_pool_forward_nchw_kernel<scalar_t, acc_t, index_t><<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
-            static_cast<index_t>(total), input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N,
+        const int64_t threads = K * ceil_div(C, kPoolChannels) * pooled_h * pooled_w;
+        roi_pool_forward_nchw_kernel<scalar_t, acc_t, index_t><<<roi_scatter::grid_for(threads), kThreads, 0,
+                                                                  stream>>>(
+            static_cast<index_t>(threads), input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N,
             static_cast<index_t>(C), static_cast<int>(H), static_cast<int>(W), ph, pw, scale,
             output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>(), bad_rois.data_ptr<int64_t>());
       }
