@@ -13,7 +13,7 @@ import hashlib
 import os
 import pickle
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Callable, Optional
 
 FORMAT = 1  # bump when the cached fields change
 
@@ -52,14 +52,24 @@ def load_index(key: str) -> Optional[dict]:
         return None
 
 
-def save_index(key: str, fields: dict) -> None:
-    """Write the fields of `key` (to a temporary file, then renamed: a reader never sees half a file)."""
-    path = cache_dir() / "index" / f"{key}.pkl"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+def write_cache_file(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """write(file) into a temporary file beside `path`, then renamed over it: a reader never sees half a file, and
+    concurrent writers of the same path (loader workers) each rename a whole one. A read-only or full cache folder
+    only means the entry is made again next time."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("wb") as f:
-            pickle.dump(fields, f, protocol=pickle.HIGHEST_PROTOCOL)
+            write(f)
         os.replace(tmp, path)
-    except OSError:  # a read-only or full cache folder: the index is built again next time
-        tmp.unlink(missing_ok=True)
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # e.g. a parent that is not a folder
+            pass
+
+
+def save_index(key: str, fields: dict) -> None:
+    """Write the fields of `key` (write_cache_file)."""
+    write_cache_file(cache_dir() / "index" / f"{key}.pkl",
+                     lambda f: pickle.dump(fields, f, protocol=pickle.HIGHEST_PROTOCOL))

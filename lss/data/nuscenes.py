@@ -18,12 +18,14 @@ from pyquaternion import Quaternion
 from lss.config import DETECTION_CLASSES, Config
 from lss.data import targets as T
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
+from lss.data.decoded_cache import DecodedImages
 from lss.data.detection_targets import dense_targets
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
 from lss.data.index_cache import index_key, load_index, save_index
 from lss.data.tables import (DatasetNotFoundError, MapNotFoundError, SampleError, SampleFileNotFoundError,
                              check_annotation, load_tables, loaded_or_named, locate_dataroot, resolve_split)
-from lss.data.transforms import image_size_from_header, load_augmented_image, sample_augmentation
+from lss.data.transforms import (augment_decoded, decode_scaled, image_size_from_header, jpeg_scale,
+                                sample_augmentation, scaled_shape)
 from lss.errors import ConfigError, DatasetError
 from lss.geometry import BevGrid
 
@@ -199,6 +201,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
         # Normalized value of every uint8 level per channel: (level / 255 - mean) / std, 256 x 3.
         self._pixel_lut = ((np.arange(256, dtype=np.float64)[:, None] / 255.0 - np.asarray(data.image_mean))
                            / np.asarray(data.image_std)).astype(np.float32)
+        self._decoded = DecodedImages() if data.decoded_cache else None
         self.root, self.layout = locate_dataroot(dataroot, version)
         key = index_key(self.root, version, split, (self.cameras, self.classes, data.min_visibility,
                                                     data.min_lidar_pts, data.detection_targets, data.depth_targets))
@@ -339,14 +342,21 @@ class NuScenesBEV(torch.utils.data.Dataset):
         for k in cams:
             path = self.image_paths[index, k]
             try:
-                encoded = Path(path).read_bytes()
+                encoded = None
                 size = tuple(int(v) for v in self.image_sizes[index, k])
                 if min(size) <= 0:
+                    encoded = Path(path).read_bytes()
                     size = image_size_from_header(encoded)
                 aug = sample_augmentation(size, tuple(data.final_dim), tuple(data.resize_lim),
                                           tuple(data.bot_pct_lim), tuple(data.rot_lim), data.rand_flip,
                                           self.is_train, rng)
-                image, rot, trans = load_augmented_image(encoded, size, aug, tuple(data.final_dim))
+                decoded = self._cached_decode(path, size, aug.resize_dims)
+                if decoded is None:
+                    decoded = decode_scaled(encoded if encoded is not None else Path(path).read_bytes(), size,
+                                            aug.resize_dims)
+                    if self._decoded is not None:
+                        self._decoded.store(path, *decoded)
+                image, rot, trans = augment_decoded(*decoded, aug, tuple(data.final_dim))
             except FileNotFoundError:
                 raise FileNotFoundError(self._missing_image_message(index, k)) from None
             except OSError as e:
@@ -358,6 +368,16 @@ class NuScenesBEV(torch.utils.data.Dataset):
             post_trans.append(trans)
         return (normalize_images(images, self._pixel_lut), torch.from_numpy(np.stack(post_rots)),
                 torch.from_numpy(np.stack(post_trans)), np.asarray(sizes))
+
+    def _cached_decode(self, path: str, size: tuple[int, int],
+                       resize_dims: tuple[int, int]) -> Optional[tuple[np.ndarray, int]]:
+        """(image, scale) of `path` from the decoded-image cache (data.decoded_cache), or None. The scale is the one
+        decode_scaled picks for a JPEG (the camera images' format; other files are not found and decoded anew)."""
+        if self._decoded is None:
+            return None
+        scale = jpeg_scale(size, resize_dims) if path.lower().endswith((".jpg", ".jpeg")) else 1
+        image = self._decoded.load(path, scale, scaled_shape(size, scale))
+        return None if image is None else (image, scale)
 
     def bev_targets(self, index: int, bev: Optional[BevAugmentation] = None) -> np.ndarray:
         """K x nx x ny float32 targets of sample `index`, in the frame moved by the BEV augmentation `bev`."""

@@ -77,13 +77,16 @@ def jpeg_scale(image_size: tuple[int, int], resize_dims: tuple[int, int]) -> int
     return next((k for k in _JPEG_SCALES if ratio >= k), 1)
 
 
-def decode_resized(data: bytes, image_size: tuple[int, int],
-                   resize_dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Decode an encoded image of `image_size` (W, H) to BGR uint8 of size resize_dims (W, H), anti-aliased.
+def scaled_shape(image_size: tuple[int, int], scale: int) -> tuple[int, int, int]:
+    """H x W x 3 of an image of `image_size` (W, H) decoded at DCT scale 1/scale."""
+    width, height = image_size
+    return -(-height // scale), -(-width // scale), 3
 
-    Returns (H x W x 3 uint8 BGR array, 3 x 3 affine from source pixels to the returned pixels).
-    JPEGs are decoded at the largest DCT scale 1/k that still covers resize_dims; libjpeg's output pixel r covers
-    source pixels [k*r, k*(r+1)) (the last one padded), so the decoded image's edges scale by exactly 1/k.
+
+def decode_scaled(data: bytes, image_size: tuple[int, int], resize_dims: tuple[int, int]) -> tuple[np.ndarray, int]:
+    """Decode an encoded image of `image_size` (W, H), a JPEG at the largest DCT scale 1/k that still covers
+    resize_dims (W, H). Returns (BGR uint8 array, k); libjpeg's output pixel r covers source pixels [k*r, k*(r+1))
+    (the last one padded), so the decoded image's edges scale by exactly 1/k.
     Raises OSError when the data cannot be decoded or its size is not `image_size`.
     """
     width, height = image_size
@@ -97,17 +100,30 @@ def decode_resized(data: bytes, image_size: tuple[int, int],
         raise OSError(f"not a decodable image ({len(data)} bytes; OpenCV: {str(e).strip().splitlines()[-1]})") from None
     if decoded is None:
         raise OSError(f"not a decodable image ({len(data)} bytes; expected a JPEG or PNG file)")
-    expected = (-(-height // k), -(-width // k))
-    if decoded.shape[:2] != expected:
+    if decoded.shape != scaled_shape(image_size, k):
         raise OSError(f"image is {decoded.shape[1] * k}x{decoded.shape[0] * k} pixels, expected {width}x{height} "
                       f"(the size recorded for it); re-extract the file or fix the sample_data table")
+    return decoded, k
+
+
+def resize_decoded(decoded: np.ndarray, scale: int, resize_dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Resize an image decoded at DCT scale 1/scale to resize_dims (W, H), anti-aliased (area when shrinking).
+    Returns (H x W x 3 uint8 array, 3 x 3 affine from source pixels to the returned pixels)."""
     dec_h, dec_w = decoded.shape[:2]
     new_w, new_h = resize_dims
     if (dec_w, dec_h) != (new_w, new_h):
         shrinking = new_w < dec_w and new_h < dec_h
         decoded = cv2.resize(decoded, (new_w, new_h),
                              interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR)
-    return decoded, resize_affine(new_w / (dec_w * k), new_h / (dec_h * k))
+    return decoded, resize_affine(new_w / (dec_w * scale), new_h / (dec_h * scale))
+
+
+def decode_resized(data: bytes, image_size: tuple[int, int],
+                   resize_dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Decode an encoded image of `image_size` (W, H) to BGR uint8 of size resize_dims (W, H), anti-aliased
+    (decode_scaled, then resize_decoded). Returns (H x W x 3 uint8 BGR array, 3 x 3 affine from source pixels to
+    the returned pixels)."""
+    return resize_decoded(*decode_scaled(data, image_size, resize_dims), resize_dims)
 
 
 def load_augmented_image(data: bytes, image_size: tuple[int, int], aug: ImageAugmentation,
@@ -117,7 +133,13 @@ def load_augmented_image(data: bytes, image_size: tuple[int, int], aug: ImageAug
     Returns (final_dim H x W x 3 uint8 RGB, post_rot 3 x 3, post_trans 3) with post_* mapping source pixels
     to the returned image's pixels. Areas outside the source image are black.
     """
-    resized, resize_m = decode_resized(data, image_size, aug.resize_dims)
+    return augment_decoded(*decode_scaled(data, image_size, aug.resize_dims), aug, final_dim)
+
+
+def augment_decoded(decoded: np.ndarray, scale: int, aug: ImageAugmentation,
+                    final_dim: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """load_augmented_image from an image already decoded at DCT scale 1/scale (decode_scaled)."""
+    resized, resize_m = resize_decoded(decoded, scale, aug.resize_dims)
     warp = crop_flip_rotate_affine(aug, final_dim)
     out_h, out_w = final_dim
     image = cv2.warpAffine(resized, warp[:2].astype(np.float64), (out_w, out_h), flags=cv2.INTER_LINEAR,

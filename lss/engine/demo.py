@@ -29,6 +29,7 @@ data:
   num_train_cameras: 4  # 4 random cameras per training sample (LSS used 5 of 6); all 6 at evaluation
   classes: [vehicle, drivable_area]
   depth_targets: true  # lidar depth bins per camera feature cell, for loss.depth_weight
+  decoded_cache: true  # camera images kept decoded on disk after epoch 1 (about 1.6 MB per sample; docs/data.md)
   workers: 1
 grid:
   xbound: [-24.0, 24.0, 1.0]
