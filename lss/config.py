@@ -67,6 +67,9 @@ class DataConfig:
     decoded_cache: bool = False
     # loader processes per rank; "auto": min(12, this rank's share of the CPUs - 2), at least 1
     workers: Union[int, Literal["auto"]] = 4
+    # scheduling niceness added to the loader workers (0-19): a positive value lets the training process, which feeds
+    # the GPU, run first whenever it and the workers want the same cores
+    worker_niceness: int = 0
     image_mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     image_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
@@ -338,6 +341,7 @@ def validate(cfg: Config) -> Config:
     _check(len(data.classes) > 0, "data.classes is empty: expected at least one class, e.g. [vehicle]")
     _at_least(data, "data", ("min_lidar_pts",), 0)
     _check(data.workers == "auto" or data.workers >= 0, f"data.workers={data.workers}: expected >= 0 or auto")
+    _check(0 <= data.worker_niceness <= 19, f"data.worker_niceness={data.worker_niceness}: expected 0 to 19")
     _check(0 <= data.min_visibility <= MAX_VISIBILITY,
            f"data.min_visibility={data.min_visibility}: expected 0 to {MAX_VISIBILITY} (the nuScenes visibility "
            "levels; 0 keeps every box)")

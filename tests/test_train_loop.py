@@ -214,6 +214,25 @@ def test_loader_workers_run_one_blas_thread():
     assert batch["threads"].numel() > 0 and batch["threads"].eq(1).all()
 
 
+class _Niceness(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return {"niceness": torch.tensor(os.nice(0))}
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no process niceness on this platform")
+def test_loader_workers_take_data_worker_niceness():
+    base = os.nice(0)
+    cfg = load_config(None, ["data.workers=1", "data.worker_niceness=7"])
+    batch = next(iter(build_loader(cfg, _Niceness(), None, 2, False, torch.device("cpu"), 0)))
+    assert batch["niceness"].tolist() == [min(base + 7, 19)] * 2
+    assert os.nice(0) == base  # the training process keeps its own
+    with pytest.raises(Exception, match="worker_niceness=20: expected 0 to 19"):
+        load_config(None, ["data.worker_niceness=20"])
+
+
 def test_evaluation_datasets_read_no_lidar(synthetic_root):
     cfg = load_config(None, [f"data.dataroot={synthetic_root}", "data.depth_targets=true"])
     assert "depth_targets" in build_dataset(cfg, "train", True)[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -146,7 +147,8 @@ def build_loader(cfg: Config, dataset: Dataset, sampler: Sampler, batch_size: in
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate_fn,
                       pin_memory=device.type == "cuda", drop_last=drop_last, generator=generator,
-                      persistent_workers=persistent and workers > 0, worker_init_fn=_seed_worker if workers else None)
+                      persistent_workers=persistent and workers > 0,
+                      worker_init_fn=functools.partial(_init_worker, cfg.data.worker_niceness) if workers else None)
 
 
 class StreamSampler(Sampler[int]):
@@ -182,11 +184,13 @@ def build_eval_loader(cfg: Config, dataset: Dataset, device: torch.device, dist_
                         persistent=persistent, collate_fn=collate_fn)
 
 
-def _seed_worker(worker_id: int) -> None:
+def _init_worker(niceness: int, worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
     limit_native_threads()
+    if niceness and hasattr(os, "nice"):
+        os.nice(niceness)
 
 
 def limit_native_threads() -> None:
