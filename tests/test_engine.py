@@ -85,6 +85,40 @@ def losses_of(run_dir):
     return [(r["step"], r["loss"]) for r in train_records(run_dir)]
 
 
+class SlowBEVDataset(FakeBEVDataset):
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return super().__getitem__(i)
+
+
+def test_train_records_split_the_loops_host_time(tmp_path):
+    cfg = fake_cfg(tmp_path, "train.log_every=2", "train.eval_every=0", "train.ckpt_every=0", "train.viz_every=0")
+    train(cfg, str(tmp_path / "run"), model_fn=FakeModel, collate_fn=collate, render_fn=bev_grid_image,
+          dataset_fn=lambda c, split, is_train: SlowBEVDataset(10 if is_train else 5, 0 if is_train else 100))
+    records = train_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [2, 4, 6]
+    for before, record in zip(records, records[1:]):  # the first record's split starts after the first step
+        host = record["host"]
+        assert host["fetch_ms"] >= 2 * 20  # two items of 20 ms each per batch, loaded in this process (workers=0)
+        assert host["wait_ms"] == 0  # the loss check waits only for a captured step
+        assert host["other_ms"] > 0
+        per_step = 1e3 * (record["elapsed"] - before["elapsed"]) / (record["step"] - before["step"])
+        assert sum(host.values()) == pytest.approx(per_step, rel=0.2)
+
+
+def test_host_split_rows_weigh_the_steady_records_by_steps():
+    from lss.benchmarks.train_loop import host_split_rows
+
+    records = [{"kind": "train", "step": s, "host": {"fetch_ms": f, "wait_ms": 1.0, "other_ms": 2.0}}
+               for s, f in ((5, 99.0), (10, 99.0), (20, 4.0), (40, 1.0), (50, 1.0))]
+    rows = host_split_rows("c", records)
+    assert [r["impl"] for r in rows] == ["loop host: fetch", "loop host: wait", "loop host: other"]
+    # the steady window starts at the 2nd record (WARMUP_FRACTION of 5 records skips 1): steps 10-20 at 4 ms,
+    # 20-50 at 1 ms
+    assert rows[0]["ms"] == pytest.approx((10 * 4.0 + 30 * 1.0) / 40) and rows[1]["ms"] == pytest.approx(1.0)
+    assert host_split_rows("c", [{"kind": "train", "step": 1}]) == []
+
+
 # ------------------------------------------------------------------------------------------- metrics
 def test_iou_is_dataset_level_not_mean_of_batches():
     meter = IoUMeter(["a"], threshold=0.5, sweep=[0.25, 0.75])

@@ -82,6 +82,22 @@ def watch_train(cmd: list[str], run_dir: Path, timeout: float) -> tuple[float, d
             time.sleep(POLL_S)
 
 
+def host_split_rows(case: str, records: list[dict]) -> list[dict]:
+    """One row per part of the loop's host time per step (the trainer's take_host_split in each "train" record),
+    step-weighted over loop_rates' steady window (the steps after the record at its start)."""
+    records = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
+    skip = max(1, int(len(records) * WARMUP_FRACTION))
+    steady = [(b["step"] - a["step"], b["host"]) for a, b in zip(records[skip:], records[skip + 1:]) if b.get("host")]
+    steps = sum(n for n, _ in steady)
+    if not steps:
+        return []
+    notes = {"fetch_ms": "waiting for the loader's next batch", "wait_ms": "waiting for the device in the loss check "
+             "(with train.cuda_graph: the previous step still running)", "other_ms": "the rest: the batch's copy, "
+             "launches, logging, hooks"}
+    return [{"case": case, "impl": f"loop host: {part[:-3]}", "ms": sum(n * h[part] for n, h in steady) / steps,
+             "notes": f"{text}, mean per step over {steps} steps"} for part, text in notes.items()]
+
+
 def loop_rates(records: list[dict], seen: dict[int, float]) -> dict:
     """First-step and steady-state numbers from the train records (with `elapsed` where the trainer writes it)."""
     records = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
@@ -297,6 +313,7 @@ def run(ctx) -> list[dict]:
                  "steps_per_s": loop["steady_steps_per_s"],
                  "notes": f"{loop['steady_steps_per_s']:.2f} steps/s over the last {loop['steady_steps']} steps "
                           f"({loop['source']})"})
+    rows += host_split_rows(case, records)
     val = [r for r in records if r.get("kind") == "val" and r.get("timing")]
     if val:
         timing = val[-1]["timing"]

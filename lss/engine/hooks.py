@@ -123,7 +123,7 @@ class LogHook(Hook):
     also a "startup" record: {"phases": the trainer's start-up phases, each the seconds since train() was called
     when it ended, "first_step_detail": the parts of the first step, each its own seconds (with train.cuda_graph: the
     warm-up steps and the capture; else empty)}. Reading the step's loss terms waits for the step (StepLogs): only at
-    the period."""
+    the period. A "train" record also holds "host": the trainer's take_host_split() since the previous record."""
 
     def __init__(self, period: int, writer: MetricsWriter, started: float):
         self.period, self.writer, self.started = period, writer, started
@@ -138,7 +138,10 @@ class LogHook(Hook):
             self.writer.write("startup", trainer.step, startup)
             self.startup_written = True
         if is_due(trainer, self.period):
-            self.writer.write("train", trainer.step, {**logs, "elapsed": time.perf_counter() - self.started})
+            record = {**logs, "elapsed": time.perf_counter() - self.started}
+            if hasattr(trainer, "take_host_split"):
+                record["host"] = trainer.take_host_split()
+            self.writer.write("train", trainer.step, record)
 
     def after_train(self, trainer) -> None:
         self.writer.close()

@@ -94,6 +94,8 @@ class Trainer:
         self.phases: dict[str, float] = {}  # start-up phase -> seconds since train() was called (LogHook writes them)
         self.started = time.perf_counter()
         self._unchecked: Optional[tuple[int, StepLogs]] = None  # the captured step's last values, not yet checked
+        self._fetch_s = self._wait_s = 0.0  # host seconds since the last take_host_split (see there)
+        self._split_since, self._split_step = time.perf_counter(), 0
 
     def register_hooks(self, hooks: Sequence[Hook]) -> None:
         """Hooks run in the order given, after every step and once after training."""
@@ -201,10 +203,28 @@ class Trainer:
             return
         step, logs = self._unchecked
         self._unchecked = None
-        if not math.isfinite(logs["loss"]):
-            raise FloatingPointError(f"loss is {logs['loss']} at step {step} (train.cuda_graph: this step's update "
+        waited = time.perf_counter()
+        loss = logs["loss"]  # waits for that step
+        self._wait_s += time.perf_counter() - waited
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step} (train.cuda_graph: this step's update "
                                      "was applied; the checkpoints on disk predate it); lower optim.lr, check the "
                                      "data, or resume from the last good checkpoint")
+
+    def take_host_split(self) -> dict:
+        """Where the loop's host time went since the last call, in mean ms per step: "fetch_ms" waiting for the
+        loader's next batch, "wait_ms" waiting for the device in the captured step's loss check (train.cuda_graph),
+        "other_ms" everything else (the batch's copy, launches, logging, hooks). Resets the sums."""
+        now = time.perf_counter()
+        steps = self.step - self._split_step
+        split = {}
+        if steps > 0:
+            total = now - self._split_since
+            split = {"fetch_ms": 1e3 * self._fetch_s / steps, "wait_ms": 1e3 * self._wait_s / steps,
+                     "other_ms": 1e3 * (total - self._fetch_s - self._wait_s) / steps}
+        self._fetch_s = self._wait_s = 0.0
+        self._split_since, self._split_step = now, self.step
+        return split
 
     def learning_rate(self) -> float:
         """The learning rate of the next step, from the host (the captured step keeps it in a device tensor)."""
@@ -223,6 +243,7 @@ class Trainer:
             while self.step < t.max_steps:
                 start = time.perf_counter()
                 micro_batches = [next(stream) for _ in range(t.grad_accum)]
+                self._fetch_s += time.perf_counter() - start
                 if first:
                     self.mark("first_batch")
                 logs = self.run_step(micro_batches)
@@ -230,6 +251,7 @@ class Trainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     self.mark("first_step")
+                    self.take_host_split()  # the split covers the steps after the first (start-up has its record)
                     first = False
                 step_time = time.perf_counter() - start
                 logs.add(step_time=step_time, lr=self.learning_rate(),
