@@ -55,7 +55,8 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torc
 def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou_threshold: float) -> torch.Tensor:
     """NMS where only boxes of the same category (idxs, N integers) suppress each other. Returns the kept indices
     by decreasing score. Classes are compared directly instead of shifting boxes apart by a class offset, so any
-    coordinates work (negative BEV coordinates included) and no precision is lost to large offsets.
+    coordinates work (negative BEV coordinates included) and no precision is lost to large offsets. On CUDA, from
+    2,048 boxes each class runs as a segment of its own, all classes at once (bitmap about sum N_c^2 / 16 bytes).
     As torchvision's, boxes with no elements (N x 4 with N = 0, or any empty tensor such as a 1-D one) give an empty
     int64 result whatever scores and idxs are."""
     if isinstance(boxes, torch.Tensor) and boxes.numel() == 0:
