@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from lss.benchmarks._runs import (SyntheticSet, child_env, ensure_synthetic_set, lss_command,  # noqa: E402
                                   log_tail, read_jsonl, stop)
-from lss.benchmarks.accuracy import BENCHMARK_SET, QUICK_OVERRIDES  # noqa: E402
+from lss.benchmarks.accuracy import BENCHMARK_SET, QUICK_OVERRIDES, mean_std  # noqa: E402
 
 CONFIG = "configs/synthetic_detection.yaml"
 QUICK_SET = SyntheticSet("v1.0-trainval", scenes=2, samples_per_scene=4, image_size=(400, 225), seed=0)
@@ -132,9 +132,8 @@ def over_seeds(results: dict, name: str, seeds: list[int]) -> dict:
         values = [v for v in values if v is not None]
         if not values:
             return None
-        mean = sum(values) / len(values)
-        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-        return [mean, std]
+        mean, std = mean_std(values)
+        return [mean, std or 0.0]  # one seed: no spread
 
     out = {"finished_seeds": len(finals),
            "final": {m: stats([p.get(m) for p in points]) for m in METRICS},

@@ -82,11 +82,17 @@ def watch_train(cmd: list[str], run_dir: Path, timeout: float) -> tuple[float, d
             time.sleep(POLL_S)
 
 
+def steady_window(records: list[dict]) -> tuple[list[dict], int]:
+    """The "train" records by step, and the index of the first one of the steady state (the records before it,
+    WARMUP_FRACTION of them and at least one, hold the start-up)."""
+    records = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
+    return records, max(1, int(len(records) * WARMUP_FRACTION))
+
+
 def host_split_rows(case: str, records: list[dict]) -> list[dict]:
     """One row per part of the loop's host time per step (the trainer's take_host_split in each "train" record),
     step-weighted over loop_rates' steady window (the steps after the record at its start)."""
-    records = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
-    skip = max(1, int(len(records) * WARMUP_FRACTION))
+    records, skip = steady_window(records)
     steady = [(b["step"] - a["step"], b["host"]) for a, b in zip(records[skip:], records[skip + 1:]) if b.get("host")]
     steps = sum(n for n, _ in steady)
     if not steps:
@@ -100,13 +106,12 @@ def host_split_rows(case: str, records: list[dict]) -> list[dict]:
 
 def loop_rates(records: list[dict], seen: dict[int, float]) -> dict:
     """First-step and steady-state numbers from the train records (with `elapsed` where the trainer writes it)."""
-    records = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
+    records, skip = steady_window(records)
     if len(records) < 3:
         raise ValueError(f"need at least 3 train records to time the loop, got {len(records)}")
     has_elapsed = all("elapsed" in r for r in records)
     clock = {r["step"]: (r["elapsed"] if has_elapsed else seen[r["step"]]) for r in records}
     first = records[0]["step"]
-    skip = max(1, int(len(records) * WARMUP_FRACTION))
     a, b = records[skip]["step"], records[-1]["step"]
     out = {"first_step": first, "first_step_s": seen.get(first), "steady_steps": b - a,
            "steady_steps_per_s": (b - a) / max(clock[b] - clock[a], 1e-9), "source": "elapsed" if has_elapsed
