@@ -124,9 +124,11 @@ class TrainConfig:
     max_steps: int = 30000
     grad_accum: int = 1
     amp: Literal["bf16", "fp16", "none"] = "bf16"  # autocast applies on CUDA only
-    # channels_last memory format for the convolutions: on an H100 the captured step is as fast without it (13.6 ms
-    # either way) and cuDNN's channels_last kernels add 10-20 s to the first step (docs/benchmarks.md)
-    channels_last: bool = False
+    # channels_last memory format for the convolutions: true (whole model), "camera" (camera encoder), "bev" (BEV
+    # encoder and heads) or false. On an H100 the captured step of configs/synthetic.yaml takes 13.4 ms with true,
+    # 19.3 ms with "bev" and 20.7 ms with false, but cuDNN's first channels-last camera step costs 11-17 s more
+    # (docs/benchmarks.md, training loop)
+    channels_last: Union[bool, Literal["camera", "bev"]] = False
     compile: bool = False
     # torch.compile mode; "reduce-overhead" replays CUDA graphs
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
@@ -206,6 +208,8 @@ class Config:
 
 
 def _type_name(tp: Any) -> str:
+    if tp is bool:
+        return "true/false"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

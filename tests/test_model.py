@@ -78,6 +78,41 @@ def test_channels_last_gives_the_same_output():
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _conv_layouts(module):
+    """{"channels_last", "contiguous"} of module's 4-D (convolution) weights whose layouts differ (more than one
+    input channel, a spatial size above 1)."""
+    return {"channels_last" if w.is_contiguous(memory_format=torch.channels_last) else "contiguous"
+            for w in module.parameters() if w.dim() == 4 and w.shape[1] > 1 and w.shape[2] * w.shape[3] > 1}
+
+
+@pytest.mark.parametrize("setting, camera, rest", [
+    (True, {"channels_last"}, {"channels_last"}), (False, {"contiguous"}, {"contiguous"}),
+    ("camera", {"channels_last"}, {"contiguous"}), ("bev", {"contiguous"}, {"channels_last"})])
+def test_train_channels_last_converts_the_parts_it_names_and_keeps_the_output(setting, camera, rest):
+    from lss.engine.build import apply_channels_last
+
+    cfg = tiny_cfg(f"train.channels_last={str(setting).lower()}")
+    assert cfg.train.channels_last == setting
+    model = LiftSplatShoot(cfg).eval()
+    batch = rig_batch(cfg)
+    with torch.no_grad():
+        before = model(batch)["segmentation"]
+        assert apply_channels_last(model, cfg.train.channels_last) is model
+        after = model(batch)["segmentation"]
+    assert _conv_layouts(model.camera) == camera
+    assert set().union(*(_conv_layouts(m) for m in (model.bev, model.segmentation))) == rest
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_train_channels_last_of_a_part_needs_the_lss_model():
+    from lss.engine.build import apply_channels_last
+
+    with pytest.raises(ConfigError, match="train.channels_last='bev' .* no camera encoder .* use true or false"):
+        apply_channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3)), "bev")
+    with pytest.raises(ConfigError, match="train.channels_last=2: expected true/false or 'camera', 'bev'"):
+        tiny_cfg("train.channels_last=2")
+
+
 def test_depth_is_a_distribution():
     enc = CameraEncoder(depth_bins=5, context_channels=3).eval()
     depth, context = enc(torch.randn(2, 3, 64, 64))

@@ -344,7 +344,9 @@ class _NanAtStep(FakeModel):
 
 
 @pytest.mark.parametrize("log_every", [0, 1])
-def test_the_static_buffer_step_stops_at_a_nan_loss_before_the_next_update(tmp_path, log_every):
+def test_the_static_buffer_step_stops_at_a_nan_loss_at_most_one_update_later(tmp_path, log_every):
+    # The loss check of a step waits until the next step is queued (the device never waits for the host's launch),
+    # so one more update may be applied; a step that a hook logs is checked before the next one.
     from lss.engine.graph_step import GraphedTrainStep
 
     cfg = fake_cfg(tmp_path, "train.max_steps=6", f"train.log_every={log_every}", "train.eval_every=0",
@@ -355,7 +357,8 @@ def test_the_static_buffer_step_stops_at_a_nan_loss_before_the_next_update(tmp_p
                                           capture=False)
     with pytest.raises(FloatingPointError, match="loss is nan at step 3 "):
         trainer.fit()
-    assert trainer.step == 3 and model.calls == 4  # step 4 was never run
+    later = 1 if log_every == 0 else 0
+    assert trainer.step == 3 + later and model.calls == 4 + later  # no step after that was run
 
 
 def test_bench_timer_is_not_fooled_by_a_slow_cold_call():

@@ -4,8 +4,9 @@ Rows: time from process start to the first completed step (the wrapper's spawn t
 metrics.jsonl, split at train()'s call by the record's `elapsed`), then one "startup:" row per start-up phase (from
 the "startup" record the trainer writes: datasets, model, trainer, workers, writer, first_batch, first_step; ms is
 the phase's own duration; with train.cuda_graph also one "startup: first_step: <part>" row per part of the first
-step: each warm-up step, the capture and the rest) and the import time of the trainer's modules in a fresh process
-(its notes: the longest imports by package); steps/s of the loop in steady state (from `elapsed` of later records;
+step: each warm-up step, the capture and the rest) and the import time of the trainer's modules in a fresh process,
+once before the run (it writes the bytecode where missing; see child_env_with_stacks) and once after (its notes: the
+longest imports by package); steps/s of the loop in steady state (from `elapsed` of later records;
 from the times the wrapper saw the records appear where `elapsed` is missing), steps/s of the training loader alone
 (the same dataset, sampler and workers, no model: above the loop's rate the loop is bound by the step, near it by
 the data), steps/s of the step alone at the same config (lss.benchmarks.train_step's step on random batches of the
@@ -57,7 +58,13 @@ def loop_overrides(dataroot: Path, version: str, steps: int, quick: bool) -> lis
 
 
 def child_env_with_stacks() -> dict:
-    return dict(child_env(os.cpu_count() or 1), PYTHONFAULTHANDLER="1")
+    """The children's environment: every thread's stack on SIGABRT, and bytecode written and reused as after a pip
+    install (which compiles it), also where PYTHONDONTWRITEBYTECODE is set: then under PYTHONPYCACHEPREFIX (default
+    <tmp>/lss-pycache), so that no installed package is written to."""
+    env = dict(child_env(os.cpu_count() or 1), PYTHONFAULTHANDLER="1")
+    if env.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+        env.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / "lss-pycache"))
+    return env
 
 
 def watch_train(cmd: list[str], run_dir: Path, timeout: float) -> tuple[float, dict[int, float], int]:
@@ -171,13 +178,25 @@ def import_profile(top: int = 8) -> tuple[float, list[tuple[str, float]]]:
     time summed over its package's first two name parts (torch._dynamo, sympy.polys)."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", "import lss.engine.train"], check=True,
-                          capture_output=True, text=True, env=child_env(os.cpu_count() or 1))
+                          capture_output=True, text=True, env=child_env_with_stacks())
     wall = time.perf_counter() - start
     seconds: dict[str, float] = {}
     for own_us, module in re.findall(r"^import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)", done.stderr, re.M):
         package = ".".join(module.split(".")[:2])
         seconds[package] = seconds.get(package, 0.0) + int(own_us) / 1e6
     return wall, sorted(seconds.items(), key=lambda item: -item[1])[:top]
+
+
+def import_row(case: str, impl: str, when: str) -> dict:
+    """The row of one import_profile (a fresh interpreter importing the trainer), `when` said in its notes."""
+    try:
+        wall, breakdown = import_profile()
+    except subprocess.CalledProcessError as e:
+        return {"case": case, "impl": impl, "ms": None, "notes": f"FAILED: {e}"}
+    longest = ", ".join(f"{package} {s:.2f} s" for package, s in breakdown)
+    return {"case": case, "impl": impl, "ms": 1e3 * wall,
+            "notes": f"a fresh interpreter importing lss.engine.train (part of process start -> train()), {when}; "
+                     f"longest (own time by package, -X importtime): {longest}"}
 
 
 def loader_rate(config: str, overrides: list[str], device: torch.device, batches: int) -> tuple[float, int]:
@@ -216,7 +235,8 @@ def step_impl(cfg, device: torch.device) -> str:
 
 
 def step_rate(ctx, config: str, overrides: list[str]) -> tuple[float, str]:
-    """Steps/s of train_step's step at the loop's config (batch size, cameras per sample, grid, recipe)."""
+    """Steps/s of train_step's step at the loop's config (batch size, cameras per sample, grid, recipe, memory
+    layout)."""
     from lss.benchmarks import train_step
     from lss.config import NUSCENES_CAMERAS, load_config
 
@@ -226,7 +246,7 @@ def step_rate(ctx, config: str, overrides: list[str]) -> tuple[float, str]:
     impl = step_impl(cfg, device)
     if cfg.data.num_train_cameras:
         cfg.data.cameras = tuple(c for c in NUSCENES_CAMERAS if c in cfg.data.cameras)[:cfg.data.num_train_cameras]
-    model, loss_fn, autocast = train_step._build(cfg, impl, device)
+    model, loss_fn, autocast = train_step._build(cfg, impl, device, channels_last=cfg.train.channels_last)
     batches = train_step.random_batches(cfg, cfg.train.batch_size, device)
     if cfg.data.depth_targets:  # the loop's batches carry lidar depth bins; random ones cost the step the same
         lo, hi, size = cfg.grid.dbound
@@ -285,9 +305,10 @@ def run(ctx) -> list[dict]:
     overrides += [o.strip() for o in env.get("LSS_LOOP_SET", "").split(";") if o.strip()]
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
+    case = f"{Path(config).stem}, {steps} steps"
+    imports = [import_row(case, "startup: imports, first", "writes the bytecode where it is missing")]
     cmd = lss_command("train", config, overrides, "--out", str(run_dir), "--overwrite")
     total, seen, code = watch_train(cmd, run_dir, timeout=float(env.get("LSS_LOOP_TIMEOUT", 180)))
-    case = f"{Path(config).stem}, {steps} steps"
     records = read_jsonl(run_dir / "metrics.jsonl")
     failed = []
     if code != 0:  # the rows of what it did still come, when the loop got far enough (a hang after it, say)
@@ -305,15 +326,8 @@ def run(ctx) -> list[dict]:
     rows = [{"case": case, "impl": "first_step", "ms": 1e3 * first_s if first_s else None,
              "notes": (f"process start to step 1 done: process start -> train() {call:.1f} s, train() -> step 1 "
                        f"{first:.1f} s" if first_s else loop["source"]) + f"; run {total:.1f} s in all"}]
-    rows += startup + failed
-    try:
-        wall, breakdown = import_profile()
-        longest = ", ".join(f"{package} {s:.2f} s" for package, s in breakdown)
-        rows.append({"case": case, "impl": "startup: imports", "ms": 1e3 * wall,
-                     "notes": "a fresh interpreter importing lss.engine.train (part of process start -> train()); "
-                              f"longest (own time by package, -X importtime): {longest}"})
-    except subprocess.CalledProcessError as e:
-        rows.append({"case": case, "impl": "startup: imports", "ms": None, "notes": f"FAILED: {e}"})
+    rows += startup + failed + imports
+    rows.append(import_row(case, "startup: imports", "bytecode on disk, as the training run had it"))
     rows.append({"case": case, "impl": "loop", "ms": 1e3 / loop["steady_steps_per_s"],
                  "steps_per_s": loop["steady_steps_per_s"],
                  "notes": f"{loop['steady_steps_per_s']:.2f} steps/s over the last {loop['steady_steps']} steps "

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from lss.config import Config, load_config
-from lss.engine.build import build_optimizer, compile_encoders
+from lss.engine.build import apply_channels_last, build_optimizer, compile_encoders
 from lss.geometry import image_augmentation, load_nuscenes_rig, val_augmentation
 
 LSS_CONFIG = ["data.classes=[vehicle]", "loss.type=bce"]  # the defaults are the paper's sizes
@@ -59,16 +59,17 @@ def _grid_shape(cfg: Config) -> tuple[int, int]:
     return BevGrid.from_config(cfg.grid).shape
 
 
-def _build(cfg: Config, impl: str, device: torch.device):
+def _build(cfg: Config, impl: str, device: torch.device, channels_last=None):
+    """The model of `impl` (channels_last: train.channels_last's values; None: the impl's own), its loss and
+    autocast."""
     from lss.engine.losses import TotalLoss
     from lss.models import LiftSplatShoot
 
-    splat, dtype, channels_last, compile_mode = IMPLS[impl]
+    splat, dtype, impl_channels_last, compile_mode = IMPLS[impl]
     cfg.model.splat = splat
     torch.manual_seed(0)
-    model = LiftSplatShoot(cfg).to(device)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    model = apply_channels_last(LiftSplatShoot(cfg).to(device),
+                                impl_channels_last if channels_last is None else channels_last)
     if compile_mode is not None:  # as `train.compile: true` with `train.compile_mode` does
         compile_encoders(model, compile_mode, MEMORY_BUDGET if impl.endswith("_budget") else 1.0)
     use_amp = dtype is not None and device.type == "cuda"

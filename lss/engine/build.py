@@ -241,6 +241,24 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.opti
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
 
 
+def apply_channels_last(model: nn.Module, setting: Union[bool, str]) -> nn.Module:
+    """train.channels_last in place: True puts every convolution weight of `model` in torch.channels_last memory
+    format (cuDNN then runs those convolutions channels-last), "camera" only the camera encoder's (`model.camera`),
+    "bev" everything but the camera encoder (BEV encoder and heads), False none. Returns `model`."""
+    if setting is False:
+        return model
+    if setting is True:
+        return model.to(memory_format=torch.channels_last)
+    camera = getattr(model, "camera", None)
+    if not isinstance(camera, nn.Module):
+        raise ConfigError(f"train.channels_last={setting!r} picks a part of the LSS model but {type(model).__name__} "
+                          "has no camera encoder (.camera); use true or false")
+    parts = [camera] if setting == "camera" else [m for m in model.children() if m is not camera]
+    for part in parts:
+        part.to(memory_format=torch.channels_last)
+    return model
+
+
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
