@@ -208,3 +208,89 @@ def test_cli_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caps
     assert "--resume" in err[0]
     monkeypatch.setattr(torch, "save", real_save)
     assert last_step(run) == 3 and [p.name for p in (run / "checkpoints").iterdir()] == ["last.pt"]
+
+
+# ------------------------------------------------------------------------------- background checkpoint writes
+def _writer_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "lss-checkpoint-writer"]
+
+
+def test_checkpoint_writes_run_behind_the_caller_on_a_snapshot(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    release, real_save = threading.Event(), ck.atomic_save
+
+    def held_save(obj, path):
+        assert release.wait(10)
+        real_save(obj, path)
+
+    monkeypatch.setattr(ck, "atomic_save", held_save)
+    model, done = torch.nn.Linear(3, 2), []
+    cfg = fake_cfg(tmp_path)
+    writer = ck.CheckpointWriter()
+    state = ck.checkpoint_state(model, 7, cfg, snapshot=True)
+    writer.submit(state, tmp_path / "a.pt", done=lambda: done.append("a"))
+    writer.submit(ck.checkpoint_state(model, 8, cfg, snapshot=True), tmp_path / "b.pt",
+                  done=lambda: done.append("b"))
+    expected = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.fill_(5.0)  # training goes on while the files are written: they keep the submitted values
+    time.sleep(0.05)
+    assert done == [] and not (tmp_path / "a.pt").exists()  # submit returned before the write
+    release.set()
+    writer.wait()
+    assert done == ["a", "b"]
+    for name, step in (("a.pt", 7), ("b.pt", 8)):
+        saved = ck.load_checkpoint(tmp_path / name)
+        assert saved["step"] == step
+        torch.testing.assert_close(saved["model"]["weight"], expected)
+    deadline = time.monotonic() + 5  # the idle thread ends and does not hold the interpreter at exit
+    while _writer_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _writer_threads() == []
+
+
+def test_a_failed_background_write_drops_the_later_ones_and_raises_once(tmp_path, monkeypatch):
+    real_save = ck.atomic_save
+
+    def full_disk(obj, path):
+        if path.name == "b.pt":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, path)
+
+    monkeypatch.setattr(ck, "atomic_save", full_disk)
+    model, cfg, writer = torch.nn.Linear(3, 2), fake_cfg(tmp_path), ck.CheckpointWriter()
+    for name in ("a.pt", "b.pt", "c.pt"):
+        writer.submit(ck.checkpoint_state(model, 1, cfg, snapshot=True), tmp_path / name,
+                      failed=lambda e: RuntimeError(f"while writing: {e.strerror}"))
+    with pytest.raises(RuntimeError, match="while writing: No space left on device"):
+        writer.wait()
+    assert (tmp_path / "a.pt").is_file() and not (tmp_path / "b.pt").exists() and not (tmp_path / "c.pt").exists()
+    writer.wait()  # raised once
+    writer.submit(ck.checkpoint_state(model, 2, cfg, snapshot=True), tmp_path / "c.pt")
+    writer.wait()
+    assert ck.load_checkpoint(tmp_path / "c.pt")["step"] == 2
+
+
+def test_a_failed_write_surfaces_at_the_next_save_with_the_checkpoint_on_disk(tmp_path, monkeypatch):
+    real_save = torch.save
+    writes = []
+
+    def full_disk(obj, f, *args, **kwargs):
+        writes.append(1)
+        if len(writes) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    run = tmp_path / "run"
+    cfg = fake_cfg(tmp_path, "train.ckpt_every=2", "train.eval_every=0", "train.max_steps=8")
+    with pytest.raises(OSError, match=f"No space left on device while writing {run / 'checkpoints' / 'last.pt'}; "
+                                      f"the previous .* \\(step 2\\) is intact") as error:
+        train(cfg, str(run), model_fn=FakeModel, dataset_fn=no_val, collate_fn=collate)
+    assert error.value.errno == errno.ENOSPC
+    monkeypatch.setattr(torch, "save", real_save)
+    assert last_step(run) == 2 and len(writes) == 2  # the failed write of step 4 stopped the run by step 6's save

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import queue
 import re
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -102,6 +104,14 @@ def remove_stale_temp_files(folder: Union[str, Path]) -> list[Path]:
 def save_checkpoint(path: Union[str, Path], model: nn.Module, step: int, config: Config,
                     optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Optional[Any] = None,
                     scaler: Optional[torch.amp.GradScaler] = None, extra: Optional[dict] = None) -> None:
+    atomic_save(checkpoint_state(model, step, config, optimizer, scheduler, scaler, extra), path)
+
+
+def checkpoint_state(model: nn.Module, step: int, config: Config, optimizer: Optional[torch.optim.Optimizer] = None,
+                     scheduler: Optional[Any] = None, scaler: Optional[torch.amp.GradScaler] = None,
+                     extra: Optional[dict] = None, *, snapshot: bool = False) -> dict:
+    """What save_checkpoint writes. snapshot=True copies every tensor to host memory, so that training can go on
+    changing the weights and optimizer state while the copy is written (CheckpointWriter)."""
     state = {
         "format": FORMAT_VERSION,
         "version": lss.__version__,
@@ -113,7 +123,77 @@ def save_checkpoint(path: Union[str, Path], model: nn.Module, step: int, config:
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": extra or {},
     }
-    atomic_save(state, path)
+    return _host_copy(state) if snapshot else state
+
+
+def _host_copy(value):
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _host_copy(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_copy(v) for v in value)
+    return value
+
+
+class CheckpointWriter:
+    """Writes checkpoints (atomic_save) in one background thread, in the order submitted, so that training goes on
+    while a file is serialized and synced to disk (about 150 MB for the LSS model with its Adam state).
+
+    `submit(state, path, done, failed)` queues a write of a host snapshot (checkpoint_state(..., snapshot=True));
+    after the file is in place the thread calls `done()`. When a write fails, the later queued ones are dropped and
+    the next `submit` or `wait` raises `failed(error)` for an OSError (the error itself otherwise). At most `depth`
+    writes wait in the queue (submit blocks beyond that), so the host memory of snapshots stays bounded."""
+
+    IDLE_SECONDS = 0.5  # the thread ends after this long without work (a later submit starts a new one)
+
+    def __init__(self, depth: int = 2):
+        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def submit(self, state: dict, path: Union[str, Path], done: Callable[[], None] = lambda: None,
+               failed: Callable[[OSError], BaseException] = lambda e: e) -> None:
+        self._raise_error()
+        with self._lock:
+            self._queue.put((state, Path(path), done, failed))
+            if self._thread is None:
+                # not a daemon: an interpreter that exits still finishes the writes (then the idle thread ends)
+                self._thread = threading.Thread(target=self._run, name="lss-checkpoint-writer")
+                self._thread.start()
+
+    def wait(self) -> None:
+        """Return once every submitted write is done; raise the error of a failed one (once)."""
+        self._queue.join()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            try:
+                state, path, done, failed = self._queue.get(timeout=self.IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                if self._error is None:
+                    atomic_save(state, path)
+                    done()
+            except OSError as e:
+                self._error = failed(e)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self._error = e
+            finally:
+                del state
+                self._queue.task_done()
 
 
 def _plain(value):

@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -95,6 +96,7 @@ class Trainer:
         self._unchecked: Optional[tuple[int, StepLogs]] = None  # the captured step's last values, not yet checked
         self._fetch_s = self._wait_s = 0.0  # host seconds since the last take_host_split (see there)
         self._split_since, self._split_step = time.perf_counter(), 0
+        self._writer = ckpt_io.CheckpointWriter()
 
     def register_hooks(self, hooks: Sequence[Hook]) -> None:
         """Hooks run in the order given, after every step and once after training."""
@@ -189,7 +191,12 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the loaders' workers now. Left to interpreter exit, each persistent worker of a pinning loader is
-        joined with a 5 s timeout (pytorch/pytorch#81794): minutes for 2 x 12 workers after the run is done."""
+        joined with a 5 s timeout (pytorch/pytorch#81794): minutes for 2 x 12 workers after the run is done. Waits
+        for the checkpoint writes in flight (a failed one is reported on stderr: another error is on its way)."""
+        try:
+            self.finish_checkpoints()
+        except Exception as e:  # noqa: BLE001 - the error that ends the run is already raised
+            print(f"lss: {e}", file=sys.stderr)
         iterators = [getattr(self, "_train_iter", None), getattr(self.val_loader, "_iterator", None)]
         for iterator in iterators:
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):  # single-process ones have none
@@ -267,6 +274,7 @@ class Trainer:
             self.check_last_step()
         finally:
             bar.close()
+        self.finish_checkpoints()
         final: dict = {}
         for hook in self.hooks:
             final.update(hook.after_train(self) or {})
@@ -274,21 +282,34 @@ class Trainer:
 
     def save(self, name: str) -> None:
         """checkpoints/`name` of the current step, on rank 0 (every rank checks the weights, so all stop together).
-        Non-finite weights are never written, and a failed write leaves the previous file in place."""
+        Non-finite weights are never written, and a failed write leaves the previous file in place. Rank 0 copies
+        the state to host memory here and writes the file in the background (ckpt_io.CheckpointWriter): a failed
+        write raises at the next save or when training ends (`finish_checkpoints`)."""
         path = self.out_dir / "checkpoints" / name
         if not bool(torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()):
+            self.finish_checkpoints()  # the earlier writes: `saved` says what is on disk, and their error comes first
             raise FloatingPointError(
                 f"weights are not finite after step {self.step}; {path} was not written and {self._on_disk(name)}"
                 f"{' (the last good checkpoint is kept)' if name in self.saved else ''}. Lower optim.lr (now "
                 f"{self.cfg.optim.lr:g}) or set optim.grad_clip, check the data, then {self._continue_hint()}")
-        if self.dist.is_main:
-            try:
-                ckpt_io.save_checkpoint(path, self.model, self.step, self.cfg, self.optimizer, self.scheduler,
-                                        self.scaler, extra={"rng": rng_state(), "state": dict(self.state)})
-            except OSError as e:
-                raise OSError(e.errno, f"{e.strerror or e} while writing {path}; {self._on_disk(name)}: free some "
-                                       f"space, then {self._continue_hint()}") from e
-        self.saved[name] = self.step
+        if not self.dist.is_main:
+            self.saved[name] = self.step
+            return
+        step = self.step
+        state = ckpt_io.checkpoint_state(self.model, step, self.cfg, self.optimizer, self.scheduler, self.scaler,
+                                         extra={"rng": rng_state(), "state": dict(self.state)}, snapshot=True)
+
+        def failed(e: OSError) -> OSError:  # in the writer's thread, after the earlier writes: `saved` is current
+            error = OSError(e.errno, f"{e.strerror or e} while writing {path}; {self._on_disk(name)}: free some "
+                                     f"space, then {self._continue_hint()}")
+            error.__cause__ = e
+            return error
+
+        self._writer.submit(state, path, done=lambda: self.saved.__setitem__(name, step), failed=failed)
+
+    def finish_checkpoints(self) -> None:
+        """Wait until the checkpoints saved so far are on disk; raise the error of a failed write."""
+        self._writer.wait()
 
     def _on_disk(self, name: str) -> str:
         """What checkpoints/`name` holds before this save, in words."""
@@ -406,7 +427,11 @@ def clear_run(run_dir: Path) -> None:
 
 
 def interrupted_message(trainer: Trainer) -> str:
-    """Ctrl-C: which checkpoint is on disk and how to continue."""
+    """Ctrl-C: which checkpoint is on disk (once the writes in flight are done) and how to continue."""
+    try:
+        trainer.finish_checkpoints()
+    except Exception as e:  # noqa: BLE001 - a failed write: the message names the checkpoint before it
+        print(f"lss: {e}", file=sys.stderr)
     step = trainer.saved.get("last.pt")
     if step is None:
         return (f"training interrupted at step {trainer.step}; no checkpoint was written (train.ckpt_every="
