@@ -225,10 +225,11 @@ def test_cuda_64bit_indexing(channels_last, mode):
 @pytest.mark.skipif(not has_ext(), reason="lss._C not built")
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("max_mode", [False, True])
-def test_opcheck(device, max_mode):
+@pytest.mark.parametrize("record_bad_rois", [True, False])
+def test_opcheck(device, max_mode, record_bad_rois):
     x = features(2, 3, 8, 8, device=device).requires_grad_(True)
     rois = make_rois(5, 2, 8, 8, device=device)
-    torch.library.opcheck(torch.ops.lss.roi_align.default, (x, rois, 1.0, 2, 3, 2, True, max_mode))
+    torch.library.opcheck(torch.ops.lss.roi_align.default, (x, rois, 1.0, 2, 3, 2, True, max_mode, record_bad_rois))
 
 
 def test_errors():
@@ -292,6 +293,64 @@ def test_raw_op_rejects_bad_rois_without_reading_out_of_bounds():
     assert bad_rois.dtype == torch.int64 and bad_rois.tolist() == [1, 0]
     _, _, none = torch.ops.lss.roi_align(x, make_rois(3, 1, 6, 6), 1.0, 2, 2, -1, False, False)
     assert none.tolist() == [-1, -1]
+
+
+@pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("op,args", [("roi_align", (1.0, 3, 2, -1, True, False)),
+                                     ("roi_align", (1.0, 3, 2, -1, True, True)), ("roi_pool", (1.0, 3, 2))],
+                         ids=["roi_align avg", "roi_align max", "roi_pool"])
+def test_raw_op_without_bad_roi_record(device, channels_last, op, args):
+    # record_bad_rois=False: the same output, argmax and gradient, an empty record, bad rois still pool to zeros
+    forward = getattr(torch.ops.lss, op)
+    x = features(2, 5, 8, 8, device=device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    rois = make_rois(6, 2, 8, 8, device=device)
+    rois[1, 0] = 2.0
+    rois[3, 2] = float("nan")
+    rois[4, 0] = -1.0
+    rejected = [1, 3, 4]
+    x_rec, x_none = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out, arg, record = forward(x_rec, rois, *args)
+    out_none, arg_none, none = forward(x_none, rois, *args, False)
+    assert record.tolist() == [3, 1]
+    assert none.shape == (0,) and none.dtype == torch.int64 and none.device == x.device
+    assert torch.equal(out_none, out) and torch.equal(arg_none, arg)
+    assert torch.equal(out_none[rejected], torch.zeros_like(out_none[rejected]))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    out.backward(g)
+    out_none.backward(g)
+    torch.testing.assert_close(x_none.grad, x_rec.grad, atol=1e-6, rtol=1e-6)
+    # no pooling kernel for C = 0: the record alone is computed, or nothing
+    _, _, none = forward(x[:, :0], rois, *args, record_bad_rois=False)
+    assert none.shape == (0,) and none.dtype == torch.int64
+    assert forward(x[:, :0], rois, *args)[2].tolist() == [3, 1]
+
+
+@pytest.mark.skipif(not has_ext(), reason="lss._C not built")
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("validate", [None, False, True])
+@pytest.mark.parametrize("op", [roi_align, roi_pool], ids=["roi_align", "roi_pool"])
+def test_wrapper_asks_for_the_record_only_when_it_reads_it(device, validate, op):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    forward = getattr(torch.ops.lss, op.__name__).default
+    records = []
+
+    class RecordShapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is forward:
+                records.append(tuple(out[2].shape))
+            return out
+
+    x = features(2, 3, 8, 8, device=device)
+    with RecordShapes():
+        op(x, make_rois(4, 2, 8, 8, device=device), 2, validate=validate)
+    reads = validate if validate is not None else device == "cpu"
+    assert records == [(2,) if reads else (0,)]
 
 
 @pytest.mark.skipif(not has_ext(), reason="lss._C not built")

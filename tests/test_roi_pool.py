@@ -168,10 +168,11 @@ def test_cuda_64bit_indexing(channels_last):
 
 @pytest.mark.skipif(not has_ext(), reason="lss._C not built")
 @pytest.mark.parametrize("device", devices())
-def test_opcheck(device):
+@pytest.mark.parametrize("record_bad_rois", [True, False])
+def test_opcheck(device, record_bad_rois):
     x = features(2, 3, 8, 8, device=device).requires_grad_(True)
     rois = make_rois(5, 2, 8, 8, device=device)
-    torch.library.opcheck(torch.ops.lss.roi_pool.default, (x, rois, 1.0, 2, 3))
+    torch.library.opcheck(torch.ops.lss.roi_pool.default, (x, rois, 1.0, 2, 3, record_bad_rois))
 
 
 def test_errors():

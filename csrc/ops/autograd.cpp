@@ -33,12 +33,12 @@ class RoIAlignFunction : public Function<RoIAlignFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& rois,
                                double spatial_scale, int64_t pooled_height, int64_t pooled_width,
-                               int64_t sampling_ratio, bool aligned, bool max_mode) {
+                               int64_t sampling_ratio, bool aligned, bool max_mode, bool record_bad_rois) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = op_handle<Triple(const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, int64_t, bool,
-                                      bool)>("lss::roi_align");
-    auto [output, argmax, bad_rois] =
-        op.call(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, max_mode);
+                                      bool, bool)>("lss::roi_align");
+    auto [output, argmax, bad_rois] = op.call(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio,
+                                              aligned, max_mode, record_bad_rois);
     save_input_shape(ctx, input);
     ctx->saved_data["spatial_scale"] = spatial_scale;
     ctx->saved_data["pooled_height"] = pooled_height;
@@ -57,7 +57,7 @@ class RoIAlignFunction : public Function<RoIAlignFunction> {
     static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                           int64_t, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt, int64_t, bool,
                                           bool)>("lss::_roi_align_backward");
-    if (!grad_outputs[0].defined()) return variable_list(8);
+    if (!grad_outputs[0].defined()) return variable_list(9);
     const auto saved = ctx->get_saved_variables();
     auto& data = ctx->saved_data;
     at::Tensor grad_input = op.call(grad_outputs[0], saved[0], saved[1], data["spatial_scale"].toDouble(),
@@ -66,17 +66,20 @@ class RoIAlignFunction : public Function<RoIAlignFunction> {
                                     data["sampling_ratio"].toInt(), data["aligned"].toBool(),
                                     data["max_mode"].toBool());
     return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
 class RoIPoolFunction : public Function<RoIPoolFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& rois,
-                               double spatial_scale, int64_t pooled_height, int64_t pooled_width) {
+                               double spatial_scale, int64_t pooled_height, int64_t pooled_width,
+                               bool record_bad_rois) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = op_handle<Triple(const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>("lss::roi_pool");
-    auto [output, argmax, bad_rois] = op.call(input, rois, spatial_scale, pooled_height, pooled_width);
+    static auto op =
+        op_handle<Triple(const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, bool)>("lss::roi_pool");
+    auto [output, argmax, bad_rois] =
+        op.call(input, rois, spatial_scale, pooled_height, pooled_width, record_bad_rois);
     save_input_shape(ctx, input);
     ctx->saved_data["spatial_scale"] = spatial_scale;
     ctx->saved_data["pooled_height"] = pooled_height;
@@ -92,13 +95,13 @@ class RoIPoolFunction : public Function<RoIPoolFunction> {
     static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
                                           int64_t, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt)>(
         "lss::_roi_pool_backward");
-    if (!grad_outputs[0].defined()) return variable_list(5);
+    if (!grad_outputs[0].defined()) return variable_list(6);
     const auto saved = ctx->get_saved_variables();
     auto& data = ctx->saved_data;
     at::Tensor grad_input = op.call(grad_outputs[0], saved[0], saved[1], data["spatial_scale"].toDouble(),
                                     data["pooled_height"].toInt(), data["pooled_width"].toInt(), input_size(ctx, 0),
                                     input_size(ctx, 1), input_size(ctx, 2), input_size(ctx, 3));
-    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -133,15 +136,15 @@ class BevPoolFunction : public Function<BevPoolFunction> {
 
 Triple roi_align_autograd(const at::Tensor& input, const at::Tensor& rois, double spatial_scale,
                           int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
-                          bool max_mode) {
+                          bool max_mode, bool record_bad_rois) {
   auto out = RoIAlignFunction::apply(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio,
-                                     aligned, max_mode);
+                                     aligned, max_mode, record_bad_rois);
   return {out[0], out[1], out[2]};
 }
 
 Triple roi_pool_autograd(const at::Tensor& input, const at::Tensor& rois, double spatial_scale,
-                         int64_t pooled_height, int64_t pooled_width) {
-  auto out = RoIPoolFunction::apply(input, rois, spatial_scale, pooled_height, pooled_width);
+                         int64_t pooled_height, int64_t pooled_width, bool record_bad_rois) {
+  auto out = RoIPoolFunction::apply(input, rois, spatial_scale, pooled_height, pooled_width, record_bad_rois);
   return {out[0], out[1], out[2]};
 }
 

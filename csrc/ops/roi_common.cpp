@@ -41,7 +41,8 @@ at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input) {
   return rois.to(acc).contiguous();
 }
 
-at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size) {
+at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size, bool record_bad_rois) {
+  if (!record_bad_rois) return no_bad_roi_record(rois);
   auto record = at::full({2}, -1, rois.options().dtype(at::kLong));
   int64_t* found = record.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(rois.scalar_type(), "find_bad_rois", [&] {
@@ -54,6 +55,8 @@ at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size) {
   });
   return record;
 }
+
+at::Tensor no_bad_roi_record(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kLong)); }
 
 }  // namespace roi
 }  // namespace lss

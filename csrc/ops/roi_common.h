@@ -198,8 +198,11 @@ at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input);
 // The forward ops' bad-roi record, their third output: two int64, the first roi with non-finite coordinates and the
 // first roi with a bad batch index (slots of bad_roi_slot), -1 for none. The Python wrappers read it and raise the
 // errors; nothing is thrown from here, whatever the roi values. CPU version: a loop over the (acc-type, contiguous)
-// rois on the host.
-at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size);
+// rois on the host. record_bad_rois == false (the caller will not read it): no_bad_roi_record, no loop.
+at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size, bool record_bad_rois);
+
+// The third output of a forward call with record_bad_rois=false: an empty int64 tensor on like's device.
+at::Tensor no_bad_roi_record(const at::Tensor& like);
 
 }  // namespace roi
 }  // namespace lss

@@ -59,7 +59,7 @@ def use_reference(op_name: str) -> bool:
 
 def check_device(op_name: str, *tensors: torch.Tensor) -> None:
     """Raise a clear error when a CUDA tensor reaches an op whose CUDA kernel is not in this build."""
-    if any(t is not None and t.is_cuda for t in tensors) and not has_cuda_ops():
+    if not has_cuda_ops() and any(t is not None and t.is_cuda for t in tensors):
         raise RuntimeError(
             f"lss.ops.{op_name}: got CUDA tensors, but this build of lss has no CUDA kernels; {REBUILD_HINT}"
         )

@@ -16,6 +16,8 @@ MAX_SAMPLING_RATIO = 64
 def output_hw(output_size, op: str) -> tuple[int, int]:
     """(PH, PW) from an int or an (h, w) pair."""
     if isinstance(output_size, int):
+        if output_size > 0:  # the common case: no pair to check
+            return output_size, output_size
         size = (output_size, output_size)
     else:
         size = tuple(output_size)
@@ -67,7 +69,7 @@ def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
         if rois.device != input.device:
             raise ValueError(f"lss.ops.{op}: rois are on {rois.device} but input is on {input.device}; "
                              "move them to the same device")
-        return rois.to(dtype)
+        return rois if rois.dtype == dtype else rois.to(dtype)
     if not isinstance(rois, (list, tuple)):
         raise TypeError(f"lss.ops.{op}: rois must be a K x 5 tensor or a list of L_i x 4 tensors, got "
                         f"{type(rois).__name__}")
@@ -106,15 +108,17 @@ def check_roi_values(rois: torch.Tensor, batch_size: int, op: str) -> None:
 
 
 def should_validate(validate, input: torch.Tensor) -> bool:
-    """validate=None (the ops' default) reads the bad-roi record only where that costs no host sync (CPU)."""
+    """validate=None (the ops' default) reads the bad-roi record only where that costs no host sync (CPU). The
+    wrappers pass the answer to the forward op as record_bad_rois: a record nobody reads is not kept (on CUDA, no
+    allocation and memset of it per call)."""
     return (not input.is_cuda) if validate is None else bool(validate)
 
 
 def raise_on_bad_rois(bad_rois: torch.Tensor, rois: torch.Tensor, batch_size: int, op: str) -> None:
-    """Raise for the first bad roi in a forward op's record (its third output: the first roi with non-finite
-    coordinates and the first with a bad batch index, -1 for none), non-finite coordinates first. Reading the record
-    waits for the kernel (a host sync); skipped while tracing (torch.compile) or capturing a CUDA graph, where bad rois
-    just pool to zeros."""
+    """Raise for the first bad roi in a forward op's record (its third output with record_bad_rois=True: the first
+    roi with non-finite coordinates and the first with a bad batch index, -1 for none), non-finite coordinates first.
+    Reading the record waits for the kernel (a host sync); skipped while tracing (torch.compile) or capturing a CUDA
+    graph, where bad rois just pool to zeros."""
     if torch.compiler.is_compiling() or (bad_rois.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     _raise_first_bad_roi(rois, *bad_rois.tolist(), batch_size, op)

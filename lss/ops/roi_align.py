@@ -30,10 +30,11 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
 
     validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N),
     which the forward kernel records. Reading that record is a host sync on CUDA: the host waits for the forward
-    instead of queueing autograd's backward work while it runs. validate=False skips the read: bad rois then pool
-    to zeros (no gradient) and are never read out of bounds. The default (None) validates CPU inputs, where the
-    read costs no sync, and skips the read for CUDA inputs, so an eager CUDA call never waits for the device (as
-    torchvision's, which does not check rois at all). The pure-PyTorch fallback always validates.
+    instead of queueing autograd's backward work while it runs. validate=False skips the read, and the kernel
+    keeps no record (no allocation and fill of it per call): bad rois then pool to zeros (no gradient) and are
+    never read out of bounds. The default (None) validates CPU inputs, where the read costs no sync, and skips it
+    for CUDA inputs, so an eager CUDA call never waits for the device (as torchvision's, which does not check rois
+    at all). The pure-PyTorch fallback always validates.
     """
     _roi.check_input(input, "roi_align")
     if mode not in _MODES:
@@ -45,9 +46,10 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     if _ext.use_reference("roi_align"):
         return roi_align_reference(input, rois, output_size, spatial_scale, sampling_ratio, aligned, mode)
     _ext.check_device("roi_align", input, rois)
+    check = _roi.should_validate(validate, input)
     output, _, bad_rois = torch.ops.lss.roi_align(input, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio,
-                                                  bool(aligned), mode == "max")
-    if _roi.should_validate(validate, input):
+                                                  bool(aligned), mode == "max", check)
+    if check:
         _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_align")
     return output
 
@@ -169,11 +171,12 @@ def roi_align_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sc
 if _ext.has_ext():
 
     @torch.library.register_fake("lss::roi_align")
-    def _roi_align_fake(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, max_mode):
+    def _roi_align_fake(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, max_mode,
+                        record_bad_rois=True):
         torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be K x 5")
         shape = (rois.shape[0], input.shape[1], pooled_height, pooled_width)
         argmax = input.new_empty(shape if max_mode else (0,), dtype=torch.int32)
-        return input.new_empty(shape), argmax, input.new_empty((2,), dtype=torch.int64)
+        return input.new_empty(shape), argmax, input.new_empty((2 if record_bad_rois else 0,), dtype=torch.int64)
 
     @torch.library.register_fake("lss::_roi_align_backward")
     def _roi_align_backward_fake(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size,

@@ -22,8 +22,9 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
     to the arg-max pixel of each bin; no gradient for rois. spatial_scale must be finite and > 0, else ValueError.
 
     validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N);
-    reading the forward kernel's record of them is a host sync on CUDA. validate=False skips the read: bad rois pool
-    to zeros. The default (None) validates CPU inputs only, so an eager CUDA call never waits (see roi_align).
+    reading the forward kernel's record of them is a host sync on CUDA. validate=False skips the read and the
+    record: bad rois pool to zeros. The default (None) validates CPU inputs only, so an eager CUDA call never waits
+    (see roi_align).
     """
     _roi.check_input(input, "roi_pool")
     pooled_h, pooled_w = _roi.output_hw(output_size, "roi_pool")
@@ -32,8 +33,9 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
     if _ext.use_reference("roi_pool"):
         return roi_pool_reference(input, rois, output_size, spatial_scale)
     _ext.check_device("roi_pool", input, rois)
-    output, _, bad_rois = torch.ops.lss.roi_pool(input, rois, spatial_scale, pooled_h, pooled_w)
-    if _roi.should_validate(validate, input):
+    check = _roi.should_validate(validate, input)
+    output, _, bad_rois = torch.ops.lss.roi_pool(input, rois, spatial_scale, pooled_h, pooled_w, check)
+    if check:
         _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_pool")
     return output
 
@@ -105,11 +107,11 @@ def roi_pool_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sca
 if _ext.has_ext():
 
     @torch.library.register_fake("lss::roi_pool")
-    def _roi_pool_fake(input, rois, spatial_scale, pooled_height, pooled_width):
+    def _roi_pool_fake(input, rois, spatial_scale, pooled_height, pooled_width, record_bad_rois=True):
         torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_pool: rois must be K x 5")
         shape = (rois.shape[0], input.shape[1], pooled_height, pooled_width)
         return (input.new_empty(shape), input.new_empty(shape, dtype=torch.int32),
-                input.new_empty((2,), dtype=torch.int64))
+                input.new_empty((2 if record_bad_rois else 0,), dtype=torch.int64))
 
     @torch.library.register_fake("lss::_roi_pool_backward")
     def _roi_pool_backward_fake(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size,

@@ -118,7 +118,8 @@ void roi_align_backward_cpu_impl(const at::Tensor& grad, const at::Tensor& rois,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_align_forward_cpu(const at::Tensor& input_, const at::Tensor& rois_,
                                                                      double spatial_scale, int64_t pooled_h,
                                                                      int64_t pooled_w, int64_t sampling_ratio,
-                                                                     bool aligned, bool max_mode) {
+                                                                     bool aligned, bool max_mode,
+                                                                     bool record_bad_rois) {
   roi::check_roi_args("roi_align", input_, rois_, pooled_h, pooled_w);
   check_cpu_tensor(input_, "roi_align: input");
   const auto input = input_.contiguous();
@@ -127,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_align_forward_cpu(const at::T
   auto output = at::empty({K, C, pooled_h, pooled_w}, input.options());
   const auto int_opts = input.options().dtype(at::kInt);
   auto argmax = max_mode ? at::empty({K, C, pooled_h, pooled_w}, int_opts) : at::empty({0}, int_opts);
-  auto bad_rois = roi::find_bad_rois(rois, input.size(0));
+  auto bad_rois = roi::find_bad_rois(rois, input.size(0), record_bad_rois);
   if (output.numel() == 0) return {output, argmax, bad_rois};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_align_forward_cpu", [&] {
     roi_align_forward_cpu_impl<scalar_t>(input, rois, output, argmax, spatial_scale, pooled_h, pooled_w,

@@ -81,7 +81,7 @@ void roi_pool_backward_cpu_impl(const at::Tensor& grad, const at::Tensor& rois, 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_pool_forward_cpu(const at::Tensor& input_, const at::Tensor& rois_,
                                                                     double spatial_scale, int64_t pooled_h,
-                                                                    int64_t pooled_w) {
+                                                                    int64_t pooled_w, bool record_bad_rois) {
   roi::check_roi_args("roi_pool", input_, rois_, pooled_h, pooled_w);
   check_cpu_tensor(input_, "roi_pool: input");
   const auto input = input_.contiguous();
@@ -89,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_pool_forward_cpu(const at::Te
   const int64_t K = rois.size(0), C = input.size(1);
   auto output = at::empty({K, C, pooled_h, pooled_w}, input.options());
   auto argmax = at::empty({K, C, pooled_h, pooled_w}, input.options().dtype(at::kInt));
-  auto bad_rois = roi::find_bad_rois(rois, input.size(0));
+  auto bad_rois = roi::find_bad_rois(rois, input.size(0), record_bad_rois);
   if (output.numel() == 0) return {output, argmax, bad_rois};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_pool_forward_cpu", [&] {
     roi_pool_forward_cpu_impl<scalar_t>(input, rois, output, argmax, spatial_scale, pooled_h, pooled_w);

@@ -4,7 +4,8 @@
 // channels-last float buffer (the sample geometry does not depend on the channel, so a warp's atomics hit
 // consecutive addresses): coalesced atomics by default, a sort-based segment sum when
 // torch.use_deterministic_algorithms(True) is on. The forward kernels also validate the rois (roi::roi_ok): a bad roi
-// pools to zeros and is noted in the bad-roi record, the op's third output, which the Python wrapper reads.
+// pools to zeros and, when the call keeps a bad-roi record (the op's third output, which the Python wrapper reads), is
+// noted in it.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -364,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_align_forward_cuda(const at::
                                                                       const at::Tensor& rois_, double spatial_scale,
                                                                       int64_t pooled_h, int64_t pooled_w,
                                                                       int64_t sampling_ratio, bool aligned,
-                                                                      bool max_mode) {
+                                                                      bool max_mode, bool record_bad_rois) {
   roi::check_roi_args("roi_align", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_align: input");
   LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX && sampling_ratio <= INT_MAX,
@@ -376,14 +377,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_align_forward_cuda(const at::
   auto output = at::empty({K, C, pooled_h, pooled_w}, input_.options());
   const auto int_opts = input_.options().dtype(at::kInt);
   auto argmax = max_mode ? at::empty({K, C, pooled_h, pooled_w}, int_opts) : at::empty({0}, int_opts);
-  if (output.numel() == 0) return {output, argmax, roi_scatter::find_bad_rois(rois, N)};
+  if (output.numel() == 0) return {output, argmax, roi_scatter::find_bad_rois(rois, N, record_bad_rois)};
   // Channels-last features are read in place by the channel-fastest kernel; everything else as NCHW.
   const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
   const int64_t total = output.numel();
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w), sr = static_cast<int>(sampling_ratio);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const auto bad_rois = roi_scatter::bad_roi_record(input);
+  const auto bad_rois = roi_scatter::bad_roi_record(input, record_bad_rois);
+  int64_t* record = roi_scatter::record_ptr(bad_rois);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_align_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);
@@ -400,12 +402,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_align_forward_cuda(const at::
           roi_align_forward_nhwc_kernel<kMax, scalar_t, acc_t, index_t>
               <<<roi_scatter::grid_for_tiles(tiling), kThreads, 0, stream>>>(
                   tiling, in, roi_data, N, static_cast<index_t>(C), static_cast<int>(H), static_cast<int>(W), ph, pw,
-                  scale, sr, aligned, out, arg, bad_rois.data_ptr<int64_t>());
+                  scale, sr, aligned, out, arg, record);
         } else {
           roi_align_forward_nchw_kernel<kMax, scalar_t, acc_t, index_t>
               <<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
                   static_cast<index_t>(total), in, roi_data, N, static_cast<index_t>(C), static_cast<int>(H),
-                  static_cast<int>(W), ph, pw, scale, sr, aligned, out, arg, bad_rois.data_ptr<int64_t>());
+                  static_cast<int>(W), ph, pw, scale, sr, aligned, out, arg, record);
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

@@ -2,8 +2,8 @@
 // channels_last features by warps of consecutive channels, the tile written out through shared memory. Backward: each
 // output adds its gradient to its arg-max pixel, directly in the NCHW gradient (float32 buffer for fp16/bf16); under
 // torch.use_deterministic_algorithms(True) the sort-based segment sum of roi_scatter.cuh instead. The forward kernels
-// validate the rois (roi::roi_ok): a bad roi pools to zeros and is noted in the bad-roi record, the op's third output,
-// which the Python wrapper reads.
+// validate the rois (roi::roi_ok): a bad roi pools to zeros and, when the call keeps a bad-roi record (the op's third
+// output, which the Python wrapper reads), is noted in it.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -207,7 +207,8 @@ __global__ void roi_pool_fill_kernel(int64_t total, const acc_t* __restrict__ ro
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::Tensor& input_,
                                                                      const at::Tensor& rois_, double spatial_scale,
-                                                                     int64_t pooled_h, int64_t pooled_w) {
+                                                                     int64_t pooled_h, int64_t pooled_w,
+                                                                     bool record_bad_rois) {
   roi::check_roi_args("roi_pool", input_, rois_, pooled_h, pooled_w);
   check_cuda_tensor(input_, "roi_pool: input");
   LSS_CHECK(pooled_h <= INT_MAX && pooled_w <= INT_MAX, "roi_pool: output size must fit in 32 bits, got " +
@@ -217,14 +218,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::T
   const int64_t K = rois.size(0), N = input_.size(0), C = input_.size(1), H = input_.size(2), W = input_.size(3);
   auto output = at::empty({K, C, pooled_h, pooled_w}, input_.options());
   auto argmax = at::empty({K, C, pooled_h, pooled_w}, input_.options().dtype(at::kInt));
-  if (output.numel() == 0) return {output, argmax, roi_scatter::find_bad_rois(rois, N)};
+  if (output.numel() == 0) return {output, argmax, roi_scatter::find_bad_rois(rois, N, record_bad_rois)};
   // Channels-last features are read in place by the channel-fastest kernel; everything else as NCHW.
   const bool nhwc = input_.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   const auto input = nhwc ? input_.contiguous(at::MemoryFormat::ChannelsLast) : input_.contiguous();
   const int64_t total = output.numel();
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const auto bad_rois = roi_scatter::bad_roi_record(input);
+  const auto bad_rois = roi_scatter::bad_roi_record(input, record_bad_rois);
+  int64_t* record = roi_scatter::record_ptr(bad_rois);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "roi_pool_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);
@@ -236,14 +238,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> roi_pool_forward_cuda(const at::T
                                                                   stream>>>(
             tiling, input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N, static_cast<index_t>(C),
             static_cast<int>(H), static_cast<int>(W), ph, pw, scale, output.data_ptr<scalar_t>(),
-            argmax.data_ptr<int32_t>(), bad_rois.data_ptr<int64_t>());
+            argmax.data_ptr<int32_t>(), record);
       } else {
         const int64_t threads = K * ceil_div(C, kPoolChannels) * pooled_h * pooled_w;
         roi_pool_forward_nchw_kernel<scalar_t, acc_t, index_t><<<roi_scatter::grid_for(threads), kThreads, 0,
                                                                   stream>>>(
             static_cast<index_t>(threads), input.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(), N,
             static_cast<index_t>(C), static_cast<int>(H), static_cast<int>(W), ph, pw, scale,
-            output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>(), bad_rois.data_ptr<int64_t>());
+            output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>(), record);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });

@@ -30,18 +30,26 @@ struct Entries {
   at::Tensor weight;  // acc_t
 };
 
-// The forward ops' bad-roi record (see roi::find_bad_rois): two int64 set to -1 by a memset, no kernel.
-at::Tensor bad_roi_record(const at::Tensor& like) {
+// The forward ops' bad-roi record (see roi::find_bad_rois): two int64 set to -1 by a memset, no kernel. With
+// record_bad_rois false the empty roi::no_bad_roi_record: no device memory, no driver call.
+at::Tensor bad_roi_record(const at::Tensor& like, bool record_bad_rois) {
+  if (!record_bad_rois) return roi::no_bad_roi_record(like);
   auto record = at::empty({2}, like.options().dtype(at::kLong));
   C10_CUDA_CHECK(cudaMemsetAsync(record.data_ptr<int64_t>(), 0xff, 2 * sizeof(int64_t),
                                  c10::cuda::getCurrentCUDAStream()));
   return record;
 }
 
-// Notes roi k in its slot of the record (roi::bad_roi_slot) when it cannot be pooled. atomicMin on the unsigned view
-// (-1 is the largest) keeps the first bad roi, as the CPU record does.
+// The kernels' pointer to the record: null when the call keeps none.
+int64_t* record_ptr(const at::Tensor& record) {
+  return record.numel() > 0 ? record.data_ptr<int64_t>() : nullptr;
+}
+
+// Notes roi k in its slot of the record (roi::bad_roi_slot) when it cannot be pooled; nothing when record is null.
+// atomicMin on the unsigned view (-1 is the largest) keeps the first bad roi, as the CPU record does.
 template <typename T>
 __device__ __forceinline__ void record_bad_roi(int64_t* record, const T* roi, int64_t k, int64_t batch_size) {
+  if (record == nullptr) return;
   const int slot = roi::bad_roi_slot(roi, batch_size);
   if (slot >= 0) atomicMin(reinterpret_cast<unsigned long long*>(record + slot), static_cast<unsigned long long>(k));
 }
@@ -74,11 +82,11 @@ int grid_for(int64_t items) {
 }
 
 // The record of rois (acc type, contiguous, on the current device) without pooling anything: for forward calls whose
-// output is empty (C = 0) while there are rois.
-at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size) {
-  auto record = bad_roi_record(rois);
+// output is empty (C = 0) while there are rois. No kernel when record_bad_rois is false.
+at::Tensor find_bad_rois(const at::Tensor& rois, int64_t batch_size, bool record_bad_rois) {
+  auto record = bad_roi_record(rois, record_bad_rois);
   const int64_t K = rois.size(0);
-  if (K == 0) return record;
+  if (K == 0 || !record_bad_rois) return record;
   AT_DISPATCH_FLOATING_TYPES(rois.scalar_type(), "find_bad_rois", [&] {
     find_bad_rois_kernel<scalar_t><<<grid_for(K), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         K, rois.data_ptr<scalar_t>(), batch_size, record.data_ptr<int64_t>());
