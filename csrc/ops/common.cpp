@@ -5,6 +5,12 @@ namespace lss {
 
 void raise_error(const std::string& message) { TORCH_CHECK(false, message); }
 
+std::string shape_string(at::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+
 void check_floating(const at::Tensor& t, const char* name) {
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, " must be a floating-point tensor (float32, float16, "
               "bfloat16 or float64), got ", t.scalar_type());

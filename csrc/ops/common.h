@@ -20,6 +20,9 @@ namespace lss {
 // Throws c10::Error with this message (defined in common.cpp).
 [[noreturn]] void raise_error(const std::string& message);
 
+// "[2, 3, 4]": a shape for an LSS_CHECK message (the form TORCH_CHECK prints).
+std::string shape_string(at::IntArrayRef sizes);
+
 // name: what the tensor is, prefixed with the op ("bev_pool: depth").
 void check_floating(const at::Tensor& t, const char* name);
 void check_dim(const at::Tensor& t, int64_t dim, const char* name, const char* shape_desc);
