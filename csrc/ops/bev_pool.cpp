@@ -1,6 +1,7 @@
 // bev_pool schema and host-side checks: the splat of Lift-Splat-Shoot over a FrustumLUT (see lss/ops/bev_pool.py,
 // docs/splat.md).
 #include "ops/bev_pool.h"
+#include "ops/host_check.h"
 
 TORCH_LIBRARY_FRAGMENT(lss, m) {
   m.def(
@@ -18,14 +19,14 @@ namespace {
 
 void check_index(const at::Tensor& t, const at::Tensor& like, const char* name, int64_t numel,
                  const at::Tensor& depth) {
-  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "bev_pool: ", name,
+  LSS_HOST_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "bev_pool: ", name,
               " must be int32 or int64 (from lss.geometry.FrustumLUT.build), got ", t.scalar_type());
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "bev_pool: ", name, " has dtype ", t.scalar_type(),
+  LSS_HOST_CHECK(t.scalar_type() == like.scalar_type(), "bev_pool: ", name, " has dtype ", t.scalar_type(),
               " but cell_start has ", like.scalar_type(), "; pass the index tensors of one FrustumLUT");
-  TORCH_CHECK(t.dim() == 1 && t.numel() == numel, "bev_pool: ", name, " must be 1-D with ", numel,
+  LSS_HOST_CHECK(t.dim() == 1 && t.numel() == numel, "bev_pool: ", name, " must be 1-D with ", numel,
               " elements for these depth/feat shapes and grid, got shape ", t.sizes(),
               "; rebuild the FrustumLUT for these inputs");
-  TORCH_CHECK(t.device() == depth.device(), "bev_pool: ", name, " is on ", t.device(), " but depth is on ",
+  LSS_HOST_CHECK(t.device() == depth.device(), "bev_pool: ", name, " is on ", t.device(), " but depth is on ",
               depth.device(), "; move the FrustumLUT to the inputs' device (lut.to(device))");
 }
 
@@ -37,14 +38,14 @@ Shape check_args(const at::Tensor& depth, const at::Tensor& feat, const at::Tens
   check_floating(feat, "bev_pool: feat");
   check_dim(depth, 5, "bev_pool: depth", "B x N x D x fH x fW");
   check_dim(feat, 5, "bev_pool: feat", "B x N x C x fH x fW");
-  TORCH_CHECK(depth.scalar_type() == feat.scalar_type(), "bev_pool: depth (", depth.scalar_type(), ") and feat (",
+  LSS_HOST_CHECK(depth.scalar_type() == feat.scalar_type(), "bev_pool: depth (", depth.scalar_type(), ") and feat (",
               feat.scalar_type(), ") must have the same dtype; cast one of them");
   check_same_device(depth, feat, "bev_pool: depth", "feat");
-  TORCH_CHECK(depth.size(0) == feat.size(0) && depth.size(1) == feat.size(1) && depth.size(3) == feat.size(3) &&
+  LSS_HOST_CHECK(depth.size(0) == feat.size(0) && depth.size(1) == feat.size(1) && depth.size(3) == feat.size(3) &&
                   depth.size(4) == feat.size(4),
               "bev_pool: depth (B x N x D x fH x fW) ", depth.sizes(), " and feat (B x N x C x fH x fW) ",
               feat.sizes(), " must agree in B, N, fH and fW");
-  TORCH_CHECK(nz >= 1 && nx >= 1 && ny >= 1, "bev_pool: grid sizes nz, nx, ny must be >= 1, got ", nz, ", ", nx,
+  LSS_HOST_CHECK(nz >= 1 && nx >= 1 && ny >= 1, "bev_pool: grid sizes nz, nx, ny must be >= 1, got ", nz, ", ", nx,
               ", ", ny);
   Shape s{depth.size(0), depth.size(1), depth.size(2), depth.size(3), depth.size(4), feat.size(2), nz, nx, ny};
   check_index(cell_start, cell_start, "cell_start", s.cells() + 1, depth);
@@ -54,11 +55,11 @@ Shape check_args(const at::Tensor& depth, const at::Tensor& feat, const at::Tens
 }
 
 void check_grad_out(const at::Tensor& grad_out, const at::Tensor& depth, const Shape& s) {
-  TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.B && grad_out.size(1) == s.nz * s.C &&
+  LSS_HOST_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.B && grad_out.size(1) == s.nz * s.C &&
                   grad_out.size(2) == s.nx && grad_out.size(3) == s.ny,
               "bev_pool backward: grad_out must be B x (nz*C) x nx x ny = [", s.B, ", ", s.nz * s.C, ", ", s.nx,
               ", ", s.ny, "], got ", grad_out.sizes());
-  TORCH_CHECK(grad_out.scalar_type() == depth.scalar_type(), "bev_pool backward: grad_out has dtype ",
+  LSS_HOST_CHECK(grad_out.scalar_type() == depth.scalar_type(), "bev_pool backward: grad_out has dtype ",
               grad_out.scalar_type(), ", expected ", depth.scalar_type(), " (the dtype of depth and feat)");
   check_same_device(grad_out, depth, "bev_pool backward: grad_out", "depth");
 }

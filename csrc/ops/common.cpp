@@ -1,5 +1,6 @@
 // Host-compiled definitions of the checks declared in common.h.
 #include "ops/common.h"
+#include "ops/host_check.h"
 
 namespace lss {
 
@@ -12,25 +13,25 @@ std::string shape_string(at::IntArrayRef sizes) {
 }
 
 void check_floating(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, " must be a floating-point tensor (float32, float16, "
+  LSS_HOST_CHECK(at::isFloatingType(t.scalar_type()), name, " must be a floating-point tensor (float32, float16, "
               "bfloat16 or float64), got ", t.scalar_type());
 }
 
 void check_dim(const at::Tensor& t, int64_t dim, const char* name, const char* shape_desc) {
-  TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D (", shape_desc, "), got shape ", t.sizes());
+  LSS_HOST_CHECK(t.dim() == dim, name, " must be ", dim, "-D (", shape_desc, "), got shape ", t.sizes());
 }
 
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name_a, const char* name_b) {
-  TORCH_CHECK(a.device() == b.device(), name_a, " and ", name_b, " must be on the same device, got ", a.device(),
+  LSS_HOST_CHECK(a.device() == b.device(), name_a, " and ", name_b, " must be on the same device, got ", a.device(),
               " and ", b.device());
 }
 
 void check_cpu_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor here, got ", t.device());
+  LSS_HOST_CHECK(t.device().is_cpu(), name, " must be a CPU tensor here, got ", t.device());
 }
 
 void check_cuda_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cuda(), name, " must be a CUDA tensor here, got ", t.device());
+  LSS_HOST_CHECK(t.device().is_cuda(), name, " must be a CUDA tensor here, got ", t.device());
 }
 
 }  // namespace lss

@@ -11,6 +11,7 @@
 // reuse_grad = true (lss.ops.sigmoid_focal_loss / softmax_focal_loss, which never hand grad out); the kernels
 // ignore reuse_grad, the autograd registration (lss/ops/focal_loss.py) reads it.
 #include "ops/focal_loss.h"
+#include "ops/host_check.h"
 
 TORCH_LIBRARY_FRAGMENT(lss, m) {
   m.def(
@@ -30,7 +31,7 @@ Reduction parse_reduction(const std::string& name, const char* op) {
   if (name == "none") return kNone;
   if (name == "mean") return kMean;
   if (name == "sum") return kSum;
-  TORCH_CHECK(false, op, ": reduction must be \"none\", \"mean\" or \"sum\", got \"", name, "\"");
+  LSS_HOST_CHECK(false, op, ": reduction must be \"none\", \"mean\" or \"sum\", got \"", name, "\"");
 }
 
 SigmoidLayout check_sigmoid_args(const at::Tensor& logits, const at::Tensor& targets,
@@ -41,15 +42,15 @@ SigmoidLayout check_sigmoid_args(const at::Tensor& logits, const at::Tensor& tar
   s.index_targets = !at::isFloatingType(targets.scalar_type());
   s.numel = logits.numel();
   if (s.index_targets) {
-    TORCH_CHECK(targets.scalar_type() == at::kLong, "sigmoid_focal_loss: class-index targets must be int64, got ",
+    LSS_HOST_CHECK(targets.scalar_type() == at::kLong, "sigmoid_focal_loss: class-index targets must be int64, got ",
                 targets.scalar_type(), "; convert them with .long()");
-    TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
+    LSS_HOST_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
                 "sigmoid_focal_loss: class-index targets need logits N x C and targets N, got logits ", logits.sizes(),
                 " and targets ", targets.sizes());
   } else {
-    TORCH_CHECK(targets.sizes() == logits.sizes(), "sigmoid_focal_loss: dense targets must have the logits' shape ",
+    LSS_HOST_CHECK(targets.sizes() == logits.sizes(), "sigmoid_focal_loss: dense targets must have the logits' shape ",
                 logits.sizes(), ", got ", targets.sizes());
-    TORCH_CHECK(targets.scalar_type() == logits.scalar_type() || targets.scalar_type() == at::kFloat,
+    LSS_HOST_CHECK(targets.scalar_type() == logits.scalar_type() || targets.scalar_type() == at::kFloat,
                 "sigmoid_focal_loss: dense targets must be float32 or the logits' dtype (", logits.scalar_type(),
                 "), got ", targets.scalar_type());
   }
@@ -62,13 +63,13 @@ SigmoidLayout check_sigmoid_args(const at::Tensor& logits, const at::Tensor& tar
     check_same_device(logits, *weight, "sigmoid_focal_loss: logits", "weight");
     check_floating(*weight, "sigmoid_focal_loss: weight");
     s.weight_by_label = s.index_targets && weight->dim() == 1 && weight->size(0) == s.classes + 1;
-    TORCH_CHECK(logits.dim() >= 2 && weight->dim() == 1 && (weight->size(0) == s.classes || s.weight_by_label),
+    LSS_HOST_CHECK(logits.dim() >= 2 && weight->dim() == 1 && (weight->size(0) == s.classes || s.weight_by_label),
                 "sigmoid_focal_loss: weight must be 1-D with one entry per class (logits dim 1), or C + 1 entries "
                 "indexed by the class-index target, got weight ", weight->sizes(), " for logits ", logits.sizes());
   }
   if (mask.has_value()) {
     check_same_device(logits, *mask, "sigmoid_focal_loss: logits", "mask");
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == logits.sizes(),
+    LSS_HOST_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == logits.sizes(),
                 "sigmoid_focal_loss: mask must be a bool tensor of the logits' shape ", logits.sizes(), ", got ",
                 mask->scalar_type(), " ", mask->sizes());
   }
@@ -78,28 +79,28 @@ SigmoidLayout check_sigmoid_args(const at::Tensor& logits, const at::Tensor& tar
 void check_softmax_args(const at::Tensor& logits, const at::Tensor& targets, const c10::optional<at::Tensor>& weight) {
   check_floating(logits, "softmax_focal_loss: logits");
   check_same_device(logits, targets, "softmax_focal_loss: logits", "targets");
-  TORCH_CHECK(targets.scalar_type() == at::kLong, "softmax_focal_loss: targets must be int64 class indices, got ",
+  LSS_HOST_CHECK(targets.scalar_type() == at::kLong, "softmax_focal_loss: targets must be int64 class indices, got ",
               targets.scalar_type());
-  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
+  LSS_HOST_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
               "softmax_focal_loss: need logits N x C and targets N, got logits ", logits.sizes(), " and targets ",
               targets.sizes());
   if (weight.has_value()) {
     check_same_device(logits, *weight, "softmax_focal_loss: logits", "weight");
     check_floating(*weight, "softmax_focal_loss: weight");
-    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == logits.size(1),
+    LSS_HOST_CHECK(weight->dim() == 1 && weight->size(0) == logits.size(1),
                 "softmax_focal_loss: weight must be 1-D with one entry per class, got ", weight->sizes(),
                 " for logits ", logits.sizes());
   }
 }
 
 void check_backward_args(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale) {
-  TORCH_CHECK(grad_scale.dim() == 0, "focal loss backward: grad_scale must be 0-dim, got ", grad_scale.sizes());
+  LSS_HOST_CHECK(grad_scale.dim() == 0, "focal loss backward: grad_scale must be 0-dim, got ", grad_scale.sizes());
   check_same_device(grad, grad_output, "focal loss backward: grad", "grad_output");
   check_same_device(grad, grad_scale, "focal loss backward: grad", "grad_scale");
 }
 
 void raise_bad_targets(const char* op, const std::string& expected, int64_t lo, int64_t hi) {
-  TORCH_CHECK(false, op, ": targets must lie in ", expected, ", got values in [", lo, ", ", hi, "]");
+  LSS_HOST_CHECK(false, op, ": targets must lie in ", expected, ", got values in [", lo, ", ", hi, "]");
 }
 
 at::Tensor scale_grad_broadcast(const at::Tensor& grad_output, const at::Tensor& grad, const at::Tensor& grad_scale) {

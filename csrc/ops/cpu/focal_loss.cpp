@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ops/focal_loss.h"
+#include "ops/host_check.h"
 
 namespace lss {
 namespace focal {
@@ -116,7 +117,7 @@ Outputs sigmoid_focal_loss_cpu(const at::Tensor& logits_in, const at::Tensor& ta
   const at::Tensor mask = mask_in.has_value() ? mask_in->contiguous() : at::Tensor();
   if (s.index_targets && targets.numel() > 0) {
     const int64_t lo = targets.min().item<int64_t>(), hi = targets.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi <= s.classes, "sigmoid_focal_loss: class-index targets must lie in [0, C] = [0, ",
+    LSS_HOST_CHECK(lo >= 0 && hi <= s.classes, "sigmoid_focal_loss: class-index targets must lie in [0, C] = [0, ",
                 s.classes, "] (C = background), got values in [", lo, ", ", hi, "]");
   }
   Outputs out;
@@ -205,7 +206,7 @@ Outputs softmax_focal_loss_cpu(const at::Tensor& logits_in, const at::Tensor& ta
   const at::Tensor weight = weight_in.has_value() ? weight_in->to(acc_dtype(logits)).contiguous() : at::Tensor();
   if (targets.numel() > 0) {
     const int64_t hi = targets.max().item<int64_t>();
-    TORCH_CHECK(hi < logits.size(1), "softmax_focal_loss: targets must be < C = ", logits.size(1),
+    LSS_HOST_CHECK(hi < logits.size(1), "softmax_focal_loss: targets must be < C = ", logits.size(1),
                 " (negative values are ignored), got ", hi);
   }
   Outputs out;
