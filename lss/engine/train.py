@@ -3,10 +3,8 @@ checkpoints and BEV pictures. Single process or `torchrun --nproc_per_node=K -m 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,17 +27,14 @@ from lss.engine.build import (DatasetFn, ModelFn, apply_channels_last, autocast_
 from lss.engine.distributed import DistInfo, EpochSampler, init_distributed, shutdown
 from lss.engine.eval import evaluate
 from lss.engine.graph_step import GraphedTrainStep, check_graph_config
+from lss.engine.run_dir import RUN_FILES, check_run_dir, clear_run, existing_run  # noqa: F401 (RUN_FILES: API)
 from lss.engine.hooks import (CheckpointHook, EvalHook, Hook, LogHook, MetricsWriter, StepLogs, VizHook,
                               is_due)
 from lss.engine.losses import TotalLoss, check_depth_targets
-from lss.errors import ArgumentError
 
 # probs, targets (B x K x nx x ny, CPU), class names -> H x W x 3 uint8 picture (lss.viz.bev_grid_image)
 RenderFn = Callable[[torch.Tensor, torch.Tensor, Sequence[str]], np.ndarray]
 
-# What a run leaves in its directory (besides config.yaml, rewritten by every run): their presence means "a run is
-# here", and --overwrite deletes them.
-RUN_FILES = ("metrics.jsonl", "final.json", "checkpoints/last.pt", "checkpoints/best.pt", "tensorboard")
 RESUME_HINT = "lss train (the same --config/--set) --out {} --resume"
 
 
@@ -395,35 +390,6 @@ def default_hooks(trainer: Trainer, writer: Optional[MetricsWriter], started: fl
     if writer is not None and trainer.val_loader is not None and render_fn is not None:
         hooks.append(VizHook(t.viz_every, bev_pictures(trainer, render_fn), writer))
     return hooks
-
-
-def existing_run(run_dir: Path) -> list[str]:
-    """The files of RUN_FILES that `run_dir` holds."""
-    return [name for name in RUN_FILES if (run_dir / name).exists()]
-
-
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """A new run never lands on an earlier one by accident: it needs --resume or --overwrite."""
-    if resume and overwrite:
-        raise ArgumentError("--resume continues the run in the directory and --overwrite deletes it; pass one")
-    last = run_dir / "checkpoints" / "last.pt"
-    if resume and not last.is_file():
-        raise FileNotFoundError(f"--resume: {last} does not exist; train without --resume to start the run")
-    found = existing_run(run_dir)
-    if found and not resume and not overwrite:
-        raise ArgumentError(f"run directory {run_dir} already holds a run ({', '.join(found)}); continue it with "
-                            f"--resume, start it again with --overwrite (deletes those files), or choose a new --out "
-                            "directory")
-
-
-def clear_run(run_dir: Path) -> None:
-    """Delete the RUN_FILES of an earlier run (--overwrite)."""
-    for name in existing_run(run_dir):
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
 
 
 def interrupted_message(trainer: Trainer) -> str:
