@@ -21,16 +21,17 @@ from lss.config import Config, ConfigError, config_to_dict, save_config
 from lss.data import collate
 from lss.engine import checkpoint as ckpt_io
 from lss.engine.build import (DatasetFn, ModelFn, apply_channels_last, autocast_dtype, build_autocast,
-                              build_dataset, build_eval_loader, build_loader, build_model, build_optimizer, build_scheduler, compile_encoders,
-                              device_type, ensure_dataset, lr_factor, preserved_rng, rng_state, seed_everything,
-                              select_device, set_rng_state, StreamSampler, to_device)
+                              build_dataset, build_eval_loader, build_loader, build_model, build_optimizer,
+                              build_scheduler, compile_encoders, device_type, ensure_dataset, lr_factor,
+                              preserved_rng, rng_state, seed_everything, select_device, set_rng_state, StreamSampler,
+                              to_device)
 from lss.engine.distributed import DistInfo, EpochSampler, init_distributed, shutdown
 from lss.engine.eval import evaluate
 from lss.engine.graph_step import GraphedTrainStep, check_graph_config
-from lss.engine.run_dir import RUN_FILES, check_run_dir, clear_run, existing_run  # noqa: F401 (RUN_FILES: API)
 from lss.engine.hooks import (CheckpointHook, EvalHook, Hook, LogHook, MetricsWriter, StepLogs, VizHook,
                               is_due)
 from lss.engine.losses import TotalLoss, check_depth_targets
+from lss.engine.run_dir import check_run_dir, clear_run
 
 # probs, targets (B x K x nx x ny, CPU), class names -> H x W x 3 uint8 picture (lss.viz.bev_grid_image)
 RenderFn = Callable[[torch.Tensor, torch.Tensor, Sequence[str]], np.ndarray]
@@ -411,9 +412,9 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
           render_fn: Optional[RenderFn] = None, hooks: Sequence[Hook] = ()) -> dict:
     """Train from `cfg` into `out_dir` (default train.out_dir); returns the final metrics.
 
-    A directory that holds an earlier run (RUN_FILES) needs `resume` (continue from checkpoints/last.pt) or
-    `overwrite` (delete its files and start again); otherwise ArgumentError. Ctrl-C raises TrainingInterrupted,
-    whose message names the last checkpoint.
+    A directory that holds an earlier run (lss.engine.run_dir.RUN_FILES) needs `resume` (continue from
+    checkpoints/last.pt) or `overwrite` (delete its files and start again); otherwise ArgumentError. Ctrl-C raises
+    TrainingInterrupted, whose message names the last checkpoint.
 
     model_fn / dataset_fn / collate_fn build the model and the train/val datasets (defaults: LiftSplatShoot and
     lss.data.NuScenesBEV on data.train_split / data.val_split). `render_fn` (e.g. lss.viz.bev_grid_image) draws
