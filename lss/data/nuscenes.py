@@ -257,7 +257,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
         # lidar frame -> camera frame per sample and camera (through both ego poses); filled for data.depth_targets
         self.lidar_to_camera = np.zeros((n if data.depth_targets else 0, c, 4, 4), dtype=np.float64)
         object_classes = [k for k, kind in enumerate(self.class_kinds) if kind == "object"]
-        annotation_table = self.root / self.version / "sample_annotation.json"  # once, not per annotation (9 % of the build)
+        # once, not per annotation (9 % of the index build)
+        annotation_table = self.root / self.version / "sample_annotation.json"
         class_bits, det_boxes, det_labels, offsets = [], [], [], [0]
         for i, (_, sample) in enumerate(samples):
             for k, cam in enumerate(self.cameras):
