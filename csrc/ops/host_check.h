@@ -35,10 +35,11 @@ void append(std::string& out, T v) {
   out += std::to_string(v);
 }
 // Other character views (c10::string_view where it is not std::string_view).
-template <typename S>
-using char_data_t = std::remove_cv_t<std::remove_pointer_t<decltype(std::declval<const S&>().data())>>;
-template <typename S, typename = std::enable_if_t<!std::is_convertible_v<const S&, std::string_view> &&
-                                                  std::is_same_v<char_data_t<S>, char>>>
+template <typename S, typename = std::enable_if_t<
+                          !std::is_convertible_v<const S&, std::string_view> &&
+                          std::is_same_v<std::remove_cv_t<std::remove_pointer_t<
+                                             decltype(std::declval<const S&>().data())>>,
+                                         char>>>
 void append(std::string& out, const S& s) {
   out.append(s.data(), s.size());
 }

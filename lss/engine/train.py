@@ -189,10 +189,7 @@ class Trainer:
         """Stop the loaders' workers now. Left to interpreter exit, each persistent worker of a pinning loader is
         joined with a 5 s timeout (pytorch/pytorch#81794): minutes for 2 x 12 workers after the run is done. Waits
         for the checkpoint writes in flight (a failed one is reported on stderr: another error is on its way)."""
-        try:
-            self.finish_checkpoints()
-        except Exception as e:  # noqa: BLE001 - the error that ends the run is already raised
-            print(f"lss: {e}", file=sys.stderr)
+        self.finish_checkpoints(report_only=True)
         iterators = [getattr(self, "_train_iter", None), getattr(self.val_loader, "_iterator", None)]
         for iterator in iterators:
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):  # single-process ones have none
@@ -303,9 +300,15 @@ class Trainer:
 
         self._writer.submit(state, path, done=lambda: self.saved.__setitem__(name, step), failed=failed)
 
-    def finish_checkpoints(self) -> None:
-        """Wait until the checkpoints saved so far are on disk; raise the error of a failed write."""
-        self._writer.wait()
+    def finish_checkpoints(self, report_only: bool = False) -> None:
+        """Wait until the checkpoints saved so far are on disk; raise the error of a failed write (`report_only`:
+        print it on stderr instead, where another error already ends the run)."""
+        try:
+            self._writer.wait()
+        except Exception as e:  # noqa: BLE001 - any error of the writer's thread
+            if not report_only:
+                raise
+            print(f"lss: {e}", file=sys.stderr)
 
     def _on_disk(self, name: str) -> str:
         """What checkpoints/`name` holds before this save, in words."""
@@ -395,10 +398,7 @@ def default_hooks(trainer: Trainer, writer: Optional[MetricsWriter], started: fl
 
 def interrupted_message(trainer: Trainer) -> str:
     """Ctrl-C: which checkpoint is on disk (once the writes in flight are done) and how to continue."""
-    try:
-        trainer.finish_checkpoints()
-    except Exception as e:  # noqa: BLE001 - a failed write: the message names the checkpoint before it
-        print(f"lss: {e}", file=sys.stderr)
+    trainer.finish_checkpoints(report_only=True)  # a failed write: the message names the checkpoint before it
     step = trainer.saved.get("last.pt")
     if step is None:
         return (f"training interrupted at step {trainer.step}; no checkpoint was written (train.ckpt_every="
