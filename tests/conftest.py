@@ -29,6 +29,20 @@ def devices():
     return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+def strided_grads(shape, device, dtype=torch.float32, seed=1) -> dict:
+    """Non-contiguous incoming gradients of `shape` (K x C x PH x PW), as autograd hands them to a backward: the
+    expanded ones of out.sum(), a permuted copy, every other element of a larger tensor, a channels-last one."""
+    g = torch.Generator().manual_seed(seed)
+    k, c, ph, pw = shape
+    dense = torch.randn(shape, generator=g).to(device, dtype)
+    return {
+        "expanded": torch.ones((), device=device, dtype=dtype).expand(shape),
+        "permuted": dense.permute(1, 0, 3, 2).contiguous().permute(1, 0, 3, 2),
+        "sliced": torch.randn(k, 2 * c, ph, pw + 3, generator=g).to(device, dtype)[:, ::2, :, 1:pw + 1],
+        "channels_last": dense.contiguous(memory_format=torch.channels_last),
+    }
+
+
 @pytest.fixture(scope="session")
 def synthetic_root(tmp_path_factory):
     """A tiny synthetic nuScenes v1.0-mini (2 scenes x 3 key frames, 400 x 225 images; one scene in mini_train,

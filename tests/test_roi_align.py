@@ -2,7 +2,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import devices
+from conftest import devices, strided_grads
 from lss.ops import RoIAlign, roi_align, roi_align_reference, roi_pool
 from lss.ops._ext import has_ext
 
@@ -136,6 +136,27 @@ def test_deterministic_backward(device, mode):
     assert all(torch.equal(grads[0], g) for g in grads[1:])
     fast = fwd_bwd(roi_align, x, rois, 4, sampling_ratio=-1, aligned=True, mode=mode)[1]
     torch.testing.assert_close(grads[0], fast, atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kind", ["expanded", "permuted", "sliced", "channels_last"])
+def test_backward_reads_non_contiguous_grads(device, mode, deterministic, kind):
+    # the backward reads the incoming gradient through its strides (no contiguous copy): same result as its copy
+    x = features(2, 6, 12, 13, device=device)
+    rois = make_rois(9, 2, 12, 13, seed=4, device=device)
+    grad = strided_grads((9, 6, 3, 4), device)[kind]
+    assert not grad.is_contiguous()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got, want = (torch.autograd.grad(roi_align(x.requires_grad_(True), rois, (3, 4), 0.9, 2, True, mode), x, g)[0]
+                     for g in (grad, grad.contiguous()))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
 
 
 @pytest.mark.cuda

@@ -7,7 +7,6 @@
 #include <tuple>
 
 #include "ops/common.h"
-#include "ops/roi_common.h"
 
 namespace lss {
 namespace {
@@ -135,12 +134,10 @@ class BevPoolFunction : public Function<BevPoolFunction> {
   }
 };
 
-// The argument checks run before the autograd Function (the kernels repeat them for calls below autograd): a bad
-// argument raises before autograd builds its node.
+// The backend kernels check the arguments: a bad one raises out of forward, before autograd records a node.
 Triple roi_align_autograd(const at::Tensor& input, const at::Tensor& rois, double spatial_scale,
                           int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
                           bool max_mode, bool record_bad_rois) {
-  roi::check_roi_args("roi_align", input, rois, pooled_height, pooled_width);
   auto out = RoIAlignFunction::apply(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio,
                                      aligned, max_mode, record_bad_rois);
   return {out[0], out[1], out[2]};
@@ -148,7 +145,6 @@ Triple roi_align_autograd(const at::Tensor& input, const at::Tensor& rois, doubl
 
 Triple roi_pool_autograd(const at::Tensor& input, const at::Tensor& rois, double spatial_scale,
                          int64_t pooled_height, int64_t pooled_width, bool record_bad_rois) {
-  roi::check_roi_args("roi_pool", input, rois, pooled_height, pooled_width);
   auto out = RoIPoolFunction::apply(input, rois, spatial_scale, pooled_height, pooled_width, record_bad_rois);
   return {out[0], out[1], out[2]};
 }

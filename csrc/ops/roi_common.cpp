@@ -1,49 +1,41 @@
 // Host-compiled argument checks and CPU bad-roi record of roi_align and roi_pool (declared in roi_common.h).
 #include "ops/roi_common.h"
 
+#include "ops/host_check.h"
+
 namespace lss {
 namespace roi {
 
-// The messages are built as plain strings (LSS_CHECK): c10::str's templates for (const char*, const char*,
-// IntArrayRef) are also instantiated in the nvcc-compiled objects, and the linker may keep one of those copies (a
-// failed check then crashed inside the message's formatting on a CUDA build; see common.h).
 void check_roi_args(const char* op, const at::Tensor& input, const at::Tensor& rois, int64_t pooled_h,
                     int64_t pooled_w) {
-  const std::string name(op);
-  LSS_CHECK(input.dim() == 4, name + ": input must be 4-D (N x C x H x W), got shape " + shape_string(input.sizes()));
-  LSS_CHECK(at::isFloatingType(input.scalar_type()), name + ": input must be float32, float16, bfloat16 or float64, "
-            "got " + c10::toString(input.scalar_type()));
-  LSS_CHECK(rois.dim() == 2 && rois.size(1) == 5, name + ": rois must be K x 5 (batch index, x1, y1, x2, y2), got "
-            "shape " + shape_string(rois.sizes()));
-  LSS_CHECK(at::isFloatingType(rois.scalar_type()), name + ": rois must be a floating-point tensor, got " +
-            c10::toString(rois.scalar_type()));
-  LSS_CHECK(input.device() == rois.device(), name + ": input and rois must be on the same device, got " +
-            input.device().str() + " and " + rois.device().str());
-  LSS_CHECK(pooled_h > 0 && pooled_w > 0, name + ": output size must be positive, got " + std::to_string(pooled_h) +
-            " x " + std::to_string(pooled_w));
-  LSS_CHECK(rois.size(0) == 0 || (input.size(2) > 0 && input.size(3) > 0),
-            name + ": input height and width must be positive when there are rois, got shape " +
-                shape_string(input.sizes()));
-  LSS_CHECK(input.size(2) * input.size(3) < (int64_t(1) << 31),
-            name + ": a feature map plane must have fewer than 2^31 pixels, got " + std::to_string(input.size(2)) +
-                " x " + std::to_string(input.size(3)));
+  LSS_HOST_CHECK(input.dim() == 4, op, ": input must be 4-D (N x C x H x W), got shape ", input.sizes());
+  LSS_HOST_CHECK(at::isFloatingType(input.scalar_type()), op,
+                 ": input must be float32, float16, bfloat16 or float64, got ", input.scalar_type());
+  LSS_HOST_CHECK(rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be K x 5 (batch index, x1, y1, x2, y2), got "
+                 "shape ", rois.sizes());
+  LSS_HOST_CHECK(at::isFloatingType(rois.scalar_type()), op, ": rois must be a floating-point tensor, got ",
+                 rois.scalar_type());
+  LSS_HOST_CHECK(input.device() == rois.device(), op, ": input and rois must be on the same device, got ",
+                 input.device(), " and ", rois.device());
+  LSS_HOST_CHECK(pooled_h > 0 && pooled_w > 0, op, ": output size must be positive, got ", pooled_h, " x ", pooled_w);
+  LSS_HOST_CHECK(rois.size(0) == 0 || (input.size(2) > 0 && input.size(3) > 0), op,
+                 ": input height and width must be positive when there are rois, got shape ", input.sizes());
+  LSS_HOST_CHECK(input.size(2) * input.size(3) < (int64_t(1) << 31), op,
+                 ": a feature map plane must have fewer than 2^31 pixels, got ", input.size(2), " x ", input.size(3));
 }
 
 void check_roi_grad(const char* op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                     bool uses_argmax, int64_t channels, int64_t pooled_h, int64_t pooled_w) {
-  const std::string name(op);
-  LSS_CHECK(rois.dim() == 2 && rois.size(1) == 5, name + ": rois must be K x 5, got shape " +
-            shape_string(rois.sizes()));
+  LSS_HOST_CHECK(rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be K x 5, got shape ", rois.sizes());
   const int64_t K = rois.size(0);
-  LSS_CHECK(grad.dim() == 4 && grad.size(0) == K && grad.size(1) == channels && grad.size(2) == pooled_h &&
-                grad.size(3) == pooled_w,
-            name + ": grad must be K x C x pooled_height x pooled_width = " + std::to_string(K) + " x " +
-                std::to_string(channels) + " x " + std::to_string(pooled_h) + " x " + std::to_string(pooled_w) +
-                ", got " + shape_string(grad.sizes()));
-  LSS_CHECK(!uses_argmax || argmax.sizes() == grad.sizes(), name + ": argmax must have grad's shape " +
-            shape_string(grad.sizes()) + ", got " + shape_string(argmax.sizes()));
-  LSS_CHECK(grad.device() == rois.device() && (!uses_argmax || argmax.device() == grad.device()),
-            name + ": grad, rois and argmax must be on one device");
+  LSS_HOST_CHECK(grad.dim() == 4 && grad.size(0) == K && grad.size(1) == channels && grad.size(2) == pooled_h &&
+                     grad.size(3) == pooled_w,
+                 op, ": grad must be K x C x pooled_height x pooled_width = ", K, " x ", channels, " x ", pooled_h,
+                 " x ", pooled_w, ", got ", grad.sizes());
+  LSS_HOST_CHECK(!uses_argmax || argmax.sizes() == grad.sizes(), op, ": argmax must have grad's shape ",
+                 grad.sizes(), ", got ", argmax.sizes());
+  LSS_HOST_CHECK(grad.device() == rois.device() && (!uses_argmax || argmax.device() == grad.device()), op,
+                 ": grad, rois and argmax must be on one device");
 }
 
 at::Tensor rois_in_acc_type(const at::Tensor& rois, const at::Tensor& input) {

@@ -246,9 +246,9 @@ __device__ bool separable_avg_backward(const roi::AlignRoi<acc_t>& r, const Tile
 // (separable_avg_backward) in avg mode when the tile holds the whole roi, else per sample corner.
 template <bool kMax, typename scalar_t, typename acc_t, typename index_t>
 __global__ void __launch_bounds__(kThreads) roi_align_backward_atomic_kernel(
-    Tiling tiling, const scalar_t* __restrict__ grad, const acc_t* __restrict__ rois,
-    const int32_t* __restrict__ argmax, int64_t N, index_t C, int H, int W, int pooled_h, int pooled_w,
-    acc_t spatial_scale, int sampling_ratio, bool aligned, acc_t* __restrict__ grad_nhwc) {
+    Tiling tiling, const scalar_t* __restrict__ grad, roi_scatter::GradView<index_t> grad_view,
+    const acc_t* __restrict__ rois, const int32_t* __restrict__ argmax, int64_t N, index_t C, int H, int W,
+    int pooled_h, int pooled_w, acc_t spatial_scale, int sampling_ratio, bool aligned, acc_t* __restrict__ grad_nhwc) {
   __shared__ acc_t s_grad[kTileSmem];
   __shared__ int32_t s_arg[kMax ? kTileSmem : 1];
   __shared__ acc_t s_cols[kMax ? 1 : kColumnSmemBytes / sizeof(acc_t)];
@@ -263,8 +263,9 @@ __global__ void __launch_bounds__(kThreads) roi_align_backward_atomic_kernel(
     const index_t g0 = (static_cast<index_t>(t.k) * C + static_cast<index_t>(t.c0)) * bins + static_cast<index_t>(t.b0);
     for (int i = threadIdx.x; i < t.nc * t.nb; i += blockDim.x) {
       const int cl = i / t.nb, b = i - cl * t.nb;
-      const index_t g = g0 + static_cast<index_t>(cl) * bins + b;
-      s_grad[cl * t.row + b] = static_cast<acc_t>(grad[g]);
+      const index_t g = g0 + static_cast<index_t>(cl) * bins + b;  // argmax is contiguous, grad maybe not
+      s_grad[cl * t.row + b] = static_cast<acc_t>(grad[grad_view.offset(
+          g, static_cast<index_t>(t.k), static_cast<index_t>(t.c0 + cl), static_cast<index_t>(t.b0 + b), pooled_w)]);
       if (kMax) s_arg[cl * t.row + b] = argmax[g];
     }
     __syncthreads();
@@ -426,28 +427,30 @@ at::Tensor roi_align_backward_cuda(const at::Tensor& grad_, const at::Tensor& ro
                 width <= INT_MAX,
             "_roi_align_backward: output size, sampling_ratio, height and width must fit in 32 bits");
   c10::cuda::CUDAGuard guard(grad_.device());
-  const auto grad = grad_.contiguous();
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  // The atomic kernel reads grad through its strides; the deterministic path's segment sums want it contiguous.
+  const auto grad = deterministic ? grad_.contiguous() : grad_;
   const auto acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto rois = rois_.to(acc).contiguous();
   const auto argmax = max_mode ? argmax_.to(at::kInt).contiguous() : at::Tensor();
-  auto grad_nhwc = at::zeros({batch_size, height, width, channels}, grad.options().dtype(acc));
+  auto grad_nhwc = roi_scatter::zeros_by_memset({batch_size, height, width, channels}, grad.options().dtype(acc));
   if (grad.numel() == 0 || grad_nhwc.numel() == 0) return roi_scatter::nhwc_to_nchw(grad_nhwc, grad.scalar_type());
   const int64_t K = rois.size(0);
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w), sr = static_cast<int>(sampling_ratio);
-  const bool deterministic = at::globalContext().deterministicAlgorithms();
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_align_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const acc_t scale = static_cast<acc_t>(spatial_scale);
     if (!deterministic) {
       const auto tiling = roi_scatter::make_tiling(K, channels, pooled_h * pooled_w);
-      roi_scatter::dispatch_index(roi_scatter::fits_int32({grad.numel(), grad_nhwc.numel()}), [&](auto index_tag) {
+      const bool small = roi_scatter::fits_int32({grad.numel(), roi_scatter::extent(grad), grad_nhwc.numel()});
+      roi_scatter::dispatch_index(small, [&](auto index_tag) {
         using index_t = decltype(index_tag);
         roi_scatter::dispatch_bool(max_mode, [&](auto max_tag) {
           constexpr bool kMax = decltype(max_tag)::value;
           roi_align_backward_atomic_kernel<kMax, scalar_t, acc_t, index_t>
               <<<roi_scatter::grid_for_tiles(tiling), kThreads, 0, stream>>>(
-                  tiling, grad.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(),
+                  tiling, grad.data_ptr<scalar_t>(), roi_scatter::grad_view<index_t>(grad), rois.data_ptr<acc_t>(),
                   kMax ? argmax.data_ptr<int32_t>() : nullptr, batch_size, static_cast<index_t>(channels),
                   static_cast<int>(height), static_cast<int>(width), ph, pw, scale, sr, aligned,
                   grad_nhwc.data_ptr<acc_t>());

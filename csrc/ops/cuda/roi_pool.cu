@@ -149,12 +149,13 @@ __global__ void __launch_bounds__(kThreads) roi_pool_forward_nhwc_kernel(
   }
 }
 
-// Backward atomics straight into the N x C x H x W gradient: consecutive threads read consecutive grad and argmax
-// entries and add to pixels of one plane.
+// Backward atomics straight into the N x C x H x W gradient: consecutive threads read consecutive argmax entries
+// (and grad entries, grad being read through its strides) and add to pixels of one plane.
 template <typename scalar_t, typename acc_t, typename index_t>
 __global__ void roi_pool_backward_atomic_kernel(index_t total, const scalar_t* __restrict__ grad,
+                                                roi_scatter::GradView<index_t> grad_view,
                                                 const acc_t* __restrict__ rois, const int32_t* __restrict__ argmax,
-                                                int64_t N, index_t C, index_t HW, index_t bins,
+                                                int64_t N, index_t C, index_t HW, index_t bins, int pooled_w,
                                                 acc_t* __restrict__ grad_input) {
   for (index_t idx = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<index_t>(gridDim.x) * blockDim.x) {
@@ -164,7 +165,8 @@ __global__ void roi_pool_backward_atomic_kernel(index_t total, const scalar_t* _
     const index_t k = kc / C, c = kc - k * C;
     const acc_t b = rois[k * 5];
     if (!(b >= acc_t(0) && b < static_cast<acc_t>(N))) continue;
-    atomicAdd(grad_input + (static_cast<index_t>(b) * C + c) * HW + a, static_cast<acc_t>(grad[idx]));
+    const scalar_t g = grad[grad_view.offset(idx, k, c, idx - kc * bins, pooled_w)];
+    atomicAdd(grad_input + (static_cast<index_t>(b) * C + c) * HW + a, static_cast<acc_t>(g));
   }
 }
 
@@ -258,35 +260,40 @@ at::Tensor roi_pool_backward_cuda(const at::Tensor& grad_, const at::Tensor& roi
                                   int64_t channels, int64_t height, int64_t width) {
   check_cuda_tensor(grad_, "_roi_pool_backward: grad");
   roi::check_roi_grad("_roi_pool_backward", grad_, rois_, argmax_, true, channels, pooled_h, pooled_w);
+  LSS_CHECK(pooled_w <= INT_MAX, "_roi_pool_backward: output width must fit in 32 bits, got " +
+                                     std::to_string(pooled_w));
   c10::cuda::CUDAGuard guard(grad_.device());
-  const auto grad = grad_.contiguous();
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  // The atomic kernel reads grad through its strides; the deterministic path's segment sums want it contiguous.
+  const auto grad = deterministic ? grad_.contiguous() : grad_;
   const auto acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto rois = rois_.to(acc).contiguous();
   const auto argmax = argmax_.to(at::kInt).contiguous();
   const int64_t K = rois.size(0), bins = pooled_h * pooled_w;
-  const bool deterministic = at::globalContext().deterministicAlgorithms();
   auto stream = c10::cuda::getCurrentCUDAStream();
   if (!deterministic) {
     // Accumulates in the gradient itself for float32/float64, else in a float32 NCHW buffer cast at the end.
-    auto grad_input = at::zeros({batch_size, channels, height, width}, grad.options().dtype(acc));
+    auto grad_input = roi_scatter::zeros_by_memset({batch_size, channels, height, width}, grad.options().dtype(acc));
     if (grad.numel() > 0 && grad_input.numel() > 0) {
       const int64_t total = grad.numel();
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        roi_scatter::dispatch_index(roi_scatter::fits_int32({total, grad_input.numel()}), [&](auto index_tag) {
+        const bool small = roi_scatter::fits_int32({total, roi_scatter::extent(grad), grad_input.numel()});
+        roi_scatter::dispatch_index(small, [&](auto index_tag) {
           using index_t = decltype(index_tag);
           roi_pool_backward_atomic_kernel<scalar_t, acc_t, index_t>
               <<<roi_scatter::grid_for(total), kThreads, 0, stream>>>(
-                  static_cast<index_t>(total), grad.data_ptr<scalar_t>(), rois.data_ptr<acc_t>(),
-                  argmax.data_ptr<int32_t>(), batch_size, static_cast<index_t>(channels),
-                  static_cast<index_t>(height * width), static_cast<index_t>(bins), grad_input.data_ptr<acc_t>());
+                  static_cast<index_t>(total), grad.data_ptr<scalar_t>(), roi_scatter::grad_view<index_t>(grad),
+                  rois.data_ptr<acc_t>(), argmax.data_ptr<int32_t>(), batch_size, static_cast<index_t>(channels),
+                  static_cast<index_t>(height * width), static_cast<index_t>(bins), static_cast<int>(pooled_w),
+                  grad_input.data_ptr<acc_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       });
     }
     return grad_input.scalar_type() == grad.scalar_type() ? grad_input : grad_input.to(grad.scalar_type());
   }
-  auto grad_nhwc = at::zeros({batch_size, height, width, channels}, grad.options().dtype(acc));
+  auto grad_nhwc = roi_scatter::zeros_by_memset({batch_size, height, width, channels}, grad.options().dtype(acc));
   if (grad.numel() == 0 || grad_nhwc.numel() == 0) return roi_scatter::nhwc_to_nchw(grad_nhwc, grad.scalar_type());
   const int ph = static_cast<int>(pooled_h), pw = static_cast<int>(pooled_w);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {

@@ -103,6 +103,45 @@ bool fits_int32(std::initializer_list<int64_t> sizes) {
   return true;
 }
 
+// A zero-filled accumulator through one cudaMemsetAsync (all-zero bits are 0.0 in float and double): at::zeros
+// goes through the dispatcher's fill_ kernel, several microseconds more host time per backward call.
+at::Tensor zeros_by_memset(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  auto out = at::empty(sizes, options);
+  if (out.numel() > 0) {
+    C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), c10::cuda::getCurrentCUDAStream()));
+  }
+  return out;
+}
+
+// The incoming gradient (K x C x PH x PW) read in place through its strides, as torchvision's backward kernels read
+// it: the expanded gradient of out.sum() (all strides 0) or a permuted one costs no contiguous copy per call.
+// dense: contiguous, the flat index is the offset.
+template <typename index_t>
+struct GradView {
+  index_t k, c, h, w;
+  bool dense;
+
+  __device__ __forceinline__ index_t offset(index_t flat, index_t kk, index_t cc, index_t bin, int pooled_w) const {
+    if (dense) return flat;
+    const index_t ph = bin / pooled_w;
+    return kk * k + cc * c + ph * h + (bin - ph * pooled_w) * w;
+  }
+};
+
+template <typename index_t>
+GradView<index_t> grad_view(const at::Tensor& grad) {
+  return {static_cast<index_t>(grad.stride(0)), static_cast<index_t>(grad.stride(1)),
+          static_cast<index_t>(grad.stride(2)), static_cast<index_t>(grad.stride(3)), grad.is_contiguous()};
+}
+
+// One past the largest element offset of a strided tensor (its extent in memory), for the 32-bit index choice.
+int64_t extent(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return last + 1;
+}
+
 // Calls f(int32_t{}) or f(int64_t{}) so the kernel is instantiated with the index type.
 template <typename F>
 void dispatch_index(bool use_int32, F&& f) {
