@@ -96,10 +96,15 @@ def cmd_make_synthetic(args) -> int:
 
 
 def cmd_train(args) -> int:
+    cfg = _load(args)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one per machine under torchrun (the other ranks build their own)
+        from lss.data.loader import index_splits_in_background
+
+        index_splits_in_background(cfg)  # before the trainer's imports and the model: they overlap it
     from lss.engine.train import train
     from lss.viz import bev_grid_image
 
-    train(_load(args), out_dir=args.out, resume=args.resume, overwrite=args.overwrite, render_fn=bev_grid_image)
+    train(cfg, out_dir=args.out, resume=args.resume, overwrite=args.overwrite, render_fn=bev_grid_image)
     return 0
 
 

@@ -675,6 +675,62 @@ def test_a_persistent_eval_loader_keeps_its_workers_between_passes_in_order():
         assert (pids[0] == pids[1]) is persistent, (persistent, pids)
 
 
+class _TimedSet(torch.utils.data.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return {"index": torch.tensor(i), "loaded_at": torch.tensor(time.time(), dtype=torch.float64)}
+
+
+def test_an_armed_eval_pass_is_prefetched_and_handed_out_whole():
+    from lss.engine.build import build_eval_loader
+    from lss.engine.eval import EvalPasses
+
+    cfg = load_config(None, ["data.workers=1", "eval.batch_size=4"])
+    passes = EvalPasses(build_eval_loader(cfg, _TimedSet(), torch.device("cpu"), persistent=True))
+    passes.arm()
+    time.sleep(1.5)  # the worker starts and loads the first batches meanwhile
+    taken = time.time()
+    armed = list(passes.take())
+    assert [b["index"].tolist() for b in armed] == [[0, 1, 2, 3], [4, 5]]  # the whole pass, nothing dropped
+    assert armed[0]["loaded_at"].max().item() < taken  # loaded before the pass was asked for
+    fresh = list(passes.take())  # not armed: a new pass, loaded after it was asked for
+    assert [b["index"].tolist() for b in fresh] == [[0, 1, 2, 3], [4, 5]]
+    assert fresh[0]["loaded_at"].min().item() > armed[-1]["loaded_at"].max().item()
+
+
+def test_the_picture_batch_is_the_first_of_the_pass_and_not_taken_from_it():
+    from lss.engine.build import build_eval_loader
+    from lss.engine.eval import EvalPasses
+
+    cfg = load_config(None, ["data.workers=1", "eval.batch_size=4"])
+    passes = EvalPasses(build_eval_loader(cfg, _PidSet(), torch.device("cpu"), persistent=True))
+    passes.arm()
+    first = passes.first_batch()
+    assert first["index"].tolist() == [0, 1, 2, 3] and passes.first_batch() is first
+    assert [b["index"].tolist() for b in passes.take()] == [[0, 1, 2, 3], [4, 5]]
+    assert [b["index"].tolist() for b in passes.take()] == [[0, 1, 2, 3], [4, 5]]
+    empty = EvalPasses(build_eval_loader(cfg, FakeBEVDataset(0), torch.device("cpu")))
+    with pytest.raises(ValueError, match="validation split has no samples"):
+        empty.first_batch()
+
+
+def test_the_eval_hook_starts_the_next_pass_after_the_first_step_and_each_evaluation_but_the_last():
+    from types import SimpleNamespace
+
+    calls = []
+    trainer = SimpleNamespace(step=0, state={}, cfg=load_config(None, ["train.max_steps=7"]),
+                              save=lambda name: calls.append(("save", trainer.step)))
+    hook = EvalHook(3, lambda: calls.append(("eval", trainer.step)) or {"iou": {}, "mean_iou": trainer.step},
+                    prepare=lambda: calls.append(("prepare", trainer.step)))
+    for step in range(1, 8):
+        trainer.step = step
+        hook.after_step(trainer, {})
+    assert [c for c in calls if c[0] != "save"] == [("prepare", 1), ("eval", 3), ("prepare", 3), ("eval", 6),
+                                                     ("prepare", 6), ("eval", 7)]
+
+
 # ------------------------------------------------------------------------ checkpoint reliability
 def test_stale_checkpoint_temp_files_are_removed_on_load(tmp_path, capsys):
     folder = tmp_path / "checkpoints"

@@ -37,7 +37,8 @@ class InterruptAt(Hook):
 def cli_train(monkeypatch, tmp_path, run, *args, hooks=(), cfg_extra=()):
     """`lss train --config CFG --out RUN ARGS` on the fake model and data; returns the exit code."""
     cfg_path = tmp_path / "cfg.yaml"
-    save_config(fake_cfg(tmp_path, "train.eval_every=0", "train.viz_every=0", *cfg_extra), cfg_path)
+    save_config(fake_cfg(tmp_path, "train.eval_every=0", "train.viz_every=0", f"data.dataroot={tmp_path / 'none'}",
+                         *cfg_extra), cfg_path)
     monkeypatch.setattr(train_module, "train", lambda cfg, **kw: real_train(
         cfg, model_fn=FakeModel, dataset_fn=no_val, collate_fn=collate, hooks=hooks, **kw))
     return main(["train", "--config", str(cfg_path), "--out", str(run), *args])

@@ -451,7 +451,8 @@ def test_cuda_bad_rois_raise_clear_errors(channels_last, mode):
     with pytest.raises(ValueError, match="rois must be finite; roi 3 is \\[.*nan.*\\]"):
         roi_align(x, bad.cuda(), 2, mode=mode, validate=True)
     with pytest.raises(ValueError, match="must be finite"):
-        roi_align(x, [good[:2, 1:].cuda(), torch.tensor([[0.0, 0, float("inf"), 4]], device="cuda")], 2, mode=mode, validate=True)
+        roi_align(x, [good[:2, 1:].cuda(), torch.tensor([[0.0, 0, float("inf"), 4]], device="cuda")], 2, mode=mode,
+                  validate=True)
     # a valid call right after a failed one
     out, grad = fwd_bwd(roi_align, x, good.cuda(), 2, 1.0, 2, True, mode)
     out_cpu, grad_cpu = fwd_bwd(roi_align, x.detach().cpu(), good, 2, 1.0, 2, True, mode)

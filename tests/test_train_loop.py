@@ -318,6 +318,58 @@ def test_a_cached_index_does_not_import_the_devkit(synthetic_root, tmp_path):
     assert [r.stdout.strip().splitlines()[-1] for r in runs] == ["True", "False"], [r.stderr[-500:] for r in runs]
 
 
+def test_lss_train_builds_the_index_in_a_child_and_the_datasets_load_it(synthetic_root, tmp_path, monkeypatch,
+                                                                          capsys):
+    import lss.data.nuscenes as nuscenes
+    from lss.data.index_cache import cache_dir
+    from lss.data.loader import index_splits_in_background, split_dataset
+
+    cfg = load_config(None, [f"data.dataroot={synthetic_root}", "data.depth_targets=true",
+                             "data.train_split=train", "data.val_split=val"])
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "in-process"))
+    here = [split_dataset(cfg, "train", True), split_dataset(cfg, "val", False)]
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "background"))
+    assert index_splits_in_background(cfg)
+    # the tables are read in the child only: this process waits for it and loads both splits from the cache
+    monkeypatch.setattr(nuscenes, "load_tables", lambda *a: (_ for _ in ()).throw(RuntimeError("tables read here")))
+    capsys.readouterr()
+    there = [split_dataset(cfg, "train", True), split_dataset(cfg, "val", False)]
+    assert capsys.readouterr().out.count("(cached index)") == 2
+    assert len(list((cache_dir() / "index").glob("*.pkl"))) == 2
+    for a, b in zip(here, there):
+        assert set(vars(a)) == set(vars(b))
+        for name, value in vars(a).items():
+            other = getattr(b, name)
+            assert (value == other).all() if hasattr(value, "shape") else name == "config" or repr(value) == repr(other)
+
+
+def test_a_failed_or_stuck_background_build_leaves_the_work_and_the_error_to_this_process(tmp_path, monkeypatch,
+                                                                                          capfd):
+    import time
+
+    from lss.data.index_cache import build_in_background, wait_for_background_builds
+    from lss.data.loader import index_splits_in_background, split_dataset
+    from lss.errors import DatasetError
+
+    assert not wait_for_background_builds()  # none started
+    cfg = load_config(None, [f"data.dataroot={tmp_path / 'missing'}", "data.make_synthetic_if_missing=false"])
+    assert not index_splits_in_background(cfg)  # no dataset: no child
+    with pytest.raises(DatasetError, match="missing"):
+        split_dataset(cfg, cfg.data.train_split, True)
+
+    def fails():
+        print("from the child")
+        raise ValueError("a bad table")
+
+    assert build_in_background(fails)
+    assert wait_for_background_builds()
+    assert "from the child" not in capfd.readouterr().out  # silenced; the dataset reports its own error
+    started = time.perf_counter()
+    assert build_in_background(lambda: time.sleep(60))
+    assert wait_for_background_builds(timeout_s=0.5)  # stopped: the caller builds the index itself
+    assert time.perf_counter() - started < 20
+
+
 def test_train_stops_its_loader_workers_before_it_returns(tmp_path):
     import multiprocessing
 

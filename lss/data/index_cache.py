@@ -9,13 +9,17 @@ be read or written is rebuilt or skipped, never an error.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
+import sys
 from pathlib import Path
 from typing import BinaryIO, Callable, Optional
 
 FORMAT = 1  # bump when the cached fields change
+BACKGROUND_WAIT_S = 1800.0  # a background build still running after this long is stopped, the index built here
+_BACKGROUND: list = []  # this process's background builds (build_in_background), not yet waited for
 
 
 def cache_dir() -> Path:
@@ -73,3 +77,40 @@ def save_index(key: str, fields: dict) -> None:
     """Write the fields of `key` (write_cache_file)."""
     write_cache_file(cache_dir() / "index" / f"{key}.pkl",
                      lambda f: pickle.dump(fields, f, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def build_in_background(build: Callable[[], None]) -> bool:
+    """Run build() (which builds dataset indexes, and so writes them into this cache) in a forked child process,
+    its output silenced; a dataset of this process that misses the cache waits for it and loads the cache again
+    (wait_for_background_builds). Linux only (a forked child inherits the imported modules and starts in
+    milliseconds); elsewhere nothing runs. Returns whether the child started."""
+    if sys.platform != "linux":
+        return False
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_silently, args=(build,), daemon=True,
+                                                         name="lss-index-build")
+    child.start()
+    _BACKGROUND.append(child)
+    return True
+
+
+def _silently(build: Callable[[], None]) -> None:
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+            build()
+    except BaseException:  # the dataset that waits for this child builds the index itself and reports the error
+        os._exit(1)
+
+
+def wait_for_background_builds(timeout_s: float = BACKGROUND_WAIT_S) -> bool:
+    """Wait for this process's background builds; whether there were any. One still running after `timeout_s` is
+    stopped (the caller then builds the index itself)."""
+    waited = bool(_BACKGROUND)
+    while _BACKGROUND:
+        child = _BACKGROUND.pop()
+        child.join(timeout_s)
+        if child.is_alive():
+            child.terminate()
+            child.join()
+    return waited

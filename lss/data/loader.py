@@ -1,14 +1,17 @@
-"""Batching of NuScenesBEV items, and the synthetic set generated where the config asks for it (the loaders
-themselves: lss.engine.build)."""
+"""Batching of NuScenesBEV items, the datasets of a config's splits (their indexes built ahead in the background
+for `lss train`), and the synthetic set generated where the config asks for it (the loaders themselves:
+lss.engine.build)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from lss.config import Config
-from lss.data.nuscenes import DatasetNotFoundError, locate_dataroot
+from lss.data.index_cache import build_in_background
+from lss.data.nuscenes import DatasetNotFoundError, NuScenesBEV, locate_dataroot
 from lss.errors import DatasetError
 
 
@@ -34,6 +37,33 @@ def collate(items: Sequence[dict]) -> dict:
         else:
             batch[key] = values
     return batch
+
+
+def split_dataset(cfg: Config, split: str, is_train: bool, verbose: bool = True) -> NuScenesBEV:
+    """NuScenesBEV of `split`. Evaluation reads no lidar: its depth targets feed only the training loss."""
+    if not is_train and cfg.data.depth_targets:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, depth_targets=False))
+    return NuScenesBEV(cfg.data.dataroot, version=cfg.data.version, split=split, config=cfg, is_train=is_train,
+                       verbose=verbose)
+
+
+def index_splits_in_background(cfg: Config) -> bool:
+    """Build the dataset indexes of cfg's train and val splits into the on-disk index cache in a child process
+    (lss.data.index_cache.build_in_background), while this one goes on starting up: `lss train` calls it before it
+    imports the trainer and builds the model, so a run whose index is not cached yet does not wait for nuscenes-devkit's
+    import and the walk over the tables (seconds) on its own. The datasets built afterwards wait for the child
+    and load what it wrote; if it failed (no dataset yet, a bad table), they build the index themselves and raise
+    the error. No child without a dataset at data.dataroot. Returns whether the child started."""
+    try:
+        locate_dataroot(cfg.data.dataroot, cfg.data.version)
+    except DatasetNotFoundError:  # generated (or reported) by the run itself, which then builds the index
+        return False
+
+    def build() -> None:
+        split_dataset(cfg, cfg.data.train_split, True, verbose=False)
+        split_dataset(cfg, cfg.data.val_split, False, verbose=False)
+
+    return build_in_background(build)
 
 
 def ensure_dataset(config: Config) -> None:

@@ -21,7 +21,7 @@ from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
 from lss.data.decoded_cache import DecodedImages
 from lss.data.detection_targets import dense_targets
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
-from lss.data.index_cache import index_key, load_index, save_index
+from lss.data.index_cache import index_key, load_index, save_index, wait_for_background_builds
 from lss.data.tables import (DatasetNotFoundError, MapNotFoundError, SampleError, SampleFileNotFoundError,
                              check_annotation, load_tables, loaded_or_named, locate_dataroot, resolve_split)
 from lss.data.transforms import (augment_decoded, decode_scaled, image_size_from_header, jpeg_scale,
@@ -206,6 +206,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
         key = index_key(self.root, version, split, (self.cameras, self.classes, data.min_visibility,
                                                     data.min_lidar_pts, data.detection_targets, data.depth_targets))
         cached = load_index(key)
+        if cached is None and wait_for_background_builds():  # `lss train` builds it ahead (index_cache)
+            cached = load_index(key)
         if cached is not None:
             self.__dict__.update(cached)
         else:

@@ -3,7 +3,6 @@ datasets, loaders, optimizer, learning-rate schedule, and a checkpoint loaded fo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
@@ -17,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lss.config import Config, ConfigError
-from lss.data import NuScenesBEV, collate
-from lss.data.loader import ensure_dataset as generate_if_missing
+from lss.data import collate
+from lss.data.loader import ensure_dataset as generate_if_missing, split_dataset
 from lss.engine.checkpoint import load_checkpoint, load_model_state
 from lss.engine.distributed import DistInfo, EpochSampler, barrier
 from lss.models import LiftSplatShoot
@@ -110,10 +109,8 @@ def build_model(cfg: Config) -> nn.Module:
 
 
 def build_dataset(cfg: Config, split: str, is_train: bool) -> Dataset:
-    """NuScenesBEV of `split`. Evaluation reads no lidar: its depth targets feed only the training loss."""
-    if not is_train and cfg.data.depth_targets:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, depth_targets=False))
-    return NuScenesBEV(cfg.data.dataroot, version=cfg.data.version, split=split, config=cfg, is_train=is_train)
+    """NuScenesBEV of `split` (lss.data.loader.split_dataset)."""
+    return split_dataset(cfg, split, is_train)
 
 
 def ensure_dataset(cfg: Config, dist_info: Optional[DistInfo] = None) -> None:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -24,11 +25,13 @@ from lss.errors import CheckpointError
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device: torch.device,
              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-             show_progress: bool = True, detection_dir: Optional[Path] = None, timing: Optional[dict] = None) -> dict:
+             show_progress: bool = True, detection_dir: Optional[Path] = None, timing: Optional[dict] = None,
+             batches: Optional[Iterable[dict]] = None) -> dict:
     """IoU per class over every batch of `loader` (summed over distributed ranks); see IoUMeter.compute. With the
     detection head, also "detection": the nuScenes detection metrics (files in `detection_dir` when given).
     `timing`, when given, receives "samples", "seconds" (the IoU pass, workers' start included), "first_batch_s"
-    and "samples_per_s" (the samples after the first batch over the time after it: the steady rate)."""
+    and "samples_per_s" (the samples after the first batch over the time after it: the steady rate).
+    `batches`: a pass over `loader` already started (EvalPasses), instead of a new one."""
     meter = IoUMeter(cfg.data.classes, cfg.eval.threshold, cfg.eval.sweep)
     detections = DetectionCollector(cfg) if "detection" in cfg.model.heads and loader is not None else None
     was_training = model.training
@@ -38,7 +41,8 @@ def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device
     total = min(total, limit) if limit is not None else total
     started, first, samples = time.perf_counter(), None, 0
     try:
-        for i, batch in enumerate(tqdm(loader or [], total=total, desc="eval", unit="batch", leave=False,
+        source = batches if batches is not None else (loader or [])
+        for i, batch in enumerate(tqdm(source, total=total, desc="eval", unit="batch", leave=False,
                                        dynamic_ncols=True, disable=not show_progress)):
             if limit is not None and i >= limit:
                 break
@@ -70,6 +74,37 @@ def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device
     if detections is not None:
         result["detection"] = detections.evaluate_dataset(loader.dataset, detection_dir)
     return result
+
+
+class EvalPasses:
+    """Passes over an evaluation loader with persistent workers, started ahead of time. `arm()` starts the next
+    pass: its workers decode the first batches while training goes on, so an evaluation does not wait for them
+    (seconds at the first one, when the workers start). `take()` hands out the armed pass as it is (iter() on such
+    a loader would reset it and drop what the workers prefetched), else starts one. `first_batch()`: the loader's
+    first batch, kept (the armed pass still yields it)."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+        self._armed: Optional[Iterator[dict]] = None
+        self._first: Optional[dict] = None
+
+    def arm(self) -> None:
+        if self._armed is None:
+            self._armed = iter(self.loader)
+
+    def take(self) -> Iterator[dict]:
+        armed, self._armed = self._armed, None
+        return armed if armed is not None else iter(self.loader)
+
+    def first_batch(self) -> dict:
+        if self._first is None:
+            rest = self.take()
+            try:
+                self._first = next(rest)
+            except StopIteration:
+                raise ValueError("the validation split has no samples: no batch to draw") from None
+            self._armed = itertools.chain([self._first], rest)
+        return self._first
 
 
 def pad_batch(batch: dict, size: int) -> dict:

@@ -157,15 +157,25 @@ def detection_curve_point(summary: dict) -> dict:
 
 class EvalHook(Hook):
     """`eval_function()` (returning lss.engine.eval.evaluate's dict) every `period` steps and at the end; best.pt
-    follows the mean IoU. Every rank runs it (evaluation sums over ranks); only rank 0 has a `writer`."""
+    follows the mean IoU. Every rank runs it (evaluation sums over ranks); only rank 0 has a `writer`.
+    `prepare()` (EvalPasses.arm) starts the next evaluation's data ahead: after the run's first step and after
+    each evaluation but the last."""
 
-    def __init__(self, period: int, eval_function: Callable[[], dict], writer: Optional[MetricsWriter] = None):
-        self.period, self.eval_function, self.writer = period, eval_function, writer
+    def __init__(self, period: int, eval_function: Callable[[], dict], writer: Optional[MetricsWriter] = None,
+                 prepare: Optional[Callable[[], None]] = None):
+        self.period, self.eval_function, self.writer, self.prepare = period, eval_function, writer, prepare
         self.last: dict = {}
+        self._prepared = False
 
     def after_step(self, trainer, logs: dict) -> None:
-        if not is_due(trainer, self.period):
-            return
+        due = is_due(trainer, self.period)
+        if due:
+            self._evaluate(trainer)
+        if self.prepare is not None and (due or not self._prepared) and trainer.step < trainer.cfg.train.max_steps:
+            self._prepared = True
+            self.prepare()
+
+    def _evaluate(self, trainer) -> None:
         result = self.eval_function()
         self.last = result
         if self.writer is not None:

@@ -26,7 +26,7 @@ from lss.engine.build import (DatasetFn, ModelFn, apply_channels_last, autocast_
                               preserved_rng, rng_state, seed_everything, select_device, set_rng_state, StreamSampler,
                               to_device)
 from lss.engine.distributed import DistInfo, EpochSampler, init_distributed, shutdown
-from lss.engine.eval import evaluate
+from lss.engine.eval import EvalPasses, evaluate
 from lss.engine.graph_step import GraphedTrainStep, check_graph_config
 from lss.engine.hooks import (CheckpointHook, EvalHook, Hook, LogHook, MetricsWriter, StepLogs, VizHook,
                               is_due)
@@ -82,6 +82,7 @@ class Trainer:
         self.val_loader = None
         if val_set is not None and len(val_set) > 0:
             self.val_loader = build_eval_loader(cfg, val_set, device, dist_info, collate_fn, persistent=True)
+        self.val_passes = EvalPasses(self.val_loader) if self.val_loader is not None else None
         self.step = 0
         self.epoch = 0
         self.state: dict = {"best_iou": None}  # hook state that a checkpoint carries
@@ -359,7 +360,7 @@ def evaluation(trainer: Trainer) -> Callable[[], dict]:
         timing: dict = {}
         with preserved_rng():
             result = evaluate(trainer.model, trainer.val_loader, trainer.cfg, trainer.device, trainer.autocast,
-                              show_progress=trainer.dist.is_main, timing=timing)
+                              show_progress=trainer.dist.is_main, timing=timing, batches=trainer.val_passes.take())
         return {**result, "timing": timing}
 
     return run
@@ -374,7 +375,7 @@ def bev_pictures(trainer: Trainer, render_fn: RenderFn) -> Callable[[], np.ndarr
         nonlocal batch
         with preserved_rng():
             if batch is None:
-                batch = to_device(next(iter(trainer.val_loader)), trainer.device)
+                batch = to_device(trainer.val_passes.first_batch(), trainer.device)
             trainer.model.eval()
             with torch.no_grad(), trainer.autocast():
                 logits = trainer.model(batch)["segmentation"].float()
@@ -390,7 +391,7 @@ def default_hooks(trainer: Trainer, writer: Optional[MetricsWriter], started: fl
     hooks: list[Hook] = [LogHook(t.log_every, writer, started)] if writer is not None else []
     hooks.append(CheckpointHook(t.ckpt_every))  # before evaluation: a failing evaluation keeps the step's last.pt
     if trainer.val_loader is not None:
-        hooks.append(EvalHook(t.eval_every, evaluation(trainer), writer))
+        hooks.append(EvalHook(t.eval_every, evaluation(trainer), writer, prepare=trainer.val_passes.arm))
     if writer is not None and trainer.val_loader is not None and render_fn is not None:
         hooks.append(VizHook(t.viz_every, bev_pictures(trainer, render_fn), writer))
     return hooks
