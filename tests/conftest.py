@@ -43,6 +43,22 @@ def strided_grads(shape, device, dtype=torch.float32, seed=1) -> dict:
     }
 
 
+def assert_backward_reads_strided_grad(pool, x, kind, deterministic):
+    """x's gradient through `pool(x)` (K x C x PH x PW) for a non-contiguous incoming gradient of `kind`
+    (strided_grads) equals the one for its contiguous copy, with deterministic algorithms on or off."""
+    out_shape = pool(x).shape
+    grad = strided_grads(tuple(out_shape), x.device)[kind]
+    assert not grad.is_contiguous()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got, want = (torch.autograd.grad(pool(x.requires_grad_(True)), x, g)[0] for g in (grad, grad.contiguous()))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 @pytest.fixture(scope="session")
 def synthetic_root(tmp_path_factory):
     """A tiny synthetic nuScenes v1.0-mini (2 scenes x 3 key frames, 400 x 225 images; one scene in mini_train,

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import devices, strided_grads
+from conftest import assert_backward_reads_strided_grad, devices
 from lss.ops import RoIAlign, roi_align, roi_align_reference, roi_pool
 from lss.ops._ext import has_ext
 
@@ -145,17 +145,7 @@ def test_backward_reads_non_contiguous_grads(device, mode, deterministic, kind):
     # the backward reads the incoming gradient through its strides (no contiguous copy): same result as its copy
     x = features(2, 6, 12, 13, device=device)
     rois = make_rois(9, 2, 12, 13, seed=4, device=device)
-    grad = strided_grads((9, 6, 3, 4), device)[kind]
-    assert not grad.is_contiguous()
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
-    try:
-        got, want = (torch.autograd.grad(roi_align(x.requires_grad_(True), rois, (3, 4), 0.9, 2, True, mode), x, g)[0]
-                     for g in (grad, grad.contiguous()))
-    finally:
-        torch.use_deterministic_algorithms(before)
-    assert got.abs().sum() > 0
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert_backward_reads_strided_grad(lambda t: roi_align(t, rois, (3, 4), 0.9, 2, True, mode), x, kind, deterministic)
 
 
 
