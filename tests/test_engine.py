@@ -497,7 +497,20 @@ def test_ddp_code_path_with_gloo_two_processes(tmp_path):
     assert len(losses_of(tmp_path / "ddp")) == 3  # only rank 0 wrote
 
 
-def test_compile_encoders_wraps_trainable_children_and_rejects_unknown_modes():
+@pytest.fixture
+def inductor_settings(monkeypatch):
+    """The fast-start settings as they are now, restored after the test; the compile workers' start recorded."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import async_compile
+
+    started = []
+    monkeypatch.setattr(async_compile.AsyncCompile, "warm_pool", classmethod(lambda cls: started.append(cls)))
+    # the config module's own patch (pytest's monkeypatch would delete a sub-config setting when it undoes)
+    with inductor_config.patch({"triton.autotune_pointwise": True, "pattern_matcher": True}):
+        yield inductor_config, started
+
+
+def test_compile_encoders_wraps_trainable_children_and_rejects_unknown_modes(inductor_settings):
     model = nn.Module()
     model.encoder = nn.Linear(2, 2)
     model.frozen = nn.Linear(2, 2).requires_grad_(False)
@@ -512,6 +525,26 @@ def test_compile_encoders_wraps_trainable_children_and_rejects_unknown_modes():
     assert functorch_config.activation_memory_budget == 0.5
     compile_encoders(nn.Module(), "default")
     assert functorch_config.activation_memory_budget == 1.0
+
+
+def test_compile_encoders_sets_up_the_compiler_for_a_short_first_step(inductor_settings):
+    inductor_config, started = inductor_settings
+    model = nn.Module()
+    model.encoder = nn.Linear(2, 2)
+    compile_encoders(model, "default")
+    assert inductor_config.triton.autotune_pointwise is False and inductor_config.pattern_matcher is False
+    assert started == []  # a CPU model: no Triton workers to start
+
+
+def test_fast_start_compiler_skips_settings_this_torch_lacks_and_starts_the_workers(inductor_settings, monkeypatch):
+    import lss.engine.build as build
+
+    inductor_config, started = inductor_settings
+    monkeypatch.setattr(build, "FAST_START_INDUCTOR", (("triton.no_such_setting", 1), ("no_such_group.setting", 1),
+                                                       ("pattern_matcher", False)))
+    assert build.fast_start_compiler(start_workers=True) == ["pattern_matcher"]
+    assert inductor_config.pattern_matcher is False and inductor_config.triton.autotune_pointwise is True
+    assert len(started) == 1
 
 
 # ----------------------------------------------------------------------------------- hooks and timing
