@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Probes of the training step on the GPU machine (scripts/probe_step.py): layouts, a kernel profile, cold compilations.
+#   device run: bash scripts/gpu_probe.sh      (carry .whl; LAYOUTS=, COMPILES= pick a subset)
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+t0=$SECONDS
+ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
+  || { tail -n 30 "$OUT/build.log"; exit 1; }
+echo "build $((SECONDS - t0)) s"
+for layout in ${LAYOUTS:-bev false true hybrid}; do
+  extra=""; [ $layout = bev ] && extra=--profile
+  timeout 120 python3 scripts/probe_step.py --layout $layout $extra > "$OUT/probe_$layout.log" 2>&1
+  echo "layout $layout rc=$? at $((SECONDS - t0)) s"; head -c 600 "$OUT/probe_$layout.log" | grep -v "^ "; echo
+done
+grep -A 40 "Name" "$OUT/probe_bev.log" | head -n 40
+for knobs in ${COMPILES:-inductor_defaults fast_start}; do  # each with empty compiler caches
+  flag=""; [ $knobs = inductor_defaults ] && flag=--inductor-defaults
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/ind-$knobs TRITON_CACHE_DIR=/tmp/tri-$knobs
+  t1=$SECONDS
+  timeout ${COMPILE_SECONDS:-210} python3 scripts/probe_step.py --layout bev --compile $flag --replays 30 \
+    > "$OUT/compile_$knobs.log" 2>&1
+  echo "compile $knobs rc=$? wall $((SECONDS - t1)) s"; head -c 700 "$OUT/compile_$knobs.log"; echo
+  phases="_compile|compile_attempt|bytecode|OutputGraph|create_aot|aot_|min_cut|compile_fx|fx_codegen|GraphLowering"
+  grep -E "^($phases|Scheduler|async_compile|CachingAutotuner|backward)" "$OUT/compile_$knobs.log" | head -n 40
+done
+echo "total $((SECONDS - t0)) s"
