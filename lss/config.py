@@ -133,7 +133,9 @@ class TrainConfig:
     # torch.compile mode; "reduce-overhead" replays CUDA graphs
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     compile_memory_budget: float = 1.0  # with compile: < 1 recomputes activations in the backward (less memory)
-    cuda_graph: bool = False  # capture the whole step (LUT, forward, loss, backward, optimizer) as one CUDA graph
+    # the whole step (LUT, forward, loss, backward, optimizer) as one CUDA graph: true (an error where it cannot be),
+    # "auto" (where it can: one CUDA process, cuda_graph_problems; eager steps elsewhere, saying why) or false
+    cuda_graph: Union[bool, Literal["auto"]] = False
     seed: int = 0
     deterministic: bool = False
     # cuDNN autotuning: tries the convolution algorithms of every new shape (30 s more in the first step on an H100,
@@ -315,6 +317,23 @@ def _at_least(section: Any, prefix: str, keys: typing.Sequence[str], low: float)
         _check(value >= low, f"{prefix}.{key}={value}: expected >= {low}")
 
 
+def cuda_graph_problems(cfg: Config) -> list[str]:
+    """Why the config's training step cannot be captured as one CUDA graph (train.cuda_graph); empty when it can. The
+    device and the process layout are checked where they are known (lss.engine.graph_step.decide_cuda_graph)."""
+    t, problems = cfg.train, []
+    if t.grad_accum != 1:
+        problems.append(f"it needs train.grad_accum: 1 (got {t.grad_accum})")
+    if t.amp == "fp16":
+        problems.append("it needs train.amp: bf16 or none (fp16 needs a loss scaler)")
+    if t.compile and t.compile_mode == "reduce-overhead":
+        problems.append("train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the other")
+    if "detection" in cfg.model.heads and cfg.detection.refine:
+        problems.append("the detection head's second stage (detection.refine) decodes data-dependent proposals")
+    if "detection" in cfg.model.heads and not cfg.data.detection_targets:
+        problems.append("the detection head needs the dataset's fixed-shape targets (data.detection_targets: true)")
+    return problems
+
+
 def validate(cfg: Config) -> Config:
     """Check ranges and cross-field rules of a merged config (enumerations are checked as it merges); returns it.
 
@@ -401,23 +420,10 @@ def validate(cfg: Config) -> Config:
            f"train.compile_memory_budget={t.compile_memory_budget}: expected a fraction in (0, 1] (1 keeps what "
            "the compiler's default partition keeps)")
     _at_least(t, "train", ("log_every", "eval_every", "ckpt_every", "viz_every"), 0)
-    if t.cuda_graph:
-        problems = []
-        if t.grad_accum != 1:
-            problems.append(f"it needs train.grad_accum: 1 (got {t.grad_accum})")
-        if t.amp == "fp16":
-            problems.append("it needs train.amp: bf16 or none (fp16 needs a loss scaler)")
-        if t.compile and t.compile_mode == "reduce-overhead":
-            problems.append("train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the "
-                            "other")
-        if "detection" in model.heads and cfg.detection.refine:
-            problems.append("the detection head's second stage (detection.refine) decodes proposals of "
-                            "data-dependent sizes")
-        if "detection" in model.heads and not data.detection_targets:
-            problems.append("the detection head needs the dataset's fixed-shape targets (data.detection_targets: "
-                            "true)")
+    if t.cuda_graph is True:
+        problems = cuda_graph_problems(cfg)
         _check(not problems, "train.cuda_graph: true cannot be used here: " + "; ".join(problems) +
-               ". Set train.cuda_graph: false")
+               ". Set train.cuda_graph: false (or auto: captured where it can be)")
 
     e = cfg.eval
     for threshold in (e.threshold, *e.sweep):

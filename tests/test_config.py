@@ -151,6 +151,7 @@ def test_a_bad_enumerated_value_names_key_value_and_allowed_values(tmp_path, key
      "cuda_graph: true cannot be used.*one or the other.*cuda_graph: false"),
     (["train.cuda_graph=true", "model.heads=[segmentation, detection]"],
      "cuda_graph: true cannot be used.*detection head"),
+    (["train.cuda_graph=maybe"], "train.cuda_graph.*auto"),
     (["data.num_train_cameras=7"], r"data.num_train_cameras must be in \[1, 6\]"),
     (["data.cameras=[CAM_FRONT, CAM_FRONT]"], "data.cameras must be distinct"),
     (["data.bot_pct_lim=[0.3, 0.1]"], r"data.bot_pct_lim=\[0.3, 0.1\]: expected \[min, max\]"),

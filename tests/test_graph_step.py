@@ -12,7 +12,7 @@ import torch
 
 from lss.config import ConfigError, load_config
 from lss.engine import checkpoint as ck
-from lss.engine.graph_step import GraphedTrainStep, check_graph_config
+from lss.engine.graph_step import GraphedTrainStep, decide_cuda_graph
 from lss.engine.losses import TotalLoss
 from lss.engine.build import build_optimizer, lr_factor
 from lss.geometry import inverse_3x3, load_nuscenes_rig
@@ -105,9 +105,39 @@ def test_configs_the_captured_step_cannot_serve_are_rejected():
     """The device and process rules; the others are checked when the config loads (tests/test_config.py)."""
     cfg = tiny_cfg("train.cuda_graph=true")
     with pytest.raises(ConfigError, match="cuda_graph: true cannot be used.*needs a CUDA device.*cuda_graph: false"):
-        check_graph_config(cfg, torch.device("cpu"), distributed=False)
+        decide_cuda_graph(cfg, torch.device("cpu"), distributed=False)
     with pytest.raises(ConfigError, match="one process only"):
-        check_graph_config(tiny_cfg("train.cuda_graph=true"), torch.device("cuda", 0), distributed=True)
+        decide_cuda_graph(tiny_cfg("train.cuda_graph=true"), torch.device("cuda", 0), distributed=True)
+    assert decide_cuda_graph(cfg, torch.device("cuda", 0), distributed=False) == (True, [])
+    assert decide_cuda_graph(tiny_cfg("train.cuda_graph=false"), torch.device("cpu"), distributed=True) == (False, [])
+
+
+@pytest.mark.parametrize("overrides, device, distributed, reason", [
+    ([], "cuda", False, None),
+    ([], "cpu", False, "needs a CUDA device"),
+    ([], "cuda", True, "one process only"),
+    (["train.grad_accum=2"], "cuda", False, "train.grad_accum: 1"),
+    (["train.amp=fp16"], "cuda", False, "bf16 or none"),
+    (["train.compile=true", "train.compile_mode=reduce-overhead"], "cuda", False, "one or the other"),
+    (["model.heads=[segmentation, detection]"], "cuda", False, "fixed-shape targets"),
+])
+def test_auto_captures_where_every_rule_holds_and_says_why_not(overrides, device, distributed, reason):
+    cfg = tiny_cfg("train.cuda_graph=auto", *overrides)  # loads: auto breaks no rule of the config
+    captured, why = decide_cuda_graph(cfg, torch.device(device), distributed)
+    assert captured == (reason is None)
+    assert (why == []) if reason is None else (len(why) == 1 and reason in why[0])
+
+
+def test_auto_trains_with_eager_steps_on_the_cpu_and_says_so(synthetic_root, tmp_path, capsys):
+    from lss.engine.train import train
+
+    cfg = tiny_cfg("train.cuda_graph=auto", "train.max_steps=2", "train.batch_size=1", "train.eval_every=0",
+                   "train.ckpt_every=0", "train.viz_every=0", "train.device=cpu", "data.workers=0",
+                   f"data.dataroot={synthetic_root}")
+    final = train(cfg, str(tmp_path / "run"))
+    assert final["step"] == 2
+    out = capsys.readouterr().out
+    assert "eager steps (train.cuda_graph: auto: it needs a CUDA device (training runs on cpu))" in out
 
 
 def test_checkpoints_store_a_plain_learning_rate(tmp_path):

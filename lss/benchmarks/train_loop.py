@@ -224,8 +224,10 @@ def loader_rate(config: str, overrides: list[str], device: torch.device, batches
 
 def step_impl(cfg, device: torch.device) -> str:
     """The lss.benchmarks.train_step variant that runs what cfg.train selects."""
+    from lss.engine.graph_step import decide_cuda_graph
+
     t = cfg.train
-    if device.type == "cuda" and t.cuda_graph:
+    if decide_cuda_graph(cfg, device, distributed=False)[0]:
         if not t.compile:
             return "lss_cuda_graph"
         return "lss_cuda_graph_compiled_budget" if t.compile_memory_budget < 1 else "lss_cuda_graph_compiled"

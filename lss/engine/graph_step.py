@@ -9,8 +9,9 @@ reduce-overhead`, keep forward and backward memory apart and need about twice th
 Requirements: gradient accumulation 1, bf16 or no autocast (fp16 needs a GradScaler and its host-side skip logic),
 Adam/AdamW, the detection head's first stage only (its second stage decodes proposals of data-dependent sizes; the
 dataset yields the first stage's targets in fixed shapes, lss.data.detection_targets.dense_targets), no per-module
-CUDA graphs (checked when the config loads, lss.config.validate); one CUDA process (checked by `check_graph_config`
+CUDA graphs (checked when the config loads, lss.config.validate); one CUDA process (checked by `decide_cuda_graph`
 once the device is known); and batches of one fixed set of shapes (the train loader drops the last partial batch).
+With train.cuda_graph: auto a config or a machine that breaks a rule trains with eager steps instead.
 """
 from __future__ import annotations
 
@@ -21,20 +22,26 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lss.config import Config, ConfigError
+from lss.config import Config, ConfigError, cuda_graph_problems
 
 
-def check_graph_config(cfg: Config, device: torch.device, distributed: bool) -> None:
-    """Raise a ConfigError naming the setting to change when `train.cuda_graph` cannot be used on this device and
-    process layout (the rules that need neither are checked when the config loads)."""
-    problems = []
+def decide_cuda_graph(cfg: Config, device: torch.device, distributed: bool) -> tuple[bool, list[str]]:
+    """Whether the trainer captures its step (train.cuda_graph), and why not. false: (False, []). true: (True, []),
+    or a ConfigError naming the setting to change when this device or process layout cannot run it (the config's own
+    rules were checked when it loaded). "auto": (True, []) where every rule holds (lss.config.cuda_graph_problems and
+    the device's), else (False, the reasons)."""
+    setting = cfg.train.cuda_graph
+    if setting is False:
+        return False, []
+    problems = [] if setting is True else cuda_graph_problems(cfg)
     if device.type != "cuda":
         problems.append(f"it needs a CUDA device (training runs on {device})")
     if distributed:
         problems.append("it runs in one process only (use train.compile_mode: reduce-overhead with torchrun)")
-    if problems:
+    if setting is True and problems:
         raise ConfigError("train.cuda_graph: true cannot be used here: " + "; ".join(problems) +
-                          ". Set train.cuda_graph: false")
+                          ". Set train.cuda_graph: false (or auto: captured where it can be)")
+    return not problems, problems
 
 
 class GraphedTrainStep:

@@ -27,7 +27,7 @@ from lss.engine.build import (DatasetFn, ModelFn, apply_channels_last, autocast_
                               to_device)
 from lss.engine.distributed import DistInfo, EpochSampler, init_distributed, shutdown
 from lss.engine.eval import EvalPasses, evaluate
-from lss.engine.graph_step import GraphedTrainStep, check_graph_config
+from lss.engine.graph_step import GraphedTrainStep, decide_cuda_graph
 from lss.engine.hooks import (CheckpointHook, EvalHook, Hook, LogHook, MetricsWriter, StepLogs, VizHook,
                               is_due)
 from lss.engine.losses import TotalLoss, check_depth_targets
@@ -62,8 +62,8 @@ class Trainer:
         if t.compile:
             compile_encoders(self.model, t.compile_mode, t.compile_memory_budget)
         self.graph_step: Optional[GraphedTrainStep] = None
-        if t.cuda_graph:
-            check_graph_config(cfg, device, dist_info.enabled)
+        captured, self.eager_because = decide_cuda_graph(cfg, device, dist_info.enabled)
+        if captured:
             self.graph_step = GraphedTrainStep(self.model, self.loss_fn, self.optimizer, self.amp_dtype,
                                                cfg.optim.grad_clip, check_batch=self._check_batch)
         self.net = self.model
@@ -397,6 +397,15 @@ def default_hooks(trainer: Trainer, writer: Optional[MetricsWriter], started: fl
     return hooks
 
 
+def step_mode(trainer: Trainer) -> str:
+    """How the trainer runs its steps, for the run's first line (train.cuda_graph)."""
+    if trainer.graph_step is not None:
+        return "each step one CUDA graph replay"
+    if trainer.eager_because and trainer.cfg.train.cuda_graph == "auto":
+        return "eager steps (train.cuda_graph: auto: " + "; ".join(trainer.eager_because) + ")"
+    return "eager steps"
+
+
 def interrupted_message(trainer: Trainer) -> str:
     """Ctrl-C: which checkpoint is on disk (once the writes in flight are done) and how to continue."""
     trainer.finish_checkpoints(report_only=True)  # a failed write: the message names the checkpoint before it
@@ -452,7 +461,7 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
             save_config(cfg, run_dir / "config.yaml")
             writer = MetricsWriter(run_dir, trainer.step if resume else None)
             print(f"lss: training on {device} ({dist_info.world_size} process(es)), {len(train_set)} train / "
-                  f"{len(val_set)} val samples, run directory {run_dir}")
+                  f"{len(val_set)} val samples, run directory {run_dir}; {step_mode(trainer)}")
         trainer.register_hooks(default_hooks(trainer, writer, started, render_fn) + list(hooks))
         trainer.mark("writer")
         try:
