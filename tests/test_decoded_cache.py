@@ -93,3 +93,28 @@ def test_an_unwritable_cache_folder_only_means_no_cache(synthetic_root, tmp_path
     _, cached = samples(synthetic_root, True)
     assert_same(plain, cached)
     assert blocker.is_file()
+
+
+def test_an_image_whose_suffix_hides_its_format_is_found(synthetic_root, cache_root, tmp_path, monkeypatch):
+    """PNG files named .jpg: decoded at scale 1 (not the JPEG's 1/4) and found again in later epochs."""
+    import shutil
+
+    import cv2
+
+    root = tmp_path / "png_as_jpg"
+    shutil.copytree(synthetic_root, root)
+    for path in (root / "samples").rglob("*.jpg"):
+        ok, png = cv2.imencode(".png", cv2.imread(str(path)))
+        path.write_bytes(png.tobytes())
+    _, plain = samples(root, False)
+    ds, first = samples(root, True)
+    assert_same(plain, first)
+    files = cached_files(cache_root)
+    assert len(files) == len(ds) * len(ds.cameras) and np.load(files[0]).shape == (225, 400, 3)
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded although the image is in the cache")
+
+    monkeypatch.setattr(nuscenes_module, "decode_scaled", no_decode)
+    _, second = samples(root, True)
+    assert_same(plain, second)

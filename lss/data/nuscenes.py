@@ -375,13 +375,18 @@ class NuScenesBEV(torch.utils.data.Dataset):
 
     def _cached_decode(self, path: str, size: tuple[int, int],
                        resize_dims: tuple[int, int]) -> Optional[tuple[np.ndarray, int]]:
-        """(image, scale) of `path` from the decoded-image cache (data.decoded_cache), or None. The scale is the one
-        decode_scaled picks for a JPEG (the camera images' format; other files are not found and decoded anew)."""
+        """(image, scale) of `path` from the decoded-image cache (data.decoded_cache), or None. decode_scaled picks the
+        scale by the file's bytes (a JPEG's DCT scale, else 1): the suffix's guess is looked up first, the other
+        scale after it, so a file whose suffix does not tell its format is found too."""
         if self._decoded is None:
             return None
-        scale = jpeg_scale(size, resize_dims) if path.lower().endswith((".jpg", ".jpeg")) else 1
-        image = self._decoded.load(path, scale, scaled_shape(size, scale))
-        return None if image is None else (image, scale)
+        jpeg = jpeg_scale(size, resize_dims)
+        guess = jpeg if path.lower().endswith((".jpg", ".jpeg")) else 1
+        for scale in dict.fromkeys((guess, jpeg, 1)):
+            image = self._decoded.load(path, scale, scaled_shape(size, scale))
+            if image is not None:
+                return image, scale
+        return None
 
     def bev_targets(self, index: int, bev: Optional[BevAugmentation] = None) -> np.ndarray:
         """K x nx x ny float32 targets of sample `index`, in the frame moved by the BEV augmentation `bev`."""
