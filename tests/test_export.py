@@ -230,3 +230,17 @@ def test_export_model_leaves_the_callers_model_in_place(checkpoint, tmp_path):
     export_model(model, tmp_path / "m.onnx", cfg, rig_inputs=True, upsample_mode="align_corners")
     assert all(isinstance(m, UpsampleBilinear) for m in [model.bev.up2[0], model.bev.up1.upsample])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_export_reads_the_checkpoint_file_once(checkpoint, tmp_path, monkeypatch):
+    cfg, ckpt = checkpoint
+    reads = []
+    real_load = torch.load
+
+    def counting_load(f, *args, **kwargs):
+        reads.append(str(f))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    export_checkpoint(cfg, ckpt, tmp_path / "m.onnx")
+    assert reads.count(str(ckpt)) == 1

@@ -200,10 +200,10 @@ def limit_native_threads() -> None:
 
 
 def load_for_inference(cfg: Config, ckpt: Union[str, Path], device: Optional[torch.device] = None,
-                       model_fn: ModelFn = build_model) -> tuple[nn.Module, dict]:
+                       model_fn: ModelFn = build_model, state: Optional[dict] = None) -> tuple[nn.Module, dict]:
     """The model of `cfg` with the weights of checkpoint `ckpt`, on `device` (default: select_device) in eval mode,
-    and the checkpoint's state (step, config, ...)."""
-    state = load_checkpoint(ckpt)
+    and the checkpoint's state (step, config, ...); `state`: the file already read by load_checkpoint."""
+    state = load_checkpoint(ckpt) if state is None else state
     device = device or select_device(cfg)
     model = model_fn(cfg)
     load_model_state(model, state, ckpt)

@@ -120,14 +120,16 @@ def pad_batch(batch: dict, size: int) -> dict:
     return {k: pad(v) for k, v in batch.items()}
 
 
-def load_checkpoint_model(cfg: Config, path: Path, device: torch.device) -> tuple[nn.Module, dict]:
+def load_checkpoint_model(cfg: Config, path: Path, device: torch.device,
+                          state: Optional[dict] = None) -> tuple[nn.Module, dict]:
     """load_for_inference, refusing a checkpoint trained with another grid, input size, classes or heads (a
-    CheckpointError naming the key and both values, also where the weights would not fit)."""
+    CheckpointError naming the key and both values, also where the weights would not fit); `state`: the file already
+    read by load_checkpoint."""
     try:
-        model, state = load_for_inference(cfg, path, device)
+        model, state = load_for_inference(cfg, path, device, state=state)
     except CheckpointError:
-        if path.is_file():
-            check_config_fits(load_checkpoint(path), cfg, path)  # the clearer reason, when it is one
+        if path.is_file():  # the clearer reason, when it is one
+            check_config_fits(load_checkpoint(path) if state is None else state, cfg, path)
         raise
     check_config_fits(state, cfg, path)
     return model, state

@@ -142,10 +142,11 @@ def export_checkpoint(cfg: Config, ckpt: Union[str, Path], out: Union[str, Path]
 
     check_options(opset, splat, rig_inputs, resize_mode)
     path = Path(ckpt)
-    trained = trained_upsample_mode(load_checkpoint(path), cfg)
+    state = load_checkpoint(path)
+    trained = trained_upsample_mode(state, cfg)
     cfg = copy.deepcopy(cfg)
     cfg.model.upsample_mode = trained  # the network as it was trained; the Resize mode may differ (resize_mode)
-    model, _ = load_checkpoint_model(cfg, path, torch.device("cpu"))
+    model, _ = load_checkpoint_model(cfg, path, torch.device("cpu"), state=state)
     rig = None
     if not rig_inputs:
         rig = read_rig(rig_file, len(cfg.data.cameras)) if rig_file else dataset_rig(cfg, rig_sample)
