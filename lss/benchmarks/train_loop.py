@@ -227,7 +227,7 @@ def step_impl(cfg, device: torch.device) -> str:
     from lss.engine.graph_step import decide_cuda_graph
 
     t = cfg.train
-    if decide_cuda_graph(cfg, device, distributed=False)[0]:
+    if device.type == "cuda" and decide_cuda_graph(cfg, device, distributed=False)[0]:
         if not t.compile:
             return "lss_cuda_graph"
         return "lss_cuda_graph_compiled_budget" if t.compile_memory_budget < 1 else "lss_cuda_graph_compiled"
