@@ -453,3 +453,18 @@ print("clean")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr[-2000:]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("overrides, cpu, cuda", [
+    (["train.cuda_graph=true"], "lss", "lss_cuda_graph"),
+    (["train.cuda_graph=auto"], "lss", "lss_cuda_graph"),
+    (["train.cuda_graph=auto", "train.grad_accum=2"], "lss", "lss"),  # auto: eager where the graph cannot serve
+    (["train.cuda_graph=auto", "train.compile=true"], "lss", "lss_cuda_graph_compiled"),
+    (["train.cuda_graph=false", "train.compile=true"], "lss", "lss_compiled"),
+    (["train.cuda_graph=false", "train.amp=none"], "lss_fp32", "lss_fp32"),
+])
+def test_step_alone_runs_the_step_the_config_trains_with(overrides, cpu, cuda):
+    from lss.benchmarks.train_loop import step_impl
+
+    cfg = load_config("configs/synthetic.yaml", overrides)
+    assert (step_impl(cfg, torch.device("cpu")), step_impl(cfg, torch.device("cuda"))) == (cpu, cuda)
