@@ -125,16 +125,13 @@ class TrainConfig:
     grad_accum: int = 1
     amp: Literal["bf16", "fp16", "none"] = "bf16"  # autocast applies on CUDA only
     # channels_last memory format for the convolutions: true (whole model), "camera" (camera encoder), "bev" (BEV
-    # encoder and heads) or false. On an H100 the captured step of configs/synthetic.yaml takes 13.4 ms with true,
-    # 19.3 ms with "bev" and 20.7 ms with false, but cuDNN's first channels-last camera step costs 11-17 s more
-    # (docs/benchmarks.md, training loop)
+    # encoder and heads) or false; step time and first-step cost of each: docs/benchmarks.md, training loop
     channels_last: Union[bool, Literal["camera", "bev"]] = False
     compile: bool = False
     # torch.compile mode; "reduce-overhead" replays CUDA graphs
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     compile_memory_budget: float = 1.0  # with compile: < 1 recomputes activations in the backward (less memory)
-    # the whole step (LUT, forward, loss, backward, optimizer) as one CUDA graph: true (an error where it cannot be),
-    # "auto" (where it can: one CUDA process, cuda_graph_problems; eager steps elsewhere, saying why) or false
+    # the whole step as one CUDA graph: true (an error where it cannot be), "auto" (where it can, else eager) or false
     cuda_graph: Union[bool, Literal["auto"]] = False
     seed: int = 0
     deterministic: bool = False
@@ -317,9 +314,13 @@ def _at_least(section: Any, prefix: str, keys: typing.Sequence[str], low: float)
         _check(value >= low, f"{prefix}.{key}={value}: expected >= {low}")
 
 
+def cuda_graph_refusal(problems: list[str]) -> str:
+    """The ConfigError message of train.cuda_graph: true where `problems` hold (cuda_graph_problems, the device's)."""
+    return f"train.cuda_graph: true cannot be used here: {'; '.join(problems)}. Set train.cuda_graph: false (or auto)"
+
+
 def cuda_graph_problems(cfg: Config) -> list[str]:
-    """Why the config's training step cannot be captured as one CUDA graph (train.cuda_graph); empty when it can. The
-    device and the process layout are checked where they are known (lss.engine.graph_step.decide_cuda_graph)."""
+    """Why the config's step cannot be one CUDA graph (train.cuda_graph); device rules: graph_step.decide_cuda_graph."""
     t, problems = cfg.train, []
     if t.grad_accum != 1:
         problems.append(f"it needs train.grad_accum: 1 (got {t.grad_accum})")
@@ -422,8 +423,7 @@ def validate(cfg: Config) -> Config:
     _at_least(t, "train", ("log_every", "eval_every", "ckpt_every", "viz_every"), 0)
     if t.cuda_graph is True:
         problems = cuda_graph_problems(cfg)
-        _check(not problems, "train.cuda_graph: true cannot be used here: " + "; ".join(problems) +
-               ". Set train.cuda_graph: false (or auto: captured where it can be)")
+        _check(not problems, cuda_graph_refusal(problems))
 
     e = cfg.eval
     for threshold in (e.threshold, *e.sweep):

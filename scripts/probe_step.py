@@ -17,7 +17,7 @@ T0 = time.perf_counter()
 
 import torch  # noqa: E402
 
-from lss.benchmarks.train_step import random_batches  # noqa: E402
+from lss.benchmarks.train_step import make_train_step, random_batches  # noqa: E402
 from lss.config import load_config  # noqa: E402
 from lss.engine.build import apply_channels_last, build_optimizer, compile_encoders  # noqa: E402
 from lss.engine.graph_step import GraphedTrainStep  # noqa: E402
@@ -40,13 +40,11 @@ def main() -> None:
 
         build.fast_start_compiler = lambda start_workers: []
     imports_s = time.perf_counter() - T0
-    layout = {"false": False, "true": True}.get(a.layout, a.layout)
-    layout_setting = "true" if a.layout == "hybrid" else a.layout
-    cfg = load_config("configs/synthetic.yaml", [f"train.channels_last={layout_setting}", *a.set])
+    hybrid = a.layout == "hybrid"
+    cfg = load_config("configs/synthetic.yaml", [f"train.channels_last={'true' if hybrid else a.layout}", *a.set])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    hybrid = layout == "hybrid"
-    model = apply_channels_last(LiftSplatShoot(cfg).to(device), True if hybrid else layout)
+    model = apply_channels_last(LiftSplatShoot(cfg).to(device), cfg.train.channels_last)
     if hybrid:  # channels-last everywhere but the depthwise convolutions (NCHW in and out of them)
         n_dw = 0
         for m in model.modules():
@@ -96,21 +94,14 @@ def main() -> None:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        optimizer2 = build_optimizer(cfg, model)
-
-        def eager_step(b):
-            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-                out = model(b)
-            loss_fn(out, b)["loss"].backward()
-            optimizer2.step()
-            optimizer2.zero_grad(set_to_none=True)
-
+        eager_step, _ = make_train_step(cfg, model, loss_fn, lambda: torch.autocast("cuda", dtype=torch.bfloat16),
+                                        batches)
         for _ in range(3):
-            eager_step(batches[0])
+            eager_step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                eager_step(batches[0])
+                eager_step()
             torch.cuda.synchronize()
         row["kernels"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
     print(json.dumps(row), flush=True)

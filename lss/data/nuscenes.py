@@ -381,8 +381,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
         if self._decoded is None:
             return None
         jpeg = jpeg_scale(size, resize_dims)
-        guess = jpeg if path.lower().endswith((".jpg", ".jpeg")) else 1
-        for scale in dict.fromkeys((guess, jpeg, 1)):
+        scales = (jpeg, 1) if path.lower().endswith((".jpg", ".jpeg")) else (1, jpeg)
+        for scale in dict.fromkeys(scales):
             image = self._decoded.load(path, scale, scaled_shape(size, scale))
             if image is not None:
                 return image, scale

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lss.config import Config, ConfigError, cuda_graph_problems
+from lss.config import Config, ConfigError, cuda_graph_problems, cuda_graph_refusal
 
 
 def decide_cuda_graph(cfg: Config, device: torch.device, distributed: bool) -> tuple[bool, list[str]]:
@@ -39,8 +39,7 @@ def decide_cuda_graph(cfg: Config, device: torch.device, distributed: bool) -> t
     if distributed:
         problems.append("it runs in one process only (use train.compile_mode: reduce-overhead with torchrun)")
     if setting is True and problems:
-        raise ConfigError("train.cuda_graph: true cannot be used here: " + "; ".join(problems) +
-                          ". Set train.cuda_graph: false (or auto: captured where it can be)")
+        raise ConfigError(cuda_graph_refusal(problems))
     return not problems, problems
 
 

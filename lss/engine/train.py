@@ -401,7 +401,7 @@ def step_mode(trainer: Trainer) -> str:
     """How the trainer runs its steps, for the run's first line (train.cuda_graph)."""
     if trainer.graph_step is not None:
         return "each step one CUDA graph replay"
-    if trainer.eager_because and trainer.cfg.train.cuda_graph == "auto":
+    if trainer.eager_because:  # only auto falls back (true raises instead)
         return "eager steps (train.cuda_graph: auto: " + "; ".join(trainer.eager_because) + ")"
     return "eager steps"
 
