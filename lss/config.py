@@ -1,8 +1,7 @@
 """Typed configuration: dataclass defaults (the LSS paper recipe), overridden by YAML, then by `--set` pairs.
 
 Unknown keys, wrong types and values outside a `Literal[...]` are errors that name the key, where it came from and
-what is allowed; `validate` then checks ranges and cross-field rules, so a loaded config is one the code can run
-(only what depends on the device or the data on disk is checked where that is known).
+what is allowed; `validate` then checks ranges and cross-field rules (of the device or the data where known).
 """
 from __future__ import annotations
 
@@ -127,9 +126,10 @@ class TrainConfig:
     # channels_last memory format for the convolutions: true (whole model), "camera" (camera encoder), "bev" (BEV
     # encoder and heads) or false; step time and first-step cost of each: docs/benchmarks.md, training loop
     channels_last: Union[bool, Literal["camera", "bev"]] = False
-    compile: bool = False
-    # torch.compile mode; "reduce-overhead" replays CUDA graphs
+    compile: bool = False  # torch.compile; compile_mode "reduce-overhead" replays CUDA graphs per module
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    # "background": uncompiled steps until a child process has compiled the model; "auto": that on one CUDA process
+    compile_start: Literal["auto", "now", "background"] = "auto"
     compile_memory_budget: float = 1.0  # with compile: < 1 recomputes activations in the backward (less memory)
     # the whole step as one CUDA graph: true (an error where it cannot be), "auto" (where it can, else eager) or false
     cuda_graph: Union[bool, Literal["auto"]] = False

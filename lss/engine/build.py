@@ -285,6 +285,20 @@ def fast_start_compiler(start_workers: bool) -> list[str]:
     return applied
 
 
+@contextlib.contextmanager
+def uncompiled(model: nn.Module) -> Iterator[None]:
+    """Inside, the submodules that compile_encoders compiled run their eager code: evaluation and pictures use other
+    shapes and modes than the training step (each would be a compilation of its own, for a second of work)."""
+    compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, call in compiled:
+            module._compiled_call_impl = call
+
+
 def compile_encoders(model: nn.Module, mode: str = "default", memory_budget: float = 1.0) -> None:
     """torch.compile every trainable submodule (camera and BEV encoders, heads) in place; the LUT build stays eager.
     "reduce-overhead" replays them as CUDA graphs, which removes the host cost of launching their kernels one by

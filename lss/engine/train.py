@@ -24,7 +24,8 @@ from lss.engine.build import (DatasetFn, ModelFn, apply_channels_last, autocast_
                               build_dataset, build_eval_loader, build_loader, build_model, build_optimizer,
                               build_scheduler, compile_encoders, device_type, ensure_dataset, lr_factor,
                               preserved_rng, rng_state, seed_everything, select_device, set_rng_state, StreamSampler,
-                              to_device)
+                              to_device, uncompiled)
+from lss.engine import background_compile
 from lss.engine.distributed import DistInfo, EpochSampler, init_distributed, shutdown
 from lss.engine.eval import EvalPasses, evaluate
 from lss.engine.graph_step import GraphedTrainStep, decide_cuda_graph
@@ -48,7 +49,9 @@ class Trainer:
     """Holds the model, optimizer and data stream; `run_step` does one optimizer step, hooks do the rest."""
 
     def __init__(self, cfg: Config, model: nn.Module, train_set: Dataset, val_set: Optional[Dataset],
-                 out_dir: Path, device: torch.device, dist_info: DistInfo, collate_fn: Callable = collate):
+                 out_dir: Path, device: torch.device, dist_info: DistInfo, collate_fn: Callable = collate,
+                 model_fn: Optional[ModelFn] = None):
+        """`model_fn`, the function that built `model`, lets train.compile_start compile in the background."""
         self.cfg, self.out_dir, self.device, self.dist = cfg, out_dir, device, dist_info
         t = cfg.train
         self.model = model.to(device)
@@ -59,13 +62,12 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg, device)
         self.autocast = build_autocast(cfg, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        if t.compile:
+        self.model_fn, self.background = model_fn, None  # background: the compiling child (compile_start)
+        self.compile_later = model_fn is not None and background_compile.wanted(cfg, device, dist_info.enabled)
+        if t.compile and not self.compile_later:
             compile_encoders(self.model, t.compile_mode, t.compile_memory_budget)
-        self.graph_step: Optional[GraphedTrainStep] = None
         captured, self.eager_because = decide_cuda_graph(cfg, device, dist_info.enabled)
-        if captured:
-            self.graph_step = GraphedTrainStep(self.model, self.loss_fn, self.optimizer, self.amp_dtype,
-                                               cfg.optim.grad_clip, check_batch=self._check_batch)
+        self.graph_step = self.new_graph_step() if captured else None
         self.net = self.model
         if dist_info.enabled:
             ids = [device.index] if device.type == "cuda" else None
@@ -120,6 +122,10 @@ class Trainer:
                 yield batch
 
         return stream()
+
+    def new_graph_step(self) -> GraphedTrainStep:
+        return GraphedTrainStep(self.model, self.loss_fn, self.optimizer, self.amp_dtype, self.cfg.optim.grad_clip,
+                                check_batch=self._check_batch)
 
     def _check_batch(self, batch: dict) -> None:
         """Host-side checks of a batch for the captured step (which cannot sync inside)."""
@@ -191,6 +197,7 @@ class Trainer:
         joined with a 5 s timeout (pytorch/pytorch#81794): minutes for 2 x 12 workers after the run is done. Waits
         for the checkpoint writes in flight (a failed one is reported on stderr: another error is on its way)."""
         self.finish_checkpoints(report_only=True)
+        background_compile.stop(self)
         iterators = [getattr(self, "_train_iter", None), getattr(self.val_loader, "_iterator", None)]
         for iterator in iterators:
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):  # single-process ones have none
@@ -248,6 +255,8 @@ class Trainer:
                 self._fetch_s += time.perf_counter() - start
                 if first:
                     self.mark("first_batch")
+                if self.compile_later:
+                    background_compile.start(self, micro_batches[0])
                 logs = self.run_step(micro_batches)
                 if first:
                     if self.device.type == "cuda":
@@ -265,6 +274,8 @@ class Trainer:
                     bar.set_postfix(epoch=self.epoch, loss=f"{logs['loss']:.4f}")
                 for hook in self.hooks:
                     hook.after_step(self, logs)
+                if self.background is not None and self.background.poll() is not None:
+                    background_compile.switch(self)
             self.check_last_step()
         finally:
             bar.close()
@@ -358,7 +369,7 @@ def evaluation(trainer: Trainer) -> Callable[[], dict]:
     "timing")."""
     def run() -> dict:
         timing: dict = {}
-        with preserved_rng():
+        with preserved_rng(), uncompiled(trainer.model):
             result = evaluate(trainer.model, trainer.val_loader, trainer.cfg, trainer.device, trainer.autocast,
                               show_progress=trainer.dist.is_main, timing=timing, batches=trainer.val_passes.take())
         return {**result, "timing": timing}
@@ -377,7 +388,7 @@ def bev_pictures(trainer: Trainer, render_fn: RenderFn) -> Callable[[], np.ndarr
             if batch is None:
                 batch = to_device(trainer.val_passes.first_batch(), trainer.device)
             trainer.model.eval()
-            with torch.no_grad(), trainer.autocast():
+            with torch.no_grad(), trainer.autocast(), uncompiled(trainer.model):
                 logits = trainer.model(batch)["segmentation"].float()
         return render_fn(logits.sigmoid().cpu(), batch["targets"].cpu(), trainer.cfg.data.classes)
 
@@ -398,12 +409,13 @@ def default_hooks(trainer: Trainer, writer: Optional[MetricsWriter], started: fl
 
 
 def step_mode(trainer: Trainer) -> str:
-    """How the trainer runs its steps, for the run's first line (train.cuda_graph)."""
-    if trainer.graph_step is not None:
-        return "each step one CUDA graph replay"
-    if trainer.eager_because:  # only auto falls back (true raises instead)
-        return "eager steps (train.cuda_graph: auto: " + "; ".join(trainer.eager_because) + ")"
-    return "eager steps"
+    """How the trainer runs its steps, for the run's first line (train.cuda_graph, train.compile_start)."""
+    mode = "each step one CUDA graph replay" if trainer.graph_step is not None else "eager steps"
+    if trainer.graph_step is None and trainer.eager_because:  # only auto falls back (true raises instead)
+        mode += " (train.cuda_graph: auto: " + "; ".join(trainer.eager_because) + ")"
+    if trainer.compile_later:
+        mode += ", uncompiled until a background process has compiled the model (train.compile_start)"
+    return mode
 
 
 def interrupted_message(trainer: Trainer) -> str:
@@ -446,7 +458,7 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
         datasets_done = time.perf_counter() - started
         model = model_fn(cfg)
         model_done = time.perf_counter() - started
-        trainer = Trainer(cfg, model, train_set, val_set, run_dir, device, dist_info, collate_fn)
+        trainer = Trainer(cfg, model, train_set, val_set, run_dir, device, dist_info, collate_fn, model_fn)
         trainer.started = started
         trainer.phases.update(datasets=round(datasets_done, 3), model=round(model_done, 3))
         trainer.mark("trainer")  # the model on the device, optimizer, loaders

@@ -1,0 +1,146 @@
+"""train.compile_start: the run trains uncompiled steps while a child process compiles the same model, then compiles
+its own modules from the compiler caches that the child filled and goes on compiled; a failed or unfinished child
+leaves the run uncompiled. On the CPU (Inductor's C++ kernels), as CI runs it."""
+import multiprocessing
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lss.config import ConfigError
+from lss.data import collate
+from lss.engine import background_compile
+from lss.engine.build import uncompiled
+from lss.engine.hooks import Hook
+from lss.engine.train import train
+from test_engine import FakeBEVDataset, FakeModel, fake_cfg, losses_of
+
+
+class FailsInChild(FakeModel):
+    """A model function that works in the run's process and raises in the compile process."""
+
+    def __init__(self, cfg=None):
+        if multiprocessing.parent_process() is not None:
+            raise RuntimeError("no model in this process")
+        super().__init__(cfg)
+
+
+class Watch(Hook):
+    """Records after every step whether the model's conv runs compiled; after step 1 waits for the compile process
+    (so the switch comes at a known step)."""
+
+    def __init__(self, wait: bool = True):
+        self.wait, self.compiled, self.process, self.waited = wait, [], None, None
+
+    def after_step(self, trainer, logs):
+        self.compiled.append(trainer.model.conv._compiled_call_impl is not None)
+        if trainer.step == 1 and trainer.background is not None:
+            self.process = trainer.background.process
+            if self.wait:
+                self.waited = trainer.background.wait(300)
+
+
+def run(cfg, run_dir, model_fn=FakeModel, hooks=()):
+    return train(cfg, str(run_dir), model_fn=model_fn, collate_fn=collate, hooks=hooks,
+                 dataset_fn=lambda c, split, is_train: FakeBEVDataset(10 if is_train else 5))
+
+
+@pytest.fixture
+def fresh_compiler(tmp_path, monkeypatch):
+    """Empty compiler caches on disk (the child inherits the variable), nothing compiled in this process."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_the_run_switches_to_the_modules_the_child_compiled_into_the_caches(tmp_path, fresh_compiler, capsys):
+    watch = Watch()
+    run(fake_cfg(tmp_path, "train.compile=true", "train.compile_start=background"), tmp_path / "bg", hooks=[watch])
+    out = capsys.readouterr().out
+    assert watch.waited is not None and watch.waited[0], watch.waited
+    assert "uncompiled until a background process has compiled the model" in out
+    assert "lss: compiled steps from step 2 (the compile process compiled in" in out
+    assert watch.compiled == [False] + [True] * 5
+    # this process compiled the training step's forward and backward from the child's entries, and no evaluation
+    # or picture compiled anything (each would be a miss: other modes, other shapes)
+    assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 0
+    assert not watch.process.is_alive()
+    run(fake_cfg(tmp_path), tmp_path / "eager")
+    compiled, eager = zip(*losses_of(tmp_path / "bg")), zip(*losses_of(tmp_path / "eager"))
+    (steps, losses), (eager_steps, eager_losses) = compiled, eager
+    assert steps == eager_steps and losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
+
+
+def test_a_failed_compile_process_leaves_the_run_uncompiled(tmp_path, fresh_compiler, capsys):
+    watch = Watch()
+    run(fake_cfg(tmp_path, "train.compile=true", "train.compile_start=background"), tmp_path / "bg",
+        model_fn=FailsInChild, hooks=[watch])
+    assert watch.waited == (False, "RuntimeError: no model in this process")
+    assert ("lss: the background compilation failed (RuntimeError: no model in this process); training goes on "
+            "uncompiled") in capsys.readouterr().out
+    assert watch.compiled == [False] * 6 and counters["inductor"]["fxgraph_cache_miss"] == 0
+    run(fake_cfg(tmp_path), tmp_path / "eager")
+    assert losses_of(tmp_path / "bg") == losses_of(tmp_path / "eager")
+
+
+def test_a_run_that_ends_first_stops_the_compile_process(tmp_path, fresh_compiler, capsys):
+    watch = Watch(wait=False)
+    run(fake_cfg(tmp_path, "train.compile=true", "train.compile_start=background", "train.max_steps=2"),
+        tmp_path / "bg", hooks=[watch])
+    assert watch.compiled == [False, False] and not watch.process.is_alive()
+    assert "lss: training ended before the background compilation was done" in capsys.readouterr().err
+
+
+def test_a_model_function_that_cannot_be_sent_compiles_before_the_first_step(tmp_path, fresh_compiler, capsys):
+    watch = Watch()
+    run(fake_cfg(tmp_path, "train.compile=true", "train.compile_start=background", "train.max_steps=2"),
+        tmp_path / "bg", model_fn=lambda c: FakeModel(c), hooks=[watch])
+    assert "cannot go to a compile process" in capsys.readouterr().out
+    assert watch.compiled == [True, True] and watch.process is None
+
+
+def test_compile_start_picks_the_process_that_compiles(tmp_path):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = fake_cfg(tmp_path, "train.compile=true")
+    assert background_compile.wanted(auto, cuda, False) and not background_compile.wanted(auto, cpu, False)
+    assert not background_compile.wanted(auto, cuda, True)  # DDP: every process compiles before its first step
+    assert not background_compile.wanted(fake_cfg(tmp_path), cuda, False)  # compile off
+    assert not background_compile.wanted(fake_cfg(tmp_path, "train.compile=true", "train.compile_start=now"), cuda,
+                                         False)
+    background = fake_cfg(tmp_path, "train.compile=true", "train.compile_start=background")
+    assert background_compile.wanted(background, cpu, False)
+    with pytest.raises(ConfigError, match="train.compile_start: background needs a run of one process.*"
+                                          "set train.compile_start: now"):
+        background_compile.wanted(background, cuda, True)
+    with pytest.raises(ConfigError, match="train.compile_start"):
+        fake_cfg(tmp_path, "train.compile_start=later")
+
+
+def test_uncompiled_runs_the_eager_code_inside_and_restores_the_compiled_calls(fresh_compiler):
+    model = FakeModel()
+    model.conv.compile()
+    compiled_call = model.conv._compiled_call_impl
+    batch = {"images": torch.randn(2, 6, 3, 8, 8)}
+    with pytest.raises(KeyError), uncompiled(model):
+        assert model.conv._compiled_call_impl is None
+        model.eval()(batch)
+        raise KeyError("restored on the way out")
+    assert model.conv._compiled_call_impl is compiled_call
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0  # the eager call compiled nothing
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_step_is_captured_again_with_the_compiled_modules(tmp_path, fresh_compiler, capsys):
+    watch = Watch()
+    gpu = ("train.device=cuda", "train.cuda_graph=true", "train.amp=none")
+    run(fake_cfg(tmp_path, *gpu, "train.compile=true"), tmp_path / "bg", hooks=[watch])  # auto: background on CUDA
+    out = capsys.readouterr().out
+    assert "each step one CUDA graph replay, uncompiled until a background process has compiled the model" in out
+    assert watch.waited is not None and watch.waited[0], watch.waited
+    assert watch.compiled == [False] + [True] * 5
+    assert counters["inductor"]["fxgraph_cache_hit"] == 2 and counters["inductor"]["fxgraph_cache_miss"] == 0
+    run(fake_cfg(tmp_path, *gpu), tmp_path / "eager")
+    (steps, losses), (eager_steps, eager_losses) = zip(*losses_of(tmp_path / "bg")), zip(*losses_of(tmp_path / "eager"))
+    assert steps == eager_steps and losses == pytest.approx(eager_losses, rel=1e-4, abs=1e-6)
