@@ -39,7 +39,8 @@ def rates(records: list[dict], log_text: str = "") -> dict:
            "steps_per_s_after": round(statistics.median(after), 2) if after else None}
     if across is not None and before:
         a, b = across
-        out["switch_cost_s"] = round(b["elapsed"] - a["elapsed"] - (b["step"] - a["step"]) / out["steps_per_s_before"], 1)
+        at_eager_pace = (b["step"] - a["step"]) / out["steps_per_s_before"]
+        out["switch_cost_s"] = round(b["elapsed"] - a["elapsed"] - at_eager_pace, 1)
         out["switch_at_s"] = round(a["elapsed"], 1)
     vals = [r for r in records if r["kind"] == "val"]
     if vals:
