@@ -2,7 +2,7 @@
 # train.compile_start on the GPU machine. STAGE=check: build, the background-compile tests (CPU and CUDA) and the
 # trainer's CUDA tests, then 2,000 steps of configs/synthetic.yaml end to end with compile off. STAGE=compile: the
 # same config with train.compile: true twice, first with empty compiler caches, then with the caches of the first
-# run. Each run prints its wall time, its first step, the switch to compiled steps and its step rates.
+# run; STAGE=now: the cold run with train.compile_start: now, its peer. Each run prints its wall time, its first step, the switch to compiled steps and its step rates.
 #   device run: STAGE=check bash scripts/gpu_background_compile.sh   (carry .whl)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -45,6 +45,12 @@ case ${STAGE:-check} in
       train.ckpt_every=4000
     train_run compile_warm ${WARM_STEPS:-4000} train.compile=true train.eval_every=2000 train.viz_every=2000 \
       train.ckpt_every=2000
+    ;;
+  now)  # the peer: the same cold run compiling before its first step
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/ind-now TRITON_CACHE_DIR=/tmp/tri-now
+    rm -rf /tmp/ind-now /tmp/tri-now
+    train_run compile_now_cold ${COLD_STEPS:-12000} train.compile=true train.compile_start=now train.eval_every=4000 \
+      train.viz_every=4000 train.ckpt_every=4000
     ;;
 esac
 echo "total $((SECONDS - t0)) s"

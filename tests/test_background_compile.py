@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from lss.config import ConfigError
 from lss.data import collate
@@ -14,10 +15,28 @@ from lss.engine import background_compile
 from lss.engine.build import uncompiled
 from lss.engine.hooks import Hook
 from lss.engine.train import train
-from test_engine import FakeBEVDataset, FakeModel, fake_cfg, losses_of
+from test_engine import CLASSES, FakeBEVDataset, FakeModel, fake_cfg, losses_of
 
 
-class FailsInChild(FakeModel):
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, len(CLASSES), 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class SmallModel(FakeModel):
+    """FakeModel with its convolution in a module of this file: torch releases differ in whether they compile a
+    torch.nn module's own forward as the top frame (2.11 skips it), and the LSS model's parts are modules of ours."""
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.conv = Head()
+
+
+class FailsInChild(SmallModel):
     """A model function that works in the run's process and raises in the compile process."""
 
     def __init__(self, cfg=None):
@@ -48,7 +67,7 @@ def bg_cfg(tmp_path, *extra):
                     *extra)
 
 
-def run(cfg, run_dir, model_fn=FakeModel, hooks=()):
+def run(cfg, run_dir, model_fn=SmallModel, hooks=()):
     return train(cfg, str(run_dir), model_fn=model_fn, collate_fn=collate, hooks=hooks,
                  dataset_fn=lambda c, split, is_train: FakeBEVDataset(10 if is_train else 5))
 
@@ -109,7 +128,7 @@ def test_a_run_that_ends_first_stops_the_compile_process(tmp_path, fresh_compile
 def test_a_model_function_that_cannot_be_sent_compiles_before_the_first_step(tmp_path, fresh_compiler, capsys):
     watch = Watch()
     run(bg_cfg(tmp_path, "train.max_steps=2"),
-        tmp_path / "bg", model_fn=lambda c: FakeModel(c), hooks=[watch])
+        tmp_path / "bg", model_fn=lambda c: SmallModel(c), hooks=[watch])
     assert "cannot go to a compile process" in capsys.readouterr().out
     assert watch.compiled == [True, True] and watch.process is None
 
@@ -132,7 +151,7 @@ def test_compile_start_picks_the_process_that_compiles(tmp_path):
 
 
 def test_uncompiled_runs_the_eager_code_inside_and_restores_the_compiled_calls(fresh_compiler):
-    model = FakeModel()
+    model = SmallModel()
     model.conv.compile()
     compiled_call = model.conv._compiled_call_impl
     batch = {"images": torch.randn(2, 6, 3, 8, 8)}
