@@ -3,6 +3,7 @@ its own modules from the compiler caches that the child filled and goes on compi
 leaves the run uncompiled. On the CPU (Inductor's C++ kernels), as CI runs it."""
 import multiprocessing
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,10 @@ def cache_entries() -> set:
 
 @pytest.fixture
 def fresh_compiler(tmp_path, monkeypatch):
-    """Empty compiler caches on disk (the child inherits the variable), nothing compiled in this process."""
+    """Empty compiler caches on disk (the child inherits the variable), nothing compiled in this process; the switch
+    taken however short the rest of the run (its steps take milliseconds here)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(background_compile, "SWITCH_PAYS_AFTER_S", 0.0)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -115,6 +118,18 @@ def test_a_failed_compile_process_leaves_the_run_uncompiled(tmp_path, fresh_comp
     assert watch.compiled == [False] * 6 and not cache_entries()
     run(fake_cfg(tmp_path, "train.deterministic=false"), tmp_path / "eager")
     assert losses_of(tmp_path / "bg") == losses_of(tmp_path / "eager")
+
+
+def test_a_run_too_short_for_the_switch_stays_uncompiled_with_the_caches_filled(tmp_path, fresh_compiler, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setattr(background_compile, "SWITCH_PAYS_AFTER_S", 3600.0)
+    watch = Watch()
+    run(bg_cfg(tmp_path), tmp_path / "bg", hooks=[watch])
+    out = capsys.readouterr().out
+    assert watch.waited is not None and watch.waited[0], watch.waited
+    assert re.search(r"lss: the compile process compiled in [0-9.]+ s, but the run has about [0-9]+ s of steps left, less "
+                     r"than the 3600 s a switch to compiled steps needs to pay off: the steps stay uncompiled", out)
+    assert watch.compiled == [False] * 6 and watch.entries and cache_entries() == watch.entries
 
 
 def test_a_run_that_ends_first_stops_the_compile_process(tmp_path, fresh_compiler, capsys):

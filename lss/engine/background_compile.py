@@ -48,6 +48,12 @@ def wanted(cfg: Config, device: torch.device, distributed: bool) -> bool:
     return t.compile_start == "background" or device.type == "cuda"
 
 
+# The switch costs the run 17-20 s (this process compiles from the caches and captures its step again) and the compiled
+# step took 0.58x the time of the uncompiled one (configs/synthetic.yaml, NVIDIA H100, docs/benchmarks.md): it pays
+# back after about 45 s of uncompiled steps. Below this many seconds left, the run stays uncompiled.
+SWITCH_PAYS_AFTER_S = 60.0
+
+
 def start(trainer: Trainer, batch: dict) -> None:
     """Start the child that compiles the trainer's model on `batch`; compile here and now instead where the model
     function cannot be sent to a child."""
@@ -61,13 +67,32 @@ def start(trainer: Trainer, batch: dict) -> None:
         compile_encoders(trainer.model, trainer.cfg.train.compile_mode, trainer.cfg.train.compile_memory_budget)
 
 
+def seconds_left(trainer: Trainer) -> float:
+    """The run's remaining seconds at its pace since the first step (evaluations included); right after the first
+    step, at the pace of the first step."""
+    elapsed = time.perf_counter() - trainer.started
+    first = trainer.phases.get("first_step")
+    if trainer.step > 1 and first is not None:
+        pace = (elapsed - first) / (trainer.step - 1)
+    else:
+        pace = elapsed / max(trainer.step, 1)
+    return (trainer.cfg.train.max_steps - trainer.step) * pace
+
+
 def switch(trainer: Trainer) -> None:
     """Once the child is done: compile the trainer's modules, now from the compiler's caches, and capture its step
-    again at the next step (the old graph's memory goes with it); a failed child leaves the steps uncompiled."""
+    again at the next step (the old graph's memory goes with it), where the rest of the run is long enough to pay
+    for that (SWITCH_PAYS_AFTER_S); a failed child leaves the steps uncompiled."""
     ok, words = trainer.background.poll()
     trainer.background = None
     if not ok:
         tqdm.write(f"lss: the background compilation failed ({words}); training goes on uncompiled")
+        return
+    left = seconds_left(trainer)
+    if left < SWITCH_PAYS_AFTER_S:
+        tqdm.write(f"lss: the compile process {words}, but the run has about {left:.0f} s of steps left, less than "
+                   f"the {SWITCH_PAYS_AFTER_S:.0f} s a switch to compiled steps needs to pay off: the steps stay "
+                   "uncompiled (the compiler caches on disk now hold the model for the next run)")
         return
     trainer.check_last_step()  # reads the old graph's outputs before the graph goes
     compile_encoders(trainer.model, trainer.cfg.train.compile_mode, trainer.cfg.train.compile_memory_budget)
