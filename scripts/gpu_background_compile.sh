@@ -2,7 +2,8 @@
 # train.compile_start on the GPU machine. STAGE=check: build, the background-compile tests (CPU and CUDA) and the
 # trainer's CUDA tests, then 2,000 steps of configs/synthetic.yaml end to end with compile off. STAGE=compile: the
 # same config with train.compile: true twice, first with empty compiler caches, then with the caches of the first
-# run; STAGE=now: the cold run with train.compile_start: now, its peer. Each run prints its wall time, its first step, the switch to compiled steps and its step rates.
+# run; STAGE=now: the cold run with train.compile_start: now, its peer. Each run prints its wall time, its first
+# step, the switch to compiled steps and its step rates (scripts/run_rates.py).
 #   device run: STAGE=check bash scripts/gpu_background_compile.sh   (carry .whl)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
