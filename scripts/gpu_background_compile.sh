@@ -8,9 +8,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 t0=$SECONDS
-ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
-  || { tail -n 30 "$OUT/build.log"; exit 1; }
-echo "build $((SECONDS - t0)) s"
+build_ops || exit 1
 if [ ! -d data/synthetic ]; then
   t1=$SECONDS
   python3 -m lss make-synthetic data/synthetic --scenes 10 --samples-per-scene 40 --workers 16 > /dev/null 2>&1

@@ -9,3 +9,9 @@ if [ -d .whl ] && [ ! -d /tmp/lss-site ]; then
 fi
 [ -d /tmp/lss-site ] && export PYTHONPATH=/tmp/lss-site
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+build_ops() {  # the in-place build of lss._C unless it is there; prints its seconds, the log in $OUT/build.log
+  local t0=$SECONDS
+  ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
+    || { tail -n 30 "$OUT/build.log"; return 1; }
+  echo "build $((SECONDS - t0)) s"
+}

@@ -4,9 +4,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 t0=$SECONDS
-ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
-  || { tail -n 30 "$OUT/build.log"; exit 1; }
-echo "build $((SECONDS - t0)) s"
+build_ops || exit 1
 for layout in ${LAYOUTS:-bev false true hybrid}; do
   extra=""; [ $layout = bev ] && extra=--profile
   timeout 120 python3 scripts/probe_step.py --layout $layout $extra > "$OUT/probe_$layout.log" 2>&1

@@ -1,23 +1,23 @@
 """`train.compile_start: background`: train uncompiled steps at once while a child process compiles the same model.
 
-Compiling configs/synthetic.yaml's model costs 115-139 s on a first run, almost all of it Inductor's own Python work
-on one core (docs/benchmarks.md); a run that compiles first trains nothing meanwhile. Here the run's first batch goes
-to a child process that builds the same model and optimizer, compiles them as the trainer does and runs one
+Compiling configs/synthetic.yaml's model costs 72-139 s on a first run on an H100, almost all of it Inductor's own
+Python work on one core (docs/benchmarks.md); a run that compiles first trains nothing meanwhile. Here the run's first
+batch goes to a child process that builds the same model and optimizer, compiles them as the trainer does and runs one
 training step on that batch. That fills torch's compiler caches on disk (Inductor's FX graph cache, the AOTAutograd
 cache, the Triton kernels), which both processes share. When the child reports success the trainer compiles its own
-modules, now from those caches (Trainer.switch_to_compiled), and captures its step again. The compiled kernels
-compute the same step in another order, so the losses after the switch differ from an uncompiled run's in the
-last bits.
+modules, now from those caches (`switch`), and captures its step again. The compiled kernels compute the same step
+in another order, so the losses after the switch differ from an uncompiled run's in the last bits.
 
-The child runs no code of the trainer's loop: it needs the model function, the config and one batch, all passed by
-pickle to a spawned interpreter (a model function must therefore be importable, as build_model is). A failed child
-leaves the run uncompiled, with a message; a run that ends first stops the child.
+The functions here take the trainer (lss.engine.train.Trainer), as hooks do. The child runs no code of the trainer's
+loop: it needs the model function, the config and one batch, all passed by pickle to a spawned interpreter (a model
+function must therefore be importable, as build_model is). A failed child leaves the run uncompiled, with a message;
+a run that ends first stops the child.
 """
 from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -27,9 +27,6 @@ from lss.engine.build import (ModelFn, apply_channels_last, autocast_dtype, buil
                               compile_encoders, seed_everything)
 from lss.engine.graph_step import GraphedTrainStep
 from lss.engine.losses import TotalLoss
-
-if TYPE_CHECKING:
-    from lss.engine.train import Trainer
 
 
 def wanted(cfg: Config, device: torch.device, distributed: bool) -> bool:
@@ -54,7 +51,7 @@ def wanted(cfg: Config, device: torch.device, distributed: bool) -> bool:
 SWITCH_PAYS_AFTER_S = 60.0
 
 
-def start(trainer: Trainer, batch: dict) -> None:
+def start(trainer, batch: dict) -> None:
     """Start the child that compiles the trainer's model on `batch`; compile here and now instead where the model
     function cannot be sent to a child."""
     trainer.compile_later = False
@@ -67,7 +64,7 @@ def start(trainer: Trainer, batch: dict) -> None:
         compile_encoders(trainer.model, trainer.cfg.train.compile_mode, trainer.cfg.train.compile_memory_budget)
 
 
-def seconds_left(trainer: Trainer) -> float:
+def seconds_left(trainer) -> float:
     """The run's remaining seconds at its pace since the first step (evaluations included); right after the first
     step, at the pace of the first step."""
     elapsed = time.perf_counter() - trainer.started
@@ -79,7 +76,7 @@ def seconds_left(trainer: Trainer) -> float:
     return (trainer.cfg.train.max_steps - trainer.step) * pace
 
 
-def switch(trainer: Trainer) -> None:
+def switch(trainer) -> None:
     """Once the child is done: compile the trainer's modules, now from the compiler's caches, and capture its step
     again at the next step (the old graph's memory goes with it), where the rest of the run is long enough to pay
     for that (SWITCH_PAYS_AFTER_S); a failed child leaves the steps uncompiled."""
@@ -102,7 +99,7 @@ def switch(trainer: Trainer) -> None:
     tqdm.write(f"lss: compiled steps from step {trainer.step + 1} (the compile process {words})")
 
 
-def stop(trainer: Trainer) -> None:
+def stop(trainer) -> None:
     """At the end of training: stop a child that is still compiling."""
     if trainer.background is not None:
         ran = trainer.background.stop()
