@@ -1,7 +1,7 @@
 """Train in one resize mode, deploy in another: validation IoU of the exported model in onnxruntime for every
 (training mode, deployment mode) pair, on the synthetic set (docs/export.md, "Training in the deployment's mode").
 
-    python scripts/deploy_modes.py --out runs/deploy_modes                       # demo config, 600 steps per mode
+    python scripts/deploy_modes.py --out runs/deploy_modes                       # demo config, its max_steps per mode
     python scripts/deploy_modes.py --out runs/deploy_modes --steps 200 --set train.device=cpu
 
 For each training mode it trains `--config` with model.upsample_mode set to it (or reuses RUN/checkpoints/last.pt),
