@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from lss.config import Config
+from lss.config import Config, ConfigError
 from lss.engine.build import (ModelFn, apply_channels_last, autocast_dtype, build_autocast, build_optimizer,
                               compile_encoders, seed_everything)
 from lss.engine.graph_step import GraphedTrainStep
@@ -37,8 +37,6 @@ def wanted(cfg: Config, device: torch.device, distributed: bool) -> bool:
         return False
     if distributed:
         if t.compile_start == "background":
-            from lss.config import ConfigError
-
             raise ConfigError("train.compile_start: background needs a run of one process (every DDP process would "
                               "have to switch at the same step); set train.compile_start: now (or auto) with torchrun")
         return False
@@ -61,7 +59,7 @@ def start(trainer, batch: dict) -> None:
     except Exception as e:  # noqa: BLE001 - pickling errors differ by object: a lambda, a local function...
         tqdm.write(f"lss: the model function cannot go to a compile process ({type(e).__name__}: {e}); compiling "
                    "before the first step instead")
-        compile_encoders(trainer.model, trainer.cfg.train.compile_mode, trainer.cfg.train.compile_memory_budget)
+        trainer.compile()
 
 
 def seconds_left(trainer) -> float:
@@ -92,7 +90,7 @@ def switch(trainer) -> None:
                    "uncompiled (the compiler caches on disk now hold the model for the next run)")
         return
     trainer.check_last_step()  # reads the old graph's outputs before the graph goes
-    compile_encoders(trainer.model, trainer.cfg.train.compile_mode, trainer.cfg.train.compile_memory_budget)
+    trainer.compile()
     if trainer.graph_step is not None:
         trainer.graph_step = trainer.new_graph_step()
     trainer.mark("compiled")

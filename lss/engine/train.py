@@ -65,7 +65,7 @@ class Trainer:
         self.model_fn, self.background = model_fn, None  # background: the compiling child (compile_start)
         self.compile_later = model_fn is not None and background_compile.wanted(cfg, device, dist_info.enabled)
         if t.compile and not self.compile_later:
-            compile_encoders(self.model, t.compile_mode, t.compile_memory_budget)
+            self.compile()
         captured, self.eager_because = decide_cuda_graph(cfg, device, dist_info.enabled)
         self.graph_step = self.new_graph_step() if captured else None
         self.net = self.model
@@ -122,6 +122,10 @@ class Trainer:
                 yield batch
 
         return stream()
+
+    def compile(self) -> None:
+        """Compile the model's trainable parts in place (train.compile_mode, train.compile_memory_budget)."""
+        compile_encoders(self.model, self.cfg.train.compile_mode, self.cfg.train.compile_memory_budget)
 
     def new_graph_step(self) -> GraphedTrainStep:
         return GraphedTrainStep(self.model, self.loss_fn, self.optimizer, self.amp_dtype, self.cfg.optim.grad_clip,
