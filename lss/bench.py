@@ -1,5 +1,6 @@
 """Benchmark harness: times ops with CUDA events (median after warm-up) against named peers in the same run and
 writes a JSON file and a markdown table. Suites live in lss/benchmarks/<name>.py and expose `run(ctx) -> rows`."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -33,7 +34,9 @@ class BenchContext:
         fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if time.perf_counter() - t0 > 0.05:  # a slow peer: a few repetitions give its median well enough
+        if (
+            time.perf_counter() - t0 > 0.05
+        ):  # a slow peer: a few repetitions give its median well enough
             warmup, reps = 2, min(reps, 3)
         for _ in range(warmup - 2):
             fn()
@@ -60,7 +63,9 @@ class BenchContext:
         without its Python, dispatch and launch overhead. Raises RuntimeError when `fn` cannot be captured."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph requires
+        with torch.cuda.stream(
+            side
+        ):  # warm-up off the capture stream, as torch.cuda.graph requires
             for _ in range(warmup):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
@@ -83,8 +88,11 @@ def kernel_table(step: Callable[[], object], iters: int) -> list[tuple[float, fl
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    rows = [(ev.device_time_total / iters, ev.count / iters, ev.key) for ev in prof.key_averages()
-            if ev.device_time_total > 0]
+    rows = [
+        (ev.device_time_total / iters, ev.count / iters, ev.key)
+        for ev in prof.key_averages()
+        if ev.device_time_total > 0
+    ]
     return sorted(rows, reverse=True)
 
 
@@ -124,8 +132,10 @@ def device_meta(device: torch.device) -> dict:
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
-    head = (f"Device: {meta['device']}; torch {meta['torch']} (CUDA {meta['cuda']}); date {meta['date']}; "
-            f"measured copy bandwidth {meta.get('bandwidth_GBps', 0):.0f} GB/s.\n\n")
+    head = (
+        f"Device: {meta['device']}; torch {meta['torch']} (CUDA {meta['cuda']}); date {meta['date']}; "
+        f"measured copy bandwidth {meta.get('bandwidth_GBps', 0):.0f} GB/s.\n\n"
+    )
     cols = ["suite", "case", "impl", "ms", "vs_ours", "floor_ms", "notes"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -147,13 +157,19 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def run(suites: Optional[list[str]] = None, device: Optional[str] = None, out_dir: Optional[str] = None,
-        quick: bool = False) -> list[dict]:
+def run(
+    suites: Optional[list[str]] = None,
+    device: Optional[str] = None,
+    out_dir: Optional[str] = None,
+    quick: bool = False,
+) -> list[dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = suites or available_suites()
     unknown = sorted(set(names) - set(available_suites(opt_in=True)))
     if unknown:
-        raise SystemExit(f"unknown benchmark suite(s) {unknown}; available: {available_suites(opt_in=True)}")
+        raise SystemExit(
+            f"unknown benchmark suite(s) {unknown}; available: {available_suites(opt_in=True)}"
+        )
     ctx = BenchContext(dev, quick=quick, bandwidth=measure_bandwidth(dev))
     ctx.meta = device_meta(dev)
     ctx.meta["bandwidth_GBps"] = ctx.bandwidth / 1e9

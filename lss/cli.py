@@ -1,4 +1,5 @@
 """The `lss` command line: train / eval / viz / demo / bench / export / make-synthetic / config / env."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,14 @@ import sys
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--config", required=required, help="YAML file (see configs/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable), e.g. --set train.max_steps=100")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set train.max_steps=100",
+    )
 
 
 def _load(args):
@@ -22,9 +29,13 @@ def _image_size(text: str) -> tuple[int, int]:
     try:
         w, h = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--image-size {text!r}: expected WIDTHxHEIGHT, e.g. 1600x900") from None
+        raise argparse.ArgumentTypeError(
+            f"--image-size {text!r}: expected WIDTHxHEIGHT, e.g. 1600x900"
+        ) from None
     if w <= 0 or h <= 0:
-        raise argparse.ArgumentTypeError(f"--image-size {text!r}: width and height must be positive")
+        raise argparse.ArgumentTypeError(
+            f"--image-size {text!r}: width and height must be positive"
+        )
     return w, h
 
 
@@ -57,7 +68,11 @@ def cmd_env(args) -> int:
     nvcc = shutil.which("nvcc")
     nvcc_version = "not found"
     if nvcc:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        out = (
+            subprocess.run([nvcc, "--version"], capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()
+        )
         nvcc_version = out[-1] if out else "unknown"
     rows = [
         ("lss", version("lss")),
@@ -69,7 +84,11 @@ def cmd_env(args) -> int:
         ("nvcc", nvcc_version),
         ("lss._C", "loaded" if _ext.has_ext() else f"missing ({_ext.load_error()})"),
         ("lss CUDA kernels", f"yes, archs {_ext.cuda_archs()}" if _ext.has_cuda_ops() else "no"),
-        ("GPU", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none"),
+        (
+            "GPU",
+            ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+            or "none",
+        ),
         ("nuscenes-devkit", version("nuscenes-devkit")),
         ("efficientnet-pytorch", version("efficientnet-pytorch")),
         ("numpy", version("numpy")),
@@ -90,21 +109,39 @@ def cmd_config_show(args) -> int:
 def cmd_make_synthetic(args) -> int:
     from lss.data.synthetic import generate
 
-    generate(args.out_dir, version=args.version, scenes=args.scenes, samples_per_scene=args.samples_per_scene,
-             image_size=args.image_size, seed=args.seed, workers=args.workers, force=args.force)
+    generate(
+        args.out_dir,
+        version=args.version,
+        scenes=args.scenes,
+        samples_per_scene=args.samples_per_scene,
+        image_size=args.image_size,
+        seed=args.seed,
+        workers=args.workers,
+        force=args.force,
+    )
     return 0
 
 
 def cmd_train(args) -> int:
     cfg = _load(args)
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # one per machine under torchrun (the other ranks build their own)
+    if (
+        os.environ.get("LOCAL_RANK", "0") == "0"
+    ):  # one per machine under torchrun (the other ranks build their own)
         from lss.data.loader import index_splits_in_background
 
-        index_splits_in_background(cfg)  # before the trainer's imports and the model: they overlap it
+        index_splits_in_background(
+            cfg
+        )  # before the trainer's imports and the model: they overlap it
     from lss.engine.train import train
     from lss.viz import bev_grid_image
 
-    train(cfg, out_dir=args.out, resume=args.resume, overwrite=args.overwrite, render_fn=bev_grid_image)
+    train(
+        cfg,
+        out_dir=args.out,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        render_fn=bev_grid_image,
+    )
     return 0
 
 
@@ -141,24 +178,38 @@ def cmd_export(args) -> int:
     from lss.export.check import check_export, format_check
 
     cfg = _load(args)
-    done = export_checkpoint(cfg, args.ckpt, args.out, rig_file=args.rig, rig_sample=args.rig_sample,
-                             rig_inputs=args.rig_inputs, splat=args.bev_pool, opset=args.opset,
-                             resize_mode=args.resize_mode)
+    done = export_checkpoint(
+        cfg,
+        args.ckpt,
+        args.out,
+        rig_file=args.rig,
+        rig_sample=args.rig_sample,
+        rig_inputs=args.rig_inputs,
+        splat=args.bev_pool,
+        opset=args.opset,
+        resize_mode=args.resize_mode,
+    )
     rig_note = "rig inputs" if done["rig_path"] is None else f"fixed rig in {done['rig_path']}"
-    print(f"wrote {done['path']} (opset {args.opset}, bev_pool {args.bev_pool}, {rig_note}, Resize mode "
-          f"{done['resize_mode']}; trained with {done['upsample_mode']})")
+    print(
+        f"wrote {done['path']} (opset {args.opset}, bev_pool {args.bev_pool}, {rig_note}, Resize mode "
+        f"{done['resize_mode']}; trained with {done['upsample_mode']})"
+    )
     if not args.check:
         return 0
     result = check_export(cfg, done["model"], done["path"], done["rig"], args.check_samples)
     print(format_check(result, done["path"]))
     if done["resize_mode"] != done["upsample_mode"]:
-        print(f"note: the graph resizes in {done['resize_mode']} mode but the model was trained in "
-              f"{done['upsample_mode']}: the differences above are what that deployment loses")
+        print(
+            f"note: the graph resizes in {done['resize_mode']} mode but the model was trained in "
+            f"{done['upsample_mode']}: the differences above are what that deployment loses"
+        )
     return 0 if result["passed"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lss", description="Lift-Splat-Shoot BEV perception trainer")
+    parser = argparse.ArgumentParser(
+        prog="lss", description="Lift-Splat-Shoot BEV perception trainer"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("env", help="print versions and build facts for a bug report")
@@ -175,36 +226,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", default="v1.0-mini", help="v1.0-mini or v1.0-trainval")
     p.add_argument("--scenes", type=int, default=10)
     p.add_argument("--samples-per-scene", type=int, default=40)
-    p.add_argument("--image-size", type=_image_size, default=(1600, 900), help="WIDTHxHEIGHT (default 1600x900)")
+    p.add_argument(
+        "--image-size",
+        type=_image_size,
+        default=(1600, 900),
+        help="WIDTHxHEIGHT (default 1600x900)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=None, help="parallel processes (default: CPU count)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="parallel processes (default: CPU count)"
+    )
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT_DIR")
     p.set_defaults(func=cmd_make_synthetic)
 
     p = sub.add_parser("train", help="train from a config")
     _add_config_args(p)
     p.add_argument("--out", default=None, help="run directory (default: train.out_dir)")
-    p.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/last.pt")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete the earlier run in RUN_DIR (metrics, checkpoints, tensorboard) and start again")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from RUN_DIR/checkpoints/last.pt"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the earlier run in RUN_DIR (metrics, checkpoints, tensorboard) and start again",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on the validation split")
     _add_config_args(p)
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--out", default=None, help="where eval.json goes (default: the checkpoint's run directory)")
+    p.add_argument(
+        "--out", default=None, help="where eval.json goes (default: the checkpoint's run directory)"
+    )
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("viz", help="render camera + BEV pictures of a checkpoint's predictions")
     _add_config_args(p)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--num", type=_sample_count, default=None, help="number of samples (default: viz.num)")
+    p.add_argument(
+        "--num", type=_sample_count, default=None, help="number of samples (default: viz.num)"
+    )
     p.set_defaults(func=cmd_viz)
 
-    p = sub.add_parser("demo", help="generate the synthetic set if missing, train, evaluate and render (CPU ok)")
+    p = sub.add_parser(
+        "demo", help="generate the synthetic set if missing, train, evaluate and render (CPU ok)"
+    )
     p.add_argument("--config", default=None, help="default: configs/synthetic_demo.yaml settings")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+    )
     p.add_argument("--out", default="runs/demo")
     p.set_defaults(func=cmd_demo)
 
@@ -212,29 +283,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", action="append", help="suite name (repeatable; default: all)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--out", default=None, help="directory for bench.json and bench.md")
-    p.add_argument("--quick", action="store_true", help="few repetitions and small cases (smoke test)")
+    p.add_argument(
+        "--quick", action="store_true", help="few repetitions and small cases (smoke test)"
+    )
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("export", help="export a checkpoint's segmentation network to ONNX (docs/export.md)")
+    p = sub.add_parser(
+        "export", help="export a checkpoint's segmentation network to ONNX (docs/export.md)"
+    )
     _add_config_args(p)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True, help="the .onnx file to write")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset, 16..20 (default 17)")
     rig = p.add_mutually_exclusive_group()
-    rig.add_argument("--fixed-rig", dest="rig_inputs", action="store_false",
-                     help="the camera rig is baked into the graph (default; written to OUT.rig.json)")
-    rig.add_argument("--rig-inputs", dest="rig_inputs", action="store_true",
-                     help="intrinsics, extrinsics and image augmentation are graph inputs")
+    rig.add_argument(
+        "--fixed-rig",
+        dest="rig_inputs",
+        action="store_false",
+        help="the camera rig is baked into the graph (default; written to OUT.rig.json)",
+    )
+    rig.add_argument(
+        "--rig-inputs",
+        dest="rig_inputs",
+        action="store_true",
+        help="intrinsics, extrinsics and image augmentation are graph inputs",
+    )
     p.set_defaults(rig_inputs=False)
-    p.add_argument("--rig", default=None, help="fixed rig: a JSON rig file (default: validation sample --rig-sample)")
-    p.add_argument("--rig-sample", type=int, default=0, help="fixed rig: the validation sample whose rig to use")
-    p.add_argument("--bev-pool", default="onnx",
-                   help="onnx: standard operators (default); custom: one lss.BevPool node (needs a runtime plugin)")
-    p.add_argument("--resize-mode", default=None,
-                   help="Resize coordinate mode to write (default: the mode the checkpoint was trained with)")
-    p.add_argument("--check", action="store_true",
-                   help="compare onnxruntime with PyTorch on validation samples (logits and IoU); exit 1 if off")
-    p.add_argument("--check-samples", type=int, default=8, help="validation samples for --check (default 8)")
+    p.add_argument(
+        "--rig",
+        default=None,
+        help="fixed rig: a JSON rig file (default: validation sample --rig-sample)",
+    )
+    p.add_argument(
+        "--rig-sample",
+        type=int,
+        default=0,
+        help="fixed rig: the validation sample whose rig to use",
+    )
+    p.add_argument(
+        "--bev-pool",
+        default="onnx",
+        help="onnx: standard operators (default); custom: one lss.BevPool node (needs a runtime plugin)",
+    )
+    p.add_argument(
+        "--resize-mode",
+        default=None,
+        help="Resize coordinate mode to write (default: the mode the checkpoint was trained with)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare onnxruntime with PyTorch on validation samples (logits and IoU); exit 1 if off",
+    )
+    p.add_argument(
+        "--check-samples", type=int, default=8, help="validation samples for --check (default 8)"
+    )
     p.set_defaults(func=cmd_export)
     return parser
 

@@ -3,6 +3,7 @@
 Unknown keys, wrong types and values outside a `Literal[...]` are errors that name the key, where it came from and
 what is allowed; `validate` then checks ranges and cross-field rules (of the device or the data where known).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,18 @@ from lss.boxes import REGRESSION_CHANNELS
 from lss.geometry import NUSCENES_CAMERAS, BevGrid, depth_bins
 
 # The nuScenes detection benchmark's classes, in label order (the detection head's heatmap channels).
-DETECTION_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle",
-                     "traffic_cone", "barrier")
+DETECTION_CLASSES = (
+    "car",
+    "truck",
+    "bus",
+    "trailer",
+    "construction_vehicle",
+    "pedestrian",
+    "motorcycle",
+    "bicycle",
+    "traffic_cone",
+    "barrier",
+)
 
 
 @dataclass
@@ -44,7 +55,9 @@ class DataConfig:
     make_synthetic_if_missing: bool = False
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     cameras: tuple[Literal[NUSCENES_CAMERAS], ...] = NUSCENES_CAMERAS
-    num_train_cameras: Optional[int] = None  # random subset per training sample (LSS used 5 of 6); None = all
+    num_train_cameras: Optional[int] = (
+        None  # random subset per training sample (LSS used 5 of 6); None = all
+    )
     final_dim: tuple[int, int] = (128, 352)  # network input height, width
     resize_lim: tuple[float, float] = (0.193, 0.225)
     bot_pct_lim: tuple[float, float] = (0.0, 0.22)
@@ -90,21 +103,31 @@ class ModelConfig:
     downsample: int = 16  # the EfficientNet camera encoder's output stride: 16 only
     context_channels: int = 64
     splat: Literal["bev_pool", "reference"] = "bev_pool"  # our op, or pure PyTorch (for comparison)
-    heads: tuple[Literal["segmentation", "detection"], ...] = ("segmentation",)  # segmentation is required
+    heads: tuple[Literal["segmentation", "detection"], ...] = (
+        "segmentation",
+    )  # segmentation is required
     # coordinate mode of every bilinear upsampling in the camera and BEV decoders (lss.ops.upsample_bilinear): the
     # original LSS code used align_corners; a deployment runtime may need half_pixel or asymmetric
-    upsample_mode: Literal["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric"] = "pytorch_half_pixel"
+    upsample_mode: Literal["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric"] = (
+        "pytorch_half_pixel"
+    )
 
 
 @dataclass
 class LossConfig:
-    type: Literal["focal", "bce"] = "focal"  # our sigmoid focal loss op, or the LSS paper's BCE with pos_weight
+    type: Literal["focal", "bce"] = (
+        "focal"  # our sigmoid focal loss op, or the LSS paper's BCE with pos_weight
+    )
     focal_alpha: float = 0.25
     focal_gamma: float = 2.0
     pos_weight: float = 2.13  # BCE weight of the positive cells, every class
-    class_pos_weights: Optional[tuple[float, ...]] = None  # BCE: one pos_weight per class (replaces pos_weight)
+    class_pos_weights: Optional[tuple[float, ...]] = (
+        None  # BCE: one pos_weight per class (replaces pos_weight)
+    )
     class_weights: Optional[tuple[float, ...]] = None
-    depth_weight: float = 0.0  # lidar depth cross-entropy on the camera depth distribution; needs data.depth_targets
+    depth_weight: float = (
+        0.0  # lidar depth cross-entropy on the camera depth distribution; needs data.depth_targets
+    )
 
 
 @dataclass
@@ -126,11 +149,17 @@ class TrainConfig:
     # channels_last memory format for the convolutions: true (whole model), "camera" (camera encoder), "bev" (BEV
     # encoder and heads) or false; step time and first-step cost of each: docs/benchmarks.md, training loop
     channels_last: Union[bool, Literal["camera", "bev"]] = False
-    compile: bool = False  # torch.compile; compile_mode "reduce-overhead" replays CUDA graphs per module
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    compile: bool = (
+        False  # torch.compile; compile_mode "reduce-overhead" replays CUDA graphs per module
+    )
+    compile_mode: Literal[
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+    ] = "default"
     # "background": uncompiled steps until a child process has compiled the model; "auto": that on one CUDA process
     compile_start: Literal["auto", "now", "background"] = "auto"
-    compile_memory_budget: float = 1.0  # with compile: < 1 recomputes activations in the backward (less memory)
+    compile_memory_budget: float = (
+        1.0  # with compile: < 1 recomputes activations in the backward (less memory)
+    )
     # the whole step as one CUDA graph: true (an error where it cannot be), "auto" (where it can, else eager) or false
     cuda_graph: Union[bool, Literal["auto"]] = False
     seed: int = 0
@@ -166,9 +195,13 @@ class DetectionConfig:
     """3D box head on the BEV features (active when "detection" is in model.heads); see docs/detection.md."""
 
     head_channels: int = 64
-    gaussian_overlap: float = 0.1  # heatmap radius: the centre shift that keeps this box IoU (CenterNet rule)
+    gaussian_overlap: float = (
+        0.1  # heatmap radius: the centre shift that keeps this box IoU (CenterNet rule)
+    )
     min_radius: int = 2  # heatmap cells
-    focal_alpha: float = -1.0  # heatmap focal loss (our sigmoid_focal_loss op); negative: no alpha (CornerNet)
+    focal_alpha: float = (
+        -1.0
+    )  # heatmap focal loss (our sigmoid_focal_loss op); negative: no alpha (CornerNet)
     focal_gamma: float = 2.0
     heatmap_weight: float = 1.0
     # one weight per detection class scaling that class's heatmap loss (e.g. more for rare classes); null: all 1
@@ -233,26 +266,41 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
                 return _convert(value, option, where)
             except ConfigError:
                 pass
-        raise ConfigError(f"{where}={value!r}: expected " + " or ".join(_type_name(a) if typing.get_origin(a)
-                          is not Literal else _allowed(typing.get_args(a)) for a in inner))
+        raise ConfigError(
+            f"{where}={value!r}: expected "
+            + " or ".join(
+                _type_name(a)
+                if typing.get_origin(a) is not Literal
+                else _allowed(typing.get_args(a))
+                for a in inner
+            )
+        )
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping for section {tp.__name__}, got {value!r}")
+            raise ConfigError(
+                f"{where}: expected a mapping for section {tp.__name__}, got {value!r}"
+            )
         return _merge(tp(), value, where)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(f"{where}: expected {len(args)} values, got {len(value)}: {value!r}")
-            return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+                raise ConfigError(
+                    f"{where}: expected {len(args)} values, got {len(value)}: {value!r}"
+                )
+            return tuple(
+                _convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args))
+            )
         elem = args[0] if args else Any
         if typing.get_origin(elem) is Literal:
             unknown = [v for v in value if isinstance(v, bool) or v not in typing.get_args(elem)]
             if unknown:
                 noun = where.rsplit(".", 1)[-1].removesuffix("s")  # model.heads -> "head"
-                raise ConfigError(f"{where}={list(value)!r}: unknown {noun}(s) {unknown}; expected values from "
-                                  f"{_allowed(typing.get_args(elem))}")
+                raise ConfigError(
+                    f"{where}={list(value)!r}: unknown {noun}(s) {unknown}; expected values from "
+                    f"{_allowed(typing.get_args(elem))}"
+                )
         out = [_convert(v, elem, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
     if tp is Any:
@@ -287,18 +335,24 @@ def _merge(obj: Any, values: dict, where: str) -> Any:
     allowed = [f.name for f in dataclasses.fields(obj)]
     for key, value in values.items():
         if key not in allowed:
-            raise ConfigError(f"{where or 'top level'}: unknown key '{key}'. Allowed keys: {', '.join(allowed)}")
+            raise ConfigError(
+                f"{where or 'top level'}: unknown key '{key}'. Allowed keys: {', '.join(allowed)}"
+            )
         path = f"{where}.{key}" if where else key
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current) and isinstance(value, dict):
-            _merge(current, value, path)  # a later source overrides single keys, keeping the section's other values
+            _merge(
+                current, value, path
+            )  # a later source overrides single keys, keeping the section's other values
         else:
             setattr(obj, key, _convert(value, hints[key], path))
     return obj
 
 
 MAX_VISIBILITY = 4  # nuScenes visibility tokens: 1 (0-40 % visible) to 4 (80-100 %)
-CAMERA_STRIDE = 32  # the camera trunk's deepest reduction: the input height and width must divide by it
+CAMERA_STRIDE = (
+    32  # the camera trunk's deepest reduction: the input height and width must divide by it
+)
 BEV_STRIDE = 8  # the BEV trunk's deepest reduction: the grid's cell counts must divide by it
 MAX_DETECTIONS = 500  # boxes per sample the nuScenes detection evaluation accepts
 
@@ -327,11 +381,17 @@ def cuda_graph_problems(cfg: Config) -> list[str]:
     if t.amp == "fp16":
         problems.append("it needs train.amp: bf16 or none (fp16 needs a loss scaler)")
     if t.compile and t.compile_mode == "reduce-overhead":
-        problems.append("train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the other")
+        problems.append(
+            "train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the other"
+        )
     if "detection" in cfg.model.heads and cfg.detection.refine:
-        problems.append("the detection head's second stage (detection.refine) decodes data-dependent proposals")
+        problems.append(
+            "the detection head's second stage (detection.refine) decodes data-dependent proposals"
+        )
     if "detection" in cfg.model.heads and not cfg.data.detection_targets:
-        problems.append("the detection head needs the dataset's fixed-shape targets (data.detection_targets: true)")
+        problems.append(
+            "the detection head needs the dataset's fixed-shape targets (data.detection_targets: true)"
+        )
     return problems
 
 
@@ -343,83 +403,136 @@ def validate(cfg: Config) -> Config:
     """
 
     data, grid, model, loss, t = cfg.data, cfg.grid, cfg.model, cfg.loss, cfg.train
-    _check(len(data.cameras) > 0 and len(set(data.cameras)) == len(data.cameras),
-           f"data.cameras must be distinct names from {list(NUSCENES_CAMERAS)}, got {list(data.cameras)}")
-    _check(data.num_train_cameras is None or 1 <= data.num_train_cameras <= len(data.cameras),
-           f"data.num_train_cameras must be in [1, {len(data.cameras)}] (the number of data.cameras) or null, got "
-           f"{data.num_train_cameras}")
+    _check(
+        len(data.cameras) > 0 and len(set(data.cameras)) == len(data.cameras),
+        f"data.cameras must be distinct names from {list(NUSCENES_CAMERAS)}, got {list(data.cameras)}",
+    )
+    _check(
+        data.num_train_cameras is None or 1 <= data.num_train_cameras <= len(data.cameras),
+        f"data.num_train_cameras must be in [1, {len(data.cameras)}] (the number of data.cameras) or null, got "
+        f"{data.num_train_cameras}",
+    )
     height, width = data.final_dim
-    _check(height > 0 and width > 0 and height % CAMERA_STRIDE == 0 and width % CAMERA_STRIDE == 0,
-           f"data.final_dim={list(data.final_dim)}: height and width must be multiples of {CAMERA_STRIDE} and > 0, "
-           "e.g. [128, 352] or [64, 192]")
-    _check(0 < data.resize_lim[0] <= data.resize_lim[1],
-           f"data.resize_lim={list(data.resize_lim)}: expected [min, max] with 0 < min <= max")
-    _check(0.0 <= data.bot_pct_lim[0] <= data.bot_pct_lim[1] < 1.0,
-           f"data.bot_pct_lim={list(data.bot_pct_lim)}: expected [min, max] with 0 <= min <= max < 1 (fractions of "
-           "the resized image height below the crop)")
-    _check(data.rot_lim[0] <= data.rot_lim[1], f"data.rot_lim={list(data.rot_lim)}: expected [min, max], min <= max")
-    _check(data.bev_rot_lim[0] <= data.bev_rot_lim[1],
-           f"data.bev_rot_lim={list(data.bev_rot_lim)}: expected [min, max] in degrees, min <= max")
-    _check(0 < data.bev_scale_lim[0] <= data.bev_scale_lim[1],
-           f"data.bev_scale_lim={list(data.bev_scale_lim)}: expected [min, max] with 0 < min <= max (1.0: no scaling)")
-    _check(len(data.classes) > 0, "data.classes is empty: expected at least one class, e.g. [vehicle]")
+    _check(
+        height > 0 and width > 0 and height % CAMERA_STRIDE == 0 and width % CAMERA_STRIDE == 0,
+        f"data.final_dim={list(data.final_dim)}: height and width must be multiples of {CAMERA_STRIDE} and > 0, "
+        "e.g. [128, 352] or [64, 192]",
+    )
+    _check(
+        0 < data.resize_lim[0] <= data.resize_lim[1],
+        f"data.resize_lim={list(data.resize_lim)}: expected [min, max] with 0 < min <= max",
+    )
+    _check(
+        0.0 <= data.bot_pct_lim[0] <= data.bot_pct_lim[1] < 1.0,
+        f"data.bot_pct_lim={list(data.bot_pct_lim)}: expected [min, max] with 0 <= min <= max < 1 (fractions of "
+        "the resized image height below the crop)",
+    )
+    _check(
+        data.rot_lim[0] <= data.rot_lim[1],
+        f"data.rot_lim={list(data.rot_lim)}: expected [min, max], min <= max",
+    )
+    _check(
+        data.bev_rot_lim[0] <= data.bev_rot_lim[1],
+        f"data.bev_rot_lim={list(data.bev_rot_lim)}: expected [min, max] in degrees, min <= max",
+    )
+    _check(
+        0 < data.bev_scale_lim[0] <= data.bev_scale_lim[1],
+        f"data.bev_scale_lim={list(data.bev_scale_lim)}: expected [min, max] with 0 < min <= max (1.0: no scaling)",
+    )
+    _check(
+        len(data.classes) > 0, "data.classes is empty: expected at least one class, e.g. [vehicle]"
+    )
     _at_least(data, "data", ("min_lidar_pts",), 0)
-    _check(data.workers == "auto" or data.workers >= 0, f"data.workers={data.workers}: expected >= 0 or auto")
-    _check(0 <= data.worker_niceness <= 19, f"data.worker_niceness={data.worker_niceness}: expected 0 to 19")
-    _check(0 <= data.min_visibility <= MAX_VISIBILITY,
-           f"data.min_visibility={data.min_visibility}: expected 0 to {MAX_VISIBILITY} (the nuScenes visibility "
-           "levels; 0 keeps every box)")
+    _check(
+        data.workers == "auto" or data.workers >= 0,
+        f"data.workers={data.workers}: expected >= 0 or auto",
+    )
+    _check(
+        0 <= data.worker_niceness <= 19,
+        f"data.worker_niceness={data.worker_niceness}: expected 0 to 19",
+    )
+    _check(
+        0 <= data.min_visibility <= MAX_VISIBILITY,
+        f"data.min_visibility={data.min_visibility}: expected 0 to {MAX_VISIBILITY} (the nuScenes visibility "
+        "levels; 0 keeps every box)",
+    )
     _at_least(data, "data", ("divider_width",), 1)
-    _check(all(s > 0 for s in data.image_std), f"data.image_std={list(data.image_std)}: expected values > 0")
+    _check(
+        all(s > 0 for s in data.image_std),
+        f"data.image_std={list(data.image_std)}: expected values > 0",
+    )
     _at_least(data.synthetic, "data.synthetic", ("scenes", "samples_per_scene"), 1)
-    _check(data.synthetic.image_size[0] >= 32 and data.synthetic.image_size[1] >= 18,
-           f"data.synthetic.image_size={list(data.synthetic.image_size)}: expected at least [32, 18] (nuScenes is "
-           "[1600, 900])")
+    _check(
+        data.synthetic.image_size[0] >= 32 and data.synthetic.image_size[1] >= 18,
+        f"data.synthetic.image_size={list(data.synthetic.image_size)}: expected at least [32, 18] (nuScenes is "
+        "[1600, 900])",
+    )
 
     try:
         bev = BevGrid.from_config(grid)
         depth_bins(grid.dbound)
     except ValueError as e:
         raise ConfigError(f"grid.{str(e).removeprefix('BevGrid: ')}") from None
-    _check(bev.nx % BEV_STRIDE == 0 and bev.ny % BEV_STRIDE == 0,
-           f"grid: the BEV grid is {bev.nx} x {bev.ny} cells; both must be multiples of {BEV_STRIDE} (adjust "
-           "grid.xbound/ybound)")
+    _check(
+        bev.nx % BEV_STRIDE == 0 and bev.ny % BEV_STRIDE == 0,
+        f"grid: the BEV grid is {bev.nx} x {bev.ny} cells; both must be multiples of {BEV_STRIDE} (adjust "
+        "grid.xbound/ybound)",
+    )
 
-    _check(model.downsample == 16,
-           f"model.downsample={model.downsample}: the EfficientNet camera encoder outputs stride 16")
-    _check("segmentation" in model.heads, f"model.heads={list(model.heads)}: the segmentation head is required "
-           "(evaluation and checkpoint selection use its IoU)")
+    _check(
+        model.downsample == 16,
+        f"model.downsample={model.downsample}: the EfficientNet camera encoder outputs stride 16",
+    )
+    _check(
+        "segmentation" in model.heads,
+        f"model.heads={list(model.heads)}: the segmentation head is required "
+        "(evaluation and checkpoint selection use its IoU)",
+    )
     _at_least(model, "model", ("context_channels",), 1)
 
     for key in ("class_weights", "class_pos_weights"):
         values = getattr(loss, key)
         if values is not None:
-            _check(len(values) == len(data.classes),
-                   f"loss.{key} has {len(values)} values but data.classes has {len(data.classes)} "
-                   f"({list(data.classes)}): give one value per class, in the same order")
+            _check(
+                len(values) == len(data.classes),
+                f"loss.{key} has {len(values)} values but data.classes has {len(data.classes)} "
+                f"({list(data.classes)}): give one value per class, in the same order",
+            )
             _check(all(v > 0 for v in values), f"loss.{key}={list(values)}: expected values > 0")
-    _check(loss.class_pos_weights is None or loss.type == "bce",
-           f"loss.class_pos_weights is set but loss.type={loss.type!r}: it weighs the positives of the BCE loss; "
-           "set loss.type: bce or remove loss.class_pos_weights")
-    _check(loss.depth_weight >= 0,
-           f"loss.depth_weight={loss.depth_weight}: expected >= 0 (0 turns the lidar depth loss off)")
-    _check(loss.depth_weight == 0 or data.depth_targets,
-           f"loss.depth_weight={loss.depth_weight} needs lidar depth targets: set data.depth_targets: true (the "
-           "dataset then projects each sample's LIDAR_TOP points into the cameras), or set loss.depth_weight: 0")
+    _check(
+        loss.class_pos_weights is None or loss.type == "bce",
+        f"loss.class_pos_weights is set but loss.type={loss.type!r}: it weighs the positives of the BCE loss; "
+        "set loss.type: bce or remove loss.class_pos_weights",
+    )
+    _check(
+        loss.depth_weight >= 0,
+        f"loss.depth_weight={loss.depth_weight}: expected >= 0 (0 turns the lidar depth loss off)",
+    )
+    _check(
+        loss.depth_weight == 0 or data.depth_targets,
+        f"loss.depth_weight={loss.depth_weight} needs lidar depth targets: set data.depth_targets: true (the "
+        "dataset then projects each sample's LIDAR_TOP points into the cameras), or set loss.depth_weight: 0",
+    )
     _at_least(loss, "loss", ("focal_gamma",), 0)
     _check(loss.pos_weight > 0, f"loss.pos_weight={loss.pos_weight}: expected > 0")
 
     _check(0 < cfg.optim.lr < math.inf, f"optim.lr={cfg.optim.lr}: expected a finite value > 0")
-    _check(0 <= cfg.optim.weight_decay < math.inf,
-           f"optim.weight_decay={cfg.optim.weight_decay}: expected a finite value >= 0")
+    _check(
+        0 <= cfg.optim.weight_decay < math.inf,
+        f"optim.weight_decay={cfg.optim.weight_decay}: expected a finite value >= 0",
+    )
     _at_least(cfg.optim, "optim", ("grad_clip", "warmup_steps"), 0)
 
-    _check(t.grad_accum >= 1 and t.batch_size >= 1 and t.max_steps >= 1,
-           "train.batch_size, train.grad_accum and train.max_steps must be >= 1, got "
-           f"{t.batch_size}, {t.grad_accum}, {t.max_steps}")
-    _check(0.0 < t.compile_memory_budget <= 1.0,
-           f"train.compile_memory_budget={t.compile_memory_budget}: expected a fraction in (0, 1] (1 keeps what "
-           "the compiler's default partition keeps)")
+    _check(
+        t.grad_accum >= 1 and t.batch_size >= 1 and t.max_steps >= 1,
+        "train.batch_size, train.grad_accum and train.max_steps must be >= 1, got "
+        f"{t.batch_size}, {t.grad_accum}, {t.max_steps}",
+    )
+    _check(
+        0.0 < t.compile_memory_budget <= 1.0,
+        f"train.compile_memory_budget={t.compile_memory_budget}: expected a fraction in (0, 1] (1 keeps what "
+        "the compiler's default partition keeps)",
+    )
     _at_least(t, "train", ("log_every", "eval_every", "ckpt_every", "viz_every"), 0)
     if t.cuda_graph is True:
         problems = cuda_graph_problems(cfg)
@@ -427,33 +540,59 @@ def validate(cfg: Config) -> Config:
 
     e = cfg.eval
     for threshold in (e.threshold, *e.sweep):
-        _check(0.0 < threshold < 1.0, f"eval.threshold/eval.sweep: IoU thresholds must lie in (0, 1), got {threshold}")
+        _check(
+            0.0 < threshold < 1.0,
+            f"eval.threshold/eval.sweep: IoU thresholds must lie in (0, 1), got {threshold}",
+        )
     _at_least(e, "eval", ("batch_size",), 1)
-    _check(e.max_batches is None or e.max_batches >= 1, f"eval.max_batches={e.max_batches}: expected >= 1 or null")
+    _check(
+        e.max_batches is None or e.max_batches >= 1,
+        f"eval.max_batches={e.max_batches}: expected >= 1 or null",
+    )
     _at_least(cfg.viz, "viz", ("num",), 0)
 
     d = cfg.detection
-    _check(len(d.code_weights) == len(REGRESSION_CHANNELS),
-           f"detection.code_weights: expected {len(REGRESSION_CHANNELS)} weights (offset x, offset y, z, log w, log l, "
-           f"log h, sin yaw, cos yaw, vx, vy), got {len(d.code_weights)}")
-    _check(1 <= d.max_detections <= MAX_DETECTIONS,
-           f"detection.max_detections={d.max_detections}: expected 1 to {MAX_DETECTIONS} (the nuScenes evaluation "
-           "accepts at most 500 boxes per sample)")
-    _at_least(d, "detection", ("head_channels", "top_k", "roi_size", "refine_hidden", "refine_proposals",
-                               "max_objects"), 1)
+    _check(
+        len(d.code_weights) == len(REGRESSION_CHANNELS),
+        f"detection.code_weights: expected {len(REGRESSION_CHANNELS)} weights (offset x, offset y, z, log w, log l, "
+        f"log h, sin yaw, cos yaw, vx, vy), got {len(d.code_weights)}",
+    )
+    _check(
+        1 <= d.max_detections <= MAX_DETECTIONS,
+        f"detection.max_detections={d.max_detections}: expected 1 to {MAX_DETECTIONS} (the nuScenes evaluation "
+        "accepts at most 500 boxes per sample)",
+    )
+    _at_least(
+        d,
+        "detection",
+        ("head_channels", "top_k", "roi_size", "refine_hidden", "refine_proposals", "max_objects"),
+        1,
+    )
     _at_least(d, "detection", ("min_radius",), 0)
-    _check(d.heatmap_class_weights is None or (len(d.heatmap_class_weights) == len(DETECTION_CLASSES)
-                                                and all(0 <= w < math.inf for w in d.heatmap_class_weights)),
-           f"detection.heatmap_class_weights={d.heatmap_class_weights}: expected null or "
-           f"{len(DETECTION_CLASSES)} finite weights >= 0, one per class of {list(DETECTION_CLASSES)}")
-    _check(0 < d.gaussian_overlap < 1, f"detection.gaussian_overlap={d.gaussian_overlap}: expected a fraction in "
-           "(0, 1)")
-    _check(d.match_distance > 0 and d.roi_enlarge > 0, "detection: match_distance and roi_enlarge must be "
-           f"positive; got {d.match_distance}, {d.roi_enlarge}")
+    _check(
+        d.heatmap_class_weights is None
+        or (
+            len(d.heatmap_class_weights) == len(DETECTION_CLASSES)
+            and all(0 <= w < math.inf for w in d.heatmap_class_weights)
+        ),
+        f"detection.heatmap_class_weights={d.heatmap_class_weights}: expected null or "
+        f"{len(DETECTION_CLASSES)} finite weights >= 0, one per class of {list(DETECTION_CLASSES)}",
+    )
+    _check(
+        0 < d.gaussian_overlap < 1,
+        f"detection.gaussian_overlap={d.gaussian_overlap}: expected a fraction in (0, 1)",
+    )
+    _check(
+        d.match_distance > 0 and d.roi_enlarge > 0,
+        "detection: match_distance and roi_enlarge must be "
+        f"positive; got {d.match_distance}, {d.roi_enlarge}",
+    )
     return cfg
 
 
-def load_config(path: Optional[Union[str, Path]] = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(
+    path: Optional[Union[str, Path]] = None, overrides: typing.Sequence[str] = ()
+) -> Config:
     """Defaults, then the YAML file at `path`, then `overrides` ("section.key=value", value parsed as YAML)."""
     cfg = Config()
     if path is not None:

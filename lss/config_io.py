@@ -4,6 +4,7 @@ PyYAML follows YAML 1.1, which reads `1.0e-7` and `.inf` as floats but `1e-7`, `
 config's typed fields therefore read numbers with Python's own `int()` / `float()` (`read_number`). A key given
 twice in one mapping is an error (PyYAML would keep the last one silently).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,9 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         first_line: dict = {}
         for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` entries may be overridden by design
+            if (
+                key_node.tag == "tag:yaml.org,2002:merge"
+            ):  # `<<: *anchor` entries may be overridden by design
                 continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
@@ -41,7 +44,11 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     mark = getattr(e, "problem_mark", None)
     if problem is None:
         return " ".join(str(e).split())
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
+    return (
+        f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+        if mark is not None
+        else problem
+    )
 
 
 def read_yaml_file(path: Union[str, Path]) -> dict:
@@ -57,8 +64,10 @@ def read_yaml_file(path: Union[str, Path]) -> dict:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     if values is None:
-        raise ConfigError(f"config file {path} is empty: expected a mapping of sections, e.g. 'train: {{max_steps: "
-                          "100}'; write {} to keep every default")
+        raise ConfigError(
+            f"config file {path} is empty: expected a mapping of sections, e.g. 'train: {{max_steps: "
+            "100}'; write {} to keep every default"
+        )
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
     return values
@@ -67,13 +76,17 @@ def read_yaml_file(path: Union[str, Path]) -> dict:
 def parse_override(item: str) -> dict:
     """`section.key=value` (value in YAML) as the nested mapping {section: {key: value}}."""
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.max_steps=100")
+        raise ConfigError(
+            f"--set {item!r}: expected section.key=value, e.g. --set train.max_steps=100"
+        )
     key, raw = item.split("=", 1)
     try:
         value: Any = yaml.load(raw, Loader=_StrictLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: the value is not valid YAML: {_yaml_problem(e)}; quote a string that "
-                          "holds YAML syntax, write a list as [a, b]") from None
+        raise ConfigError(
+            f"--set {item!r}: the value is not valid YAML: {_yaml_problem(e)}; quote a string that "
+            "holds YAML syntax, write a list as [a, b]"
+        ) from None
     except ConfigError as e:
         raise ConfigError(f"--set {item!r}: {e}") from None
     for k in reversed(key.strip().split(".")):

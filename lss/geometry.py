@@ -12,6 +12,7 @@ Conventions (nuScenes):
 - BEV cell i on an axis = floor((p - min) / size), kept iff 0 <= i < n on all three axes. Row i of the BEV map is
   ego x, column j is ego y.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,14 @@ import torch
 
 NUSCENES_RIG_PATH = Path(__file__).resolve().parent / "data" / "nuscenes_rig.json"
 # The six nuScenes cameras in the order lss stacks them (the default of data.cameras).
-NUSCENES_CAMERAS = ("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT", "CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT")
+NUSCENES_CAMERAS = (
+    "CAM_FRONT_LEFT",
+    "CAM_FRONT",
+    "CAM_FRONT_RIGHT",
+    "CAM_BACK_LEFT",
+    "CAM_BACK",
+    "CAM_BACK_RIGHT",
+)
 INDEX32_LIMIT = 2**31 - 1
 
 
@@ -36,13 +44,19 @@ class BevGrid:
         bounds = []
         for name, bound in (("xbound", xbound), ("ybound", ybound), ("zbound", zbound)):
             if len(bound) != 3:
-                raise ValueError(f"BevGrid: {name} must be (min, max, cell size), got {tuple(bound)}")
+                raise ValueError(
+                    f"BevGrid: {name} must be (min, max, cell size), got {tuple(bound)}"
+                )
             lo, hi, size = (float(v) for v in bound)
             if not (size > 0 and hi > lo and math.isfinite(lo) and math.isfinite(hi)):
-                raise ValueError(f"BevGrid: {name} = {tuple(bound)} needs finite min < max and cell size > 0")
+                raise ValueError(
+                    f"BevGrid: {name} = {tuple(bound)} needs finite min < max and cell size > 0"
+                )
             n = round((hi - lo) / size)
             if n < 1:
-                raise ValueError(f"BevGrid: {name} = {tuple(bound)} gives no cell; make max - min >= cell size")
+                raise ValueError(
+                    f"BevGrid: {name} = {tuple(bound)} gives no cell; make max - min >= cell size"
+                )
             bounds.append((lo, hi, size, n))
         (self.xbound, self.ybound, self.zbound) = (tuple(b[:3]) for b in bounds)
         self.nx, self.ny, self.nz = (b[3] for b in bounds)
@@ -61,11 +75,17 @@ class BevGrid:
 
     def cell_centers_x(self) -> torch.Tensor:
         """nx ego-x coordinates (metres) of the cell centres, float32."""
-        return self.lower[0] + self.cell_size[0] * (torch.arange(self.nx, dtype=torch.float64) + 0.5).float()
+        return (
+            self.lower[0]
+            + self.cell_size[0] * (torch.arange(self.nx, dtype=torch.float64) + 0.5).float()
+        )
 
     def cell_centers_y(self) -> torch.Tensor:
         """ny ego-y coordinates (metres) of the cell centres, float32."""
-        return self.lower[1] + self.cell_size[1] * (torch.arange(self.ny, dtype=torch.float64) + 0.5).float()
+        return (
+            self.lower[1]
+            + self.cell_size[1] * (torch.arange(self.ny, dtype=torch.float64) + 0.5).float()
+        )
 
     @classmethod
     def planar(cls, xbound: Sequence[float], ybound: Sequence[float]) -> "BevGrid":
@@ -98,7 +118,9 @@ class BevGrid:
         coarser than the grid, its cells then larger)."""
         H, W = int(shape[0]), int(shape[1])
         (x_lo, x_hi, _), (y_lo, y_hi, _) = self.xbound, self.ybound
-        return BevGrid((x_lo, x_hi, (x_hi - x_lo) / H), (y_lo, y_hi, (y_hi - y_lo) / W), self.zbound)
+        return BevGrid(
+            (x_lo, x_hi, (x_hi - x_lo) / H), (y_lo, y_hi, (y_hi - y_lo) / W), self.zbound
+        )
 
     def xy_to_cells(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Continuous cell coordinates of ego points x, y (metres): u along the rows, v along the columns; cell
@@ -124,21 +146,30 @@ def frustum(final_dim: Sequence[int], downsample: int, dbound: Sequence[float]) 
     """
     H, W = (int(v) for v in final_dim)
     if H % downsample or W % downsample:
-        raise ValueError(f"final_dim {tuple(final_dim)} must be divisible by downsample {downsample}")
+        raise ValueError(
+            f"final_dim {tuple(final_dim)} must be divisible by downsample {downsample}"
+        )
     fH, fW = H // downsample, W // downsample
     d = depth_bins(dbound)
     u = (torch.arange(fW, dtype=torch.float64) + 0.5) * (W / fW) - 0.5
     v = (torch.arange(fH, dtype=torch.float64) + 0.5) * (H / fH) - 0.5
     D = d.numel()
     return torch.stack(
-        [u.float().view(1, 1, fW).expand(D, fH, fW), v.float().view(1, fH, 1).expand(D, fH, fW),
-         d.view(D, 1, 1).expand(D, fH, fW)], dim=-1).contiguous()
+        [
+            u.float().view(1, 1, fW).expand(D, fH, fW),
+            v.float().view(1, fH, 1).expand(D, fH, fW),
+            d.view(D, 1, 1).expand(D, fH, fW),
+        ],
+        dim=-1,
+    ).contiguous()
 
 
 def _check_rig(name: str, t: torch.Tensor, tail: tuple, B: int, N: int) -> None:
     if t.dim() != 2 + len(tail) or tuple(t.shape[2:]) != tail or tuple(t.shape[:2]) != (B, N):
         want = " x ".join(["B", "N"] + [str(v) for v in tail])
-        raise ValueError(f"frustum_to_ego: {name} must be {want} (B={B}, N={N} from intrinsics), got {tuple(t.shape)}")
+        raise ValueError(
+            f"frustum_to_ego: {name} must be {want} (B={B}, N={N} from intrinsics), got {tuple(t.shape)}"
+        )
 
 
 def inverse_3x3(m: torch.Tensor) -> torch.Tensor:
@@ -147,24 +178,45 @@ def inverse_3x3(m: torch.Tensor) -> torch.Tensor:
     a, b, c = m[..., 0, 0], m[..., 0, 1], m[..., 0, 2]
     d, e, f = m[..., 1, 0], m[..., 1, 1], m[..., 1, 2]
     g, h, i = m[..., 2, 0], m[..., 2, 1], m[..., 2, 2]
-    cofactors = torch.stack([e * i - f * h, c * h - b * i, b * f - c * e,
-                             f * g - d * i, a * i - c * g, c * d - a * f,
-                             d * h - e * g, b * g - a * h, a * e - b * d], dim=-1)
+    cofactors = torch.stack(
+        [
+            e * i - f * h,
+            c * h - b * i,
+            b * f - c * e,
+            f * g - d * i,
+            a * i - c * g,
+            c * d - a * f,
+            d * h - e * g,
+            b * g - a * h,
+            a * e - b * d,
+        ],
+        dim=-1,
+    )
     det = a * cofactors[..., 0] + b * cofactors[..., 3] + c * cofactors[..., 6]
     return (cofactors / det.unsqueeze(-1)).unflatten(-1, (3, 3))
 
 
-def frustum_to_ego(frustum: torch.Tensor, intrinsics: torch.Tensor, sensor2ego_rot: torch.Tensor,
-                   sensor2ego_trans: torch.Tensor, post_rot: torch.Tensor, post_trans: torch.Tensor) -> torch.Tensor:
+def frustum_to_ego(
+    frustum: torch.Tensor,
+    intrinsics: torch.Tensor,
+    sensor2ego_rot: torch.Tensor,
+    sensor2ego_trans: torch.Tensor,
+    post_rot: torch.Tensor,
+    post_trans: torch.Tensor,
+) -> torch.Tensor:
     """Ego-frame points of every frustum point: undo the augmentation, unproject at depth d, camera -> ego.
 
     frustum D x fH x fW x 3 (u, v, d), intrinsics / sensor2ego_rot / post_rot B x N x 3 x 3, sensor2ego_trans /
     post_trans B x N x 3. Returns B x N x D x fH x fW x 3 (ego frame, metres), float32 (also under autocast).
     """
     if frustum.dim() != 4 or frustum.shape[-1] != 3:
-        raise ValueError(f"frustum_to_ego: frustum must be D x fH x fW x 3, got {tuple(frustum.shape)}")
+        raise ValueError(
+            f"frustum_to_ego: frustum must be D x fH x fW x 3, got {tuple(frustum.shape)}"
+        )
     if intrinsics.dim() != 4 or intrinsics.shape[-2:] != (3, 3):
-        raise ValueError(f"frustum_to_ego: intrinsics must be B x N x 3 x 3, got {tuple(intrinsics.shape)}")
+        raise ValueError(
+            f"frustum_to_ego: intrinsics must be B x N x 3 x 3, got {tuple(intrinsics.shape)}"
+        )
     B, N = intrinsics.shape[:2]
     _check_rig("sensor2ego_rot", sensor2ego_rot, (3, 3), B, N)
     _check_rig("post_rot", post_rot, (3, 3), B, N)
@@ -172,8 +224,10 @@ def frustum_to_ego(frustum: torch.Tensor, intrinsics: torch.Tensor, sensor2ego_r
     _check_rig("post_trans", post_trans, (3,), B, N)
     device = intrinsics.device
     with torch.autocast(device_type=device.type, enabled=False):
-        K, rot, trans, prot, ptrans = (t.to(device=device, dtype=torch.float32)
-                                       for t in (intrinsics, sensor2ego_rot, sensor2ego_trans, post_rot, post_trans))
+        K, rot, trans, prot, ptrans = (
+            t.to(device=device, dtype=torch.float32)
+            for t in (intrinsics, sensor2ego_rot, sensor2ego_trans, post_rot, post_trans)
+        )
         pts = frustum.to(device=device, dtype=torch.float32)
         D, fH, fW, _ = pts.shape
         # undo the image augmentation: pixel = post_rot^-1 (pixel_aug - post_trans)
@@ -196,14 +250,20 @@ def load_nuscenes_rig(cameras: Optional[Sequence[str]] = None, path: Optional[Pa
 
     path = Path(path) if path is not None else NUSCENES_RIG_PATH
     if not path.exists():
-        raise FileNotFoundError(f"nuScenes rig file {path} not found; it ships with lss (lss/data/nuscenes_rig.json)")
+        raise FileNotFoundError(
+            f"nuScenes rig file {path} not found; it ships with lss (lss/data/nuscenes_rig.json)"
+        )
     rig = json.loads(path.read_text())
     cameras = tuple(cameras) if cameras is not None else NUSCENES_CAMERAS
     missing = [c for c in cameras if c not in rig]
     if missing:
-        raise KeyError(f"cameras {missing} not in {path}; it has {[k for k in rig if not k.startswith('_')]}")
+        raise KeyError(
+            f"cameras {missing} not in {path}; it has {[k for k in rig if not k.startswith('_')]}"
+        )
     K = torch.tensor([rig[c]["camera_intrinsic"] for c in cameras], dtype=torch.float32)
-    rot = torch.stack([torch.from_numpy(Quaternion(rig[c]["rotation"]).rotation_matrix) for c in cameras]).float()
+    rot = torch.stack(
+        [torch.from_numpy(Quaternion(rig[c]["rotation"]).rotation_matrix) for c in cameras]
+    ).float()
     trans = torch.tensor([rig[c]["translation"] for c in cameras], dtype=torch.float32)
     return K, rot, trans
 
@@ -222,16 +282,18 @@ class ImageAugmentation:
     rotate: float = 0.0
 
 
-def resized_window(image_size: Sequence[int], final_dim: Sequence[int], resize: float,
-                   bot_pct: float) -> tuple[int, int, int]:
+def resized_window(
+    image_size: Sequence[int], final_dim: Sequence[int], resize: float, bot_pct: float
+) -> tuple[int, int, int]:
     """(W', H', top): the (W, H) image resized by `resize` (truncated to whole pixels) and the top row of the
     final_dim = (H, W) window whose bottom edge lies bot_pct * H' above the resized image's bottom (the LSS crop)."""
     new_w, new_h = int(image_size[0] * resize), int(image_size[1] * resize)
     return new_w, new_h, int((1.0 - bot_pct) * new_h) - int(final_dim[0])
 
 
-def val_augmentation(image_size: Sequence[int], final_dim: Sequence[int],
-                     bot_pct_lim: Sequence[float] = (0.0, 0.22)) -> ImageAugmentation:
+def val_augmentation(
+    image_size: Sequence[int], final_dim: Sequence[int], bot_pct_lim: Sequence[float] = (0.0, 0.22)
+) -> ImageAugmentation:
     """The deterministic LSS evaluation augmentation of a (W, H) image to final_dim = (H, W): the smallest resize
     that covers final_dim, the crop centred horizontally with its bottom edge at the mean of bot_pct_lim; no flip
     or rotation."""
@@ -244,9 +306,13 @@ def val_augmentation(image_size: Sequence[int], final_dim: Sequence[int],
 
 def resize_affine(scale_x: float, scale_y: float) -> np.ndarray:
     """3 x 3 affine of a resize whose pixel EDGES scale by (scale_x, scale_y) (area resize, JPEG scaling)."""
-    return np.array([[scale_x, 0.0, 0.5 * (scale_x - 1.0)],
-                     [0.0, scale_y, 0.5 * (scale_y - 1.0)],
-                     [0.0, 0.0, 1.0]])
+    return np.array(
+        [
+            [scale_x, 0.0, 0.5 * (scale_x - 1.0)],
+            [0.0, scale_y, 0.5 * (scale_y - 1.0)],
+            [0.0, 0.0, 1.0],
+        ]
+    )
 
 
 def crop_flip_rotate_affine(aug: ImageAugmentation, final_dim: Sequence[int]) -> np.ndarray:
@@ -277,12 +343,15 @@ def affine_to_post(affine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return post_rot, post_trans
 
 
-def image_augmentation(aug: ImageAugmentation, image_size: Sequence[int],
-                       final_dim: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def image_augmentation(
+    aug: ImageAugmentation, image_size: Sequence[int], final_dim: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(post_rot 3 x 3, post_trans 3) float32 of `aug` applied to a (W, H) image: the matrices the data path
     reports for an image decoded at full size (lss.data.transforms.load_augmented_image), as torch tensors."""
     scale = (aug.resize_dims[0] / image_size[0], aug.resize_dims[1] / image_size[1])
-    post_rot, post_trans = affine_to_post(crop_flip_rotate_affine(aug, final_dim) @ resize_affine(*scale))
+    post_rot, post_trans = affine_to_post(
+        crop_flip_rotate_affine(aug, final_dim) @ resize_affine(*scale)
+    )
     return torch.from_numpy(post_rot), torch.from_numpy(post_trans)
 
 
@@ -346,41 +415,72 @@ class FrustumLUT:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"FrustumLUT: {name} must be a tensor, got {type(t).__name__}")
             if t.dtype not in (torch.int32, torch.int64) or t.dtype != first.dtype:
-                raise ValueError(f"FrustumLUT: {name} has dtype {t.dtype}; the index tensors must all be int32 or "
-                                 f"all int64 (cell_start is {first.dtype})")
+                raise ValueError(
+                    f"FrustumLUT: {name} has dtype {t.dtype}; the index tensors must all be int32 or "
+                    f"all int64 (cell_start is {first.dtype})"
+                )
             if t.dim() != 1 or t.numel() != numel:
-                raise ValueError(f"FrustumLUT: {name} must be 1-D with {numel} elements for B, N, D, fH, fW = "
-                                 f"{self.B}, {self.N}, {self.D}, {self.fH}, {self.fW} and nz, nx, ny = {self.nz}, "
-                                 f"{self.nx}, {self.ny}, got shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"FrustumLUT: {name} must be 1-D with {numel} elements for B, N, D, fH, fW = "
+                    f"{self.B}, {self.N}, {self.D}, {self.fH}, {self.fW} and nz, nx, ny = {self.nz}, "
+                    f"{self.nx}, {self.ny}, got shape {tuple(t.shape)}"
+                )
             if t.device != first.device:
-                raise ValueError(f"FrustumLUT: {name} is on {t.device} but cell_start is on {first.device}; move "
-                                 "the tables to one device")
+                raise ValueError(
+                    f"FrustumLUT: {name} is on {t.device} but cell_start is on {first.device}; move "
+                    "the tables to one device"
+                )
         point_cell, sorted_points, cell_start = self.point_cell, self.sorted_points, self.cell_start
         steps = cell_start.diff()
-        stats = torch.stack([cell_start[0], cell_start[-1], (steps < 0).any(), sorted_points.min(),
-                             sorted_points.max(), point_cell.min(), point_cell.max()]).tolist()
+        stats = torch.stack(
+            [
+                cell_start[0],
+                cell_start[-1],
+                (steps < 0).any(),
+                sorted_points.min(),
+                sorted_points.max(),
+                point_cell.min(),
+                point_cell.max(),
+            ]
+        ).tolist()
         start, kept, decreasing, sp_min, sp_max, pc_min, pc_max = stats
         if start != 0:
-            raise ValueError(f"FrustumLUT: cell_start[0] is {start}, expected 0 (the first cell's points start at "
-                             "sorted_points[0]); build the table with FrustumLUT.build")
+            raise ValueError(
+                f"FrustumLUT: cell_start[0] is {start}, expected 0 (the first cell's points start at "
+                "sorted_points[0]); build the table with FrustumLUT.build"
+            )
         if not 0 <= kept <= P:
-            raise ValueError(f"FrustumLUT: cell_start[-1] (the number of points inside the grid) is {kept}, expected "
-                             f"a value in [0, P] = [0, {P}]")
+            raise ValueError(
+                f"FrustumLUT: cell_start[-1] (the number of points inside the grid) is {kept}, expected "
+                f"a value in [0, P] = [0, {P}]"
+            )
         if decreasing:
             c = int(torch.nonzero(steps < 0)[0])
-            raise ValueError(f"FrustumLUT: cell_start must be non-decreasing, but cell_start[{c}] = "
-                             f"{int(cell_start[c])} > cell_start[{c + 1}] = {int(cell_start[c + 1])}")
+            raise ValueError(
+                f"FrustumLUT: cell_start must be non-decreasing, but cell_start[{c}] = "
+                f"{int(cell_start[c])} > cell_start[{c + 1}] = {int(cell_start[c + 1])}"
+            )
         if sp_min < 0 or sp_max >= P:
-            raise ValueError(f"FrustumLUT: sorted_points holds {sp_min if sp_min < 0 else sp_max}, expected point "
-                             f"indices in [0, P) = [0, {P})")
+            raise ValueError(
+                f"FrustumLUT: sorted_points holds {sp_min if sp_min < 0 else sp_max}, expected point "
+                f"indices in [0, P) = [0, {P})"
+            )
         if pc_min < -1 or pc_max >= cells:
-            raise ValueError(f"FrustumLUT: point_cell holds {pc_min if pc_min < -1 else pc_max}, expected -1 (outside "
-                             f"the grid) or a cell in [0, B*nz*nx*ny) = [0, {cells})")
+            raise ValueError(
+                f"FrustumLUT: point_cell holds {pc_min if pc_min < -1 else pc_max}, expected -1 (outside "
+                f"the grid) or a cell in [0, B*nz*nx*ny) = [0, {cells})"
+            )
         # the same assignment three ways: per-cell counts, the cell of every sorted position, each kept point once
         counts = torch.bincount(point_cell.long() + 1, minlength=cells + 1)[1:]
         listed = sorted_points[:kept].long()
-        position_cell = torch.searchsorted(cell_start, torch.arange(kept, dtype=cell_start.dtype,
-                                                                    device=cell_start.device), right=True) - 1
+        position_cell = (
+            torch.searchsorted(
+                cell_start,
+                torch.arange(kept, dtype=cell_start.dtype, device=cell_start.device),
+                right=True,
+            )
+            - 1
+        )
         wrong_count = counts != steps
         wrong_cell = point_cell[listed] != position_cell
         repeated = torch.bincount(listed, minlength=P) > 1
@@ -388,16 +488,22 @@ class FrustumLUT:
             return self
         if bool(wrong_count.any()):
             c = int(torch.nonzero(wrong_count)[0])
-            raise ValueError(f"FrustumLUT: point_cell puts {int(counts[c])} points in cell {c} but cell_start gives it "
-                             f"cell_start[{c + 1}] - cell_start[{c}] = {int(steps[c])}; the tables disagree")
+            raise ValueError(
+                f"FrustumLUT: point_cell puts {int(counts[c])} points in cell {c} but cell_start gives it "
+                f"cell_start[{c + 1}] - cell_start[{c}] = {int(steps[c])}; the tables disagree"
+            )
         if bool(wrong_cell.any()):
             k = int(torch.nonzero(wrong_cell)[0])
-            raise ValueError(f"FrustumLUT: sorted_points[{k}] = {int(listed[k])} is a point of cell "
-                             f"{int(point_cell[listed[k]])} (point_cell) but cell_start places position {k} in cell "
-                             f"{int(position_cell[k])}; the tables disagree")
+            raise ValueError(
+                f"FrustumLUT: sorted_points[{k}] = {int(listed[k])} is a point of cell "
+                f"{int(point_cell[listed[k]])} (point_cell) but cell_start places position {k} in cell "
+                f"{int(position_cell[k])}; the tables disagree"
+            )
         p = int(torch.nonzero(repeated)[0])
-        raise ValueError(f"FrustumLUT: sorted_points lists point {p} more than once in its first cell_start[-1] = "
-                         f"{kept} entries, expected every point inside the grid exactly once")
+        raise ValueError(
+            f"FrustumLUT: sorted_points lists point {p} more than once in its first cell_start[-1] = "
+            f"{kept} entries, expected every point inside the grid exactly once"
+        )
 
     @property
     def num_points(self) -> int:
@@ -416,16 +522,25 @@ class FrustumLUT:
         return int(self.cell_start[-1])
 
     def to(self, device) -> "FrustumLUT":
-        return FrustumLUT._valid_by_construction(**{
-            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
-                     else getattr(self, f.name)) for f in fields(self)})
+        return FrustumLUT._valid_by_construction(
+            **{
+                f.name: (
+                    getattr(self, f.name).to(device)
+                    if isinstance(getattr(self, f.name), torch.Tensor)
+                    else getattr(self, f.name)
+                )
+                for f in fields(self)
+            }
+        )
 
     @classmethod
     def build(cls, points: torch.Tensor, grid: BevGrid) -> "FrustumLUT":
         """From ego points B x N x D x fH x fW x 3 (metres) and the grid, on the points' device, without a host sync
         or host-to-device copy (capturable in a CUDA graph)."""
         if points.dim() != 6 or points.shape[-1] != 3:
-            raise ValueError(f"FrustumLUT.build: points must be B x N x D x fH x fW x 3, got {tuple(points.shape)}")
+            raise ValueError(
+                f"FrustumLUT.build: points must be B x N x D x fH x fW x 3, got {tuple(points.shape)}"
+            )
         B, N, D, fH, fW, _ = points.shape
         nx, ny, nz = grid.nx, grid.ny, grid.nz
         P, cells = B * N * D * fH * fW, B * nz * nx * ny
@@ -435,19 +550,40 @@ class FrustumLUT:
             pts = points.reshape(B, -1, 3).float()
             # floor (not truncation) so points just below min fall outside; NaN compares false and is dropped.
             # Per axis with Python scalars: no host-to-device copy, so the build can be captured in a CUDA graph.
-            cell_f = torch.stack([torch.floor(grid.to_cells(pts[..., a], a)) for a in range(3)], dim=-1)
-            kept = (cell_f[..., 0] >= 0) & (cell_f[..., 0] < nx) & (cell_f[..., 1] >= 0) & (cell_f[..., 1] < ny) \
-                & (cell_f[..., 2] >= 0) & (cell_f[..., 2] < nz)
+            cell_f = torch.stack(
+                [torch.floor(grid.to_cells(pts[..., a], a)) for a in range(3)], dim=-1
+            )
+            kept = (
+                (cell_f[..., 0] >= 0)
+                & (cell_f[..., 0] < nx)
+                & (cell_f[..., 1] >= 0)
+                & (cell_f[..., 1] < ny)
+                & (cell_f[..., 2] >= 0)
+                & (cell_f[..., 2] < nz)
+            )
             ijk = torch.where(kept.unsqueeze(-1), cell_f, 0.0).to(idx_dtype)
             batch = torch.arange(B, dtype=idx_dtype, device=device).view(B, 1)
             cell = ((batch * nz + ijk[..., 2]) * nx + ijk[..., 0]) * ny + ijk[..., 1]
             key = torch.where(kept, cell, cells).reshape(-1)
             sorted_key, order = torch.sort(key, stable=True)
             boundaries = torch.arange(cells + 1, dtype=idx_dtype, device=device)
-            cell_start = torch.searchsorted(sorted_key, boundaries, out_int32=idx_dtype == torch.int32)
+            cell_start = torch.searchsorted(
+                sorted_key, boundaries, out_int32=idx_dtype == torch.int32
+            )
             point_cell = torch.where(kept.reshape(-1), key, -1)
-        return cls._valid_by_construction(point_cell=point_cell, sorted_points=order.to(idx_dtype),
-                                          cell_start=cell_start, B=B, N=N, D=D, fH=fH, fW=fW, nz=nz, nx=nx, ny=ny)
+        return cls._valid_by_construction(
+            point_cell=point_cell,
+            sorted_points=order.to(idx_dtype),
+            cell_start=cell_start,
+            B=B,
+            N=N,
+            D=D,
+            fH=fH,
+            fW=fW,
+            nz=nz,
+            nx=nx,
+            ny=ny,
+        )
 
 
 class FrustumLUTCache:
@@ -477,12 +613,21 @@ class FrustumLUTCache:
         same = torch.stack([(a == b).all().to(device) for a, b in zip(tensors, self._inputs)])
         if not bool(same.all()):
             return False
-        self._ids = tuple((t, t._version) for t in tensors)  # next call with these tensors hits without a sync
+        self._ids = tuple(
+            (t, t._version) for t in tensors
+        )  # next call with these tensors hits without a sync
         return True
 
-    def get(self, frustum: torch.Tensor, intrinsics: torch.Tensor, sensor2ego_rot: torch.Tensor,
-            sensor2ego_trans: torch.Tensor, post_rot: torch.Tensor, post_trans: torch.Tensor,
-            grid: BevGrid) -> FrustumLUT:
+    def get(
+        self,
+        frustum: torch.Tensor,
+        intrinsics: torch.Tensor,
+        sensor2ego_rot: torch.Tensor,
+        sensor2ego_trans: torch.Tensor,
+        post_rot: torch.Tensor,
+        post_trans: torch.Tensor,
+        grid: BevGrid,
+    ) -> FrustumLUT:
         """The LUT of these inputs (shapes as in `frustum_to_ego`), built only when they differ from the last call."""
         tensors = (frustum, intrinsics, sensor2ego_rot, sensor2ego_trans, post_rot, post_trans)
         if self._matches(tensors, grid):

@@ -1,5 +1,6 @@
 """Pictures of predictions: the six cameras laid out like nuScenes next to the BEV panel (prediction heat map,
 ground-truth outline, map layers, ego car; forward up). `lss viz` writes one PNG per sample."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,9 +16,20 @@ from lss.engine.eval import load_checkpoint_model
 
 FRONT_ROW = ("CAM_FRONT_LEFT", "CAM_FRONT", "CAM_FRONT_RIGHT")
 BACK_ROW = ("CAM_BACK_LEFT", "CAM_BACK", "CAM_BACK_RIGHT")
-MAP_CLASSES = {"drivable_area": (200, 200, 200), "ped_crossing": (170, 190, 210), "walkway": (215, 205, 190),
-               "lane_divider": (90, 90, 90), "road_divider": (60, 60, 60)}
-OBJECT_COLORS = [(30, 90, 230), (220, 40, 40), (30, 160, 60), (200, 120, 0), (150, 60, 200)]  # RGB per object class
+MAP_CLASSES = {
+    "drivable_area": (200, 200, 200),
+    "ped_crossing": (170, 190, 210),
+    "walkway": (215, 205, 190),
+    "lane_divider": (90, 90, 90),
+    "road_divider": (60, 60, 60),
+}
+OBJECT_COLORS = [
+    (30, 90, 230),
+    (220, 40, 40),
+    (30, 160, 60),
+    (200, 120, 0),
+    (150, 60, 200),
+]  # RGB per object class
 EGO_SIZE_M = (4.5, 1.9)  # length (x), width (y) of the ego car outline
 CAMERA_TILE_WIDTH = 352
 
@@ -36,7 +48,9 @@ def denormalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float
     return rgb.permute(0, 2, 3, 1).numpy()
 
 
-def camera_mosaic(images: np.ndarray, cameras: Sequence[str], tile_width: int = CAMERA_TILE_WIDTH) -> np.ndarray:
+def camera_mosaic(
+    images: np.ndarray, cameras: Sequence[str], tile_width: int = CAMERA_TILE_WIDTH
+) -> np.ndarray:
     """N x H x W x 3 uint8 images named by `cameras` -> one image: front row FL/F/FR, back row BL/B/BR (a camera
     that is missing stays black)."""
     h, w = images.shape[1:3]
@@ -47,18 +61,35 @@ def camera_mosaic(images: np.ndarray, cameras: Sequence[str], tile_width: int = 
         for name in row:
             tile = np.zeros((tile_h, tile_width, 3), np.uint8)
             if name in cameras:
-                tile = cv2.resize(images[list(cameras).index(name)], (tile_width, tile_h),
-                                  interpolation=cv2.INTER_LINEAR)
+                tile = cv2.resize(
+                    images[list(cameras).index(name)],
+                    (tile_width, tile_h),
+                    interpolation=cv2.INTER_LINEAR,
+                )
                 if tile_h >= 40:  # a label on tiles large enough to hold it
-                    cv2.putText(tile, name.replace("CAM_", ""), (6, 18), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (255, 255, 0),
-                                1, cv2.LINE_AA)
+                    cv2.putText(
+                        tile,
+                        name.replace("CAM_", ""),
+                        (6, 18),
+                        cv2.FONT_HERSHEY_SIMPLEX,
+                        0.5,
+                        (255, 255, 0),
+                        1,
+                        cv2.LINE_AA,
+                    )
             tiles.append(tile)
         rows.append(np.concatenate(tiles, axis=1))
     return np.concatenate(rows, axis=0)
 
 
-def bev_panel(probs: np.ndarray, targets: np.ndarray, classes: Sequence[str], lower: Sequence[float],
-              cell_size: Sequence[float], size: int = 400) -> np.ndarray:
+def bev_panel(
+    probs: np.ndarray,
+    targets: np.ndarray,
+    classes: Sequence[str],
+    lower: Sequence[float],
+    cell_size: Sequence[float],
+    size: int = 400,
+) -> np.ndarray:
     """BEV picture, size x size x 3 uint8, forward up: ground-truth map layers as background, a heat map of the
     predicted probability of each object class, the object ground truth as an outline, the ego car in the middle.
 
@@ -77,8 +108,11 @@ def bev_panel(probs: np.ndarray, targets: np.ndarray, classes: Sequence[str], lo
         canvas = canvas * (1 - alpha) + color * alpha
     canvas = bev_to_image(canvas)
     scale = size / max(nx, ny)
-    image = cv2.resize(np.ascontiguousarray(canvas).astype(np.uint8), (round(ny * scale), round(nx * scale)),
-                       interpolation=cv2.INTER_NEAREST)
+    image = cv2.resize(
+        np.ascontiguousarray(canvas).astype(np.uint8),
+        (round(ny * scale), round(nx * scale)),
+        interpolation=cv2.INTER_NEAREST,
+    )
     for i in objects:
         mask = np.ascontiguousarray(bev_to_image(targets[i] > 0.5)).astype(np.uint8)
         mask = cv2.resize(mask, (image.shape[1], image.shape[0]), interpolation=cv2.INTER_NEAREST)
@@ -88,8 +122,14 @@ def bev_panel(probs: np.ndarray, targets: np.ndarray, classes: Sequence[str], lo
     return image
 
 
-def _draw_ego(image: np.ndarray, nx: int, ny: int, lower: Sequence[float], cell_size: Sequence[float],
-              scale: float) -> None:
+def _draw_ego(
+    image: np.ndarray,
+    nx: int,
+    ny: int,
+    lower: Sequence[float],
+    cell_size: Sequence[float],
+    scale: float,
+) -> None:
     # ego origin in grid cells, then in image pixels (rows flipped: forward up; columns flipped: left on the left)
     ci = (0.0 - lower[0]) / cell_size[0]
     cj = (0.0 - lower[1]) / cell_size[1]
@@ -99,12 +139,24 @@ def _draw_ego(image: np.ndarray, nx: int, ny: int, lower: Sequence[float], cell_
     top_left = (round(col - half_w), round(row - half_l))
     bottom_right = (round(col + half_w), round(row + half_l))
     cv2.rectangle(image, top_left, bottom_right, (20, 170, 20), -1)
-    cv2.arrowedLine(image, (round(col), round(row)), (round(col), round(row - 2 * half_l)), (0, 90, 0), 1,
-                    cv2.LINE_AA, tipLength=0.4)
+    cv2.arrowedLine(
+        image,
+        (round(col), round(row)),
+        (round(col), round(row - 2 * half_l)),
+        (0, 90, 0),
+        1,
+        cv2.LINE_AA,
+        tipLength=0.4,
+    )
 
 
-def bev_grid_image(probs: torch.Tensor, targets: torch.Tensor, classes: Sequence[str], max_samples: int = 4,
-                   cell: int = 2) -> np.ndarray:
+def bev_grid_image(
+    probs: torch.Tensor,
+    targets: torch.Tensor,
+    classes: Sequence[str],
+    max_samples: int = 4,
+    cell: int = 2,
+) -> np.ndarray:
     """Tensorboard picture: per sample (rows) and class (columns), prediction | ground truth, forward up.
     probs, targets: B x K x nx x ny. Returns H x W x 3 uint8."""
     rows = []
@@ -121,8 +173,9 @@ def bev_grid_image(probs: torch.Tensor, targets: torch.Tensor, classes: Sequence
     return np.ascontiguousarray(np.repeat(gray[..., None], 3, axis=2))
 
 
-def render_sample(item: dict, probs: np.ndarray, cfg: Config, title: str = "",
-                  detections: Optional[dict] = None) -> np.ndarray:
+def render_sample(
+    item: dict, probs: np.ndarray, cfg: Config, title: str = "", detections: Optional[dict] = None
+) -> np.ndarray:
     """One picture (H x W x 3 uint8) of a dataset item and the model's K x nx x ny probabilities; with the
     detection head, its boxes (`detections`, lss.models.heads.detection.decode_detections) and the item's ground truth."""
     from lss.detection_viz import draw_bev_detections, draw_camera_detections
@@ -133,15 +186,25 @@ def render_sample(item: dict, probs: np.ndarray, cfg: Config, title: str = "",
     if detections is not None:
         images = draw_camera_detections(images, item, detections)
     mosaic = camera_mosaic(images, cfg.data.cameras)
-    panel = bev_panel(probs, item["targets"].float().numpy(), cfg.data.classes, grid.lower, grid.cell_size,
-                      size=mosaic.shape[0])
+    panel = bev_panel(
+        probs,
+        item["targets"].float().numpy(),
+        cfg.data.classes,
+        grid.lower,
+        grid.cell_size,
+        size=mosaic.shape[0],
+    )
     if detections is not None:
         panel = draw_bev_detections(panel, item, grid, detections)
     gap = np.full((mosaic.shape[0], 8, 3), 255, np.uint8)
     image = np.concatenate([mosaic, gap, panel], axis=1)
     header = np.full((24, image.shape[1], 3), 255, np.uint8)
-    legend = title + "   " + "  ".join(f"{c}" for c in cfg.data.classes if c not in MAP_CLASSES) + \
-        " (heat: prediction, outline: ground truth)"
+    legend = (
+        title
+        + "   "
+        + "  ".join(f"{c}" for c in cfg.data.classes if c not in MAP_CLASSES)
+        + " (heat: prediction, outline: ground truth)"
+    )
     cv2.putText(header, legend, (6, 17), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1, cv2.LINE_AA)
     return np.concatenate([header, image], axis=0)
 
@@ -153,7 +216,9 @@ def _scene_of(dataset, token: str) -> str:
     return nusc.get("sample", token)["scene_token"]
 
 
-def render_checkpoint(cfg: Config, ckpt: str, out_dir: str, num: Optional[int] = None) -> list[Path]:
+def render_checkpoint(
+    cfg: Config, ckpt: str, out_dir: str, num: Optional[int] = None
+) -> list[Path]:
     """Render the first `num` (default viz.num) validation samples with checkpoint `ckpt` into `out_dir`:
     one PNG per sample, plus one GIF per scene with viz.gif. Returns the written paths."""
     from PIL import Image
@@ -171,14 +236,21 @@ def render_checkpoint(cfg: Config, ckpt: str, out_dir: str, num: Optional[int] =
     frames: dict[str, list[np.ndarray]] = {}
     for idx in tqdm(range(count), desc="viz", unit="sample", dynamic_ncols=True):
         item = dataset[idx]
-        batch = {k: v.unsqueeze(0).to(device) if torch.is_tensor(v) else [v] for k, v in item.items()}
+        batch = {
+            k: v.unsqueeze(0).to(device) if torch.is_tensor(v) else [v] for k, v in item.items()
+        }
         with torch.no_grad():
             outputs = model(batch)
         probs = outputs["segmentation"][0].float().sigmoid().cpu().numpy()
         detections = decode_detections(outputs, cfg)[0] if "detection" in cfg.model.heads else None
         token = item.get("sample_token", "")
-        image = render_sample(item, probs, cfg, title=f"{idx:04d} {token[:12]} step {state['step']}",
-                              detections=detections)
+        image = render_sample(
+            item,
+            probs,
+            cfg,
+            title=f"{idx:04d} {token[:12]} step {state['step']}",
+            detections=detections,
+        )
         file = out / f"{idx:04d}_{token[:12] or 'sample'}.png"
         Image.fromarray(image).save(file)
         written.append(file)

@@ -1,5 +1,6 @@
 """What the run-based suites (accuracy, train_loop) share: a synthetic set made once through `lss make-synthetic`,
 `lss train` / `lss eval` as subprocesses, and the run-directory files they leave (metrics.jsonl, final.json)."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,13 @@ class SyntheticSet:
     seed: int = 0
 
     def describe(self) -> dict:
-        return {"version": self.version, "scenes": self.scenes, "samples_per_scene": self.samples_per_scene,
-                "image_size": list(self.image_size), "seed": self.seed}
+        return {
+            "version": self.version,
+            "scenes": self.scenes,
+            "samples_per_scene": self.samples_per_scene,
+            "image_size": list(self.image_size),
+            "seed": self.seed,
+        }
 
 
 def ensure_synthetic_set(root: Path, spec: SyntheticSet, workers: Optional[int] = None) -> float:
@@ -38,18 +44,37 @@ def ensure_synthetic_set(root: Path, spec: SyntheticSet, workers: Optional[int] 
     if (root / spec.version / "sample.json").is_file():
         found = json.loads(stamp.read_text()) if stamp.is_file() else None
         if found is not None and found != spec.describe():
-            raise ValueError(f"{root} holds a synthetic set made with {found}, not {spec.describe()}: pass another "
-                             "data directory or delete this one")
+            raise ValueError(
+                f"{root} holds a synthetic set made with {found}, not {spec.describe()}: pass another "
+                "data directory or delete this one"
+            )
         return 0.0
-    cmd = [sys.executable, "-m", "lss", "make-synthetic", str(root), "--version", spec.version, "--scenes",
-           str(spec.scenes), "--samples-per-scene", str(spec.samples_per_scene), "--image-size",
-           f"{spec.image_size[0]}x{spec.image_size[1]}", "--seed", str(spec.seed), "--force"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lss",
+        "make-synthetic",
+        str(root),
+        "--version",
+        spec.version,
+        "--scenes",
+        str(spec.scenes),
+        "--samples-per-scene",
+        str(spec.samples_per_scene),
+        "--image-size",
+        f"{spec.image_size[0]}x{spec.image_size[1]}",
+        "--seed",
+        str(spec.seed),
+        "--force",
+    ]
     if workers:
         cmd += ["--workers", str(workers)]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{tail(done.stdout + done.stderr)}")
+        raise RuntimeError(
+            f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{tail(done.stdout + done.stderr)}"
+        )
     seconds = time.perf_counter() - start
     stamp.write_text(json.dumps(spec.describe()))
     return seconds
@@ -104,4 +129,8 @@ def tail(text: str, lines: int = 30) -> str:
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
-    return tail(Path(path).read_text(errors="replace"), lines) if Path(path).is_file() else f"({path} missing)"
+    return (
+        tail(Path(path).read_text(errors="replace"), lines)
+        if Path(path).is_file()
+        else f"({path} missing)"
+    )

@@ -7,6 +7,7 @@ set, steps, seed, eval_every and data.workers as overrides, so recipes differ on
 As suite `accuracy` of `lss bench`, options come from LSS_ACC_* environment variables (see options_from_env);
 scripts/accuracy.py is the command-line entry. See docs/benchmarks.md and docs/accuracy.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from lss.benchmarks._runs import (SyntheticSet, child_env, ensure_synthetic_set, lss_command, log_tail, read_jsonl,
-                                  tail)
+from lss.benchmarks._runs import (
+    SyntheticSet,
+    child_env,
+    ensure_synthetic_set,
+    lss_command,
+    log_tail,
+    read_jsonl,
+    tail,
+)
 
 # about a fifth of the scenes go to val: 40 scenes give 32 train scenes (1280 samples) and 8 val scenes (320)
-BENCHMARK_SET = SyntheticSet("v1.0-trainval", scenes=40, samples_per_scene=40, image_size=(1600, 900), seed=11)
+BENCHMARK_SET = SyntheticSet(
+    "v1.0-trainval", scenes=40, samples_per_scene=40, image_size=(1600, 900), seed=11
+)
 QUICK_SET = SyntheticSet("v1.0-mini", scenes=2, samples_per_scene=3, image_size=(400, 225), seed=0)
 DEFAULT_RECIPES = {  # name -> (config, overrides)
     "paper": ("configs/lss_paper.yaml", ()),
@@ -33,16 +43,27 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     "default_4k": ("configs/synthetic.yaml", ("train.max_steps=4000",)),
     # the default recipe trained on vehicles alone: what the other classes cost (or give) the vehicle class (a single
     # class's loss weight cancels: the loss is divided by the weights' sum)
-    "default_vehicle": ("configs/synthetic.yaml", ("data.classes=[vehicle]", "loss.class_pos_weights=[4.0]",
-                                                   "loss.class_weights=null")),
+    "default_vehicle": (
+        "configs/synthetic.yaml",
+        ("data.classes=[vehicle]", "loss.class_pos_weights=[4.0]", "loss.class_weights=null"),
+    ),
     # the default recipe with equal class weights: better map classes, a weaker vehicle class
     "balanced": ("configs/synthetic.yaml", ("loss.class_weights=null",)),
 }
 # CPU smoke runs (CI): the tiny grid and image size of tests/test_recorded_run.py, no compile or CUDA graph
-QUICK_OVERRIDES = ("data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",
-                   "grid.ybound=[-16.0, 16.0, 1.0]", "grid.dbound=[4.0, 20.0, 2.0]", "model.context_channels=8",
-                   "train.batch_size=2", "eval.batch_size=2", "train.device=cpu", "train.compile=false",
-                   "train.cuda_graph=false")
+QUICK_OVERRIDES = (
+    "data.final_dim=[32, 96]",
+    "data.resize_lim=[0.24, 0.26]",
+    "grid.xbound=[-16.0, 16.0, 1.0]",
+    "grid.ybound=[-16.0, 16.0, 1.0]",
+    "grid.dbound=[4.0, 20.0, 2.0]",
+    "model.context_channels=8",
+    "train.batch_size=2",
+    "eval.batch_size=2",
+    "train.device=cpu",
+    "train.compile=false",
+    "train.cuda_graph=false",
+)
 
 
 @dataclass
@@ -54,16 +75,22 @@ class Recipe:
 
 @dataclass
 class AccuracyOptions:
-    recipes: list[Recipe] = field(default_factory=lambda: [parse_recipe("paper"), parse_recipe("default")])
+    recipes: list[Recipe] = field(
+        default_factory=lambda: [parse_recipe("paper"), parse_recipe("default")]
+    )
     seeds: tuple[int, ...] = (0, 1, 2)
     steps: int = 2000
     eval_every: int = 500
     parallel: int = 6  # training processes at once on the one GPU (~2 GB each)
-    workers: int = 2  # data.workers per process: parallel * (workers + 1) should stay near the CPU count
+    workers: int = (
+        2  # data.workers per process: parallel * (workers + 1) should stay near the CPU count
+    )
     data_dir: str = "data/benchmark_accuracy"
     out_dir: str = "runs/bench_accuracy"
     quick: bool = False
-    run_timeout: Optional[float] = None  # seconds per training run; a run past it is killed and reported failed
+    run_timeout: Optional[float] = (
+        None  # seconds per training run; a run past it is killed and reported failed
+    )
     dataset: SyntheticSet = BENCHMARK_SET
 
 
@@ -85,8 +112,10 @@ def parse_recipe(text: str) -> Recipe:
     """NAME=CONFIG[,section.key=value...], or NAME alone for a recipe of DEFAULT_RECIPES."""
     if "=" not in text:
         if text not in DEFAULT_RECIPES:
-            raise ValueError(f"recipe {text!r}: not one of the named recipes {sorted(DEFAULT_RECIPES)}; give "
-                             "NAME=CONFIG[,section.key=value...], e.g. paper_lr=configs/lss_paper.yaml,optim.lr=0.002")
+            raise ValueError(
+                f"recipe {text!r}: not one of the named recipes {sorted(DEFAULT_RECIPES)}; give "
+                "NAME=CONFIG[,section.key=value...], e.g. paper_lr=configs/lss_paper.yaml,optim.lr=0.002"
+            )
         config, overrides = DEFAULT_RECIPES[text]
         return Recipe(text, config, tuple(overrides))
     name, rest = text.split("=", 1)
@@ -102,11 +131,21 @@ def run_overrides(opts: AccuracyOptions, recipe: Recipe, seed: int) -> list[str]
     """What every run of the benchmark shares, then the recipe's own overrides (a recipe may set its own
     train.max_steps, e.g. the 2K rows). train.compile is off: a speed setting, and parallel runs would spend
     minutes compiling."""
-    common = ["train.compile=false", f"data.dataroot={Path(opts.data_dir).resolve()}", f"data.version={opts.dataset.version}",
-              "data.train_split=train", "data.val_split=val", "data.make_synthetic_if_missing=false",
-              f"data.workers={opts.workers}", f"train.max_steps={opts.steps}", f"train.seed={seed}",
-              f"train.eval_every={opts.eval_every}", f"train.ckpt_every={opts.steps}", "train.viz_every=0",
-              f"train.log_every={min(20, opts.steps)}"]
+    common = [
+        "train.compile=false",
+        f"data.dataroot={Path(opts.data_dir).resolve()}",
+        f"data.version={opts.dataset.version}",
+        "data.train_split=train",
+        "data.val_split=val",
+        "data.make_synthetic_if_missing=false",
+        f"data.workers={opts.workers}",
+        f"train.max_steps={opts.steps}",
+        f"train.seed={seed}",
+        f"train.eval_every={opts.eval_every}",
+        f"train.ckpt_every={opts.steps}",
+        "train.viz_every=0",
+        f"train.log_every={min(20, opts.steps)}",
+    ]
     return common + (list(QUICK_OVERRIDES) if opts.quick else []) + list(recipe.overrides)
 
 
@@ -120,10 +159,18 @@ def train_runs(opts: AccuracyOptions) -> list[dict]:
             recipe, seed = pending.pop(0)
             run_dir = Path(opts.out_dir) / "runs" / recipe.name / f"seed{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = lss_command("train", recipe.config, run_overrides(opts, recipe, seed), "--out", str(run_dir),
-                               "--overwrite")  # a benchmark run replaces an earlier run of the same name
+            cmd = lss_command(
+                "train",
+                recipe.config,
+                run_overrides(opts, recipe, seed),
+                "--out",
+                str(run_dir),
+                "--overwrite",
+            )  # a benchmark run replaces an earlier run of the same name
             log = (run_dir / "train.log").open("w")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(threads))
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(threads)
+            )
             running.append((proc, log, recipe, seed, run_dir, time.perf_counter()))
         time.sleep(0.2)
         for entry in list(running):
@@ -136,28 +183,61 @@ def train_runs(opts: AccuracyOptions) -> list[dict]:
                 proc.wait()
             log.close()
             running.remove(entry)
-            record = collect_run(run_dir, recipe, seed, proc.returncode, time.perf_counter() - start, late)
+            record = collect_run(
+                run_dir, recipe, seed, proc.returncode, time.perf_counter() - start, late
+            )
             done.append(record)
-            print(f"accuracy: {recipe.name} seed {seed}: {record['status']} in {record['seconds']:.0f} s", flush=True)
+            print(
+                f"accuracy: {recipe.name} seed {seed}: {record['status']} in {record['seconds']:.0f} s",
+                flush=True,
+            )
     return done
 
 
-def collect_run(run_dir: Path, recipe: Recipe, seed: int, returncode: int, seconds: float,
-                timed_out: bool = False) -> dict:
+def collect_run(
+    run_dir: Path,
+    recipe: Recipe,
+    seed: int,
+    returncode: int,
+    seconds: float,
+    timed_out: bool = False,
+) -> dict:
     """The run's final validation result (final.json "val": IoU at eval.threshold and over eval.sweep, as in
     eval.json) and its validation curve (metrics.jsonl "val" records); failed runs keep their log tail."""
-    record = {"recipe": recipe.name, "config": recipe.config, "overrides": list(recipe.overrides), "seed": seed,
-              "run_dir": str(run_dir), "seconds": seconds, "returncode": returncode}
+    record = {
+        "recipe": recipe.name,
+        "config": recipe.config,
+        "overrides": list(recipe.overrides),
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "seconds": seconds,
+        "returncode": returncode,
+    }
     final_path = Path(run_dir) / "final.json"
     val = json.loads(final_path.read_text()).get("val") if final_path.is_file() else None
     if returncode != 0 or not val or "sweep" not in val:
-        why = "timed out" if timed_out else f"exit code {returncode}" if returncode else "no validation result"
-        record.update(status="failed", reason=why, log_tail=log_tail(Path(run_dir) / "train.log", 40))
+        why = (
+            "timed out"
+            if timed_out
+            else f"exit code {returncode}"
+            if returncode
+            else "no validation result"
+        )
+        record.update(
+            status="failed", reason=why, log_tail=log_tail(Path(run_dir) / "train.log", 40)
+        )
         return record
-    record.update(status="ok", threshold=val["threshold"], iou=val["iou"], sweep=val["sweep"],
-                  best=best_thresholds(val["sweep"]))
+    record.update(
+        status="ok",
+        threshold=val["threshold"],
+        iou=val["iou"],
+        sweep=val["sweep"],
+        best=best_thresholds(val["sweep"]),
+    )
     records = read_jsonl(Path(run_dir) / "metrics.jsonl")
-    record["curve"] = [{"step": r["step"], "iou": r["iou"]} for r in records if r.get("kind") == "val"]
+    record["curve"] = [
+        {"step": r["step"], "iou": r["iou"]} for r in records if r.get("kind") == "val"
+    ]
     record["steps"] = max((r["step"] for r in records if r.get("kind") == "train"), default=0)
     return record
 
@@ -167,7 +247,9 @@ def best_thresholds(sweep: dict) -> dict:
     classes = list(next(iter(sweep.values())))
     out = {}
     for c in classes:
-        t, iou = max(((float(t), v[c]) for t, v in sweep.items()), key=lambda p: (p[1], -abs(p[0] - 0.5)))
+        t, iou = max(
+            ((float(t), v[c]) for t, v in sweep.items()), key=lambda p: (p[1], -abs(p[0] - 0.5))
+        )
         out[c] = {"threshold": t, "iou": iou}
     return out
 
@@ -193,37 +275,58 @@ def summarize(runs: list[dict]) -> dict:
             continue
         table[recipe], curves[recipe] = {}, {}
         for c in ok[0]["iou"]:
-            table[recipe][c] = {"iou_0.5": list(mean_std([r["iou"][c] for r in ok])),
-                                "iou_best": list(mean_std([r["best"][c]["iou"] for r in ok])),
-                                "best_threshold": mean_std([r["best"][c]["threshold"] for r in ok])[0],
-                                "seeds": [r["seed"] for r in ok], "steps": max(r.get("steps", 0) for r in ok)}
+            table[recipe][c] = {
+                "iou_0.5": list(mean_std([r["iou"][c] for r in ok])),
+                "iou_best": list(mean_std([r["best"][c]["iou"] for r in ok])),
+                "best_threshold": mean_std([r["best"][c]["threshold"] for r in ok])[0],
+                "seeds": [r["seed"] for r in ok],
+                "steps": max(r.get("steps", 0) for r in ok),
+            }
             steps = sorted(set.intersection(*[{p["step"] for p in r["curve"]} for r in ok]))
-            points = [[next(p["iou"][c] for p in r["curve"] if p["step"] == s) for r in ok] for s in steps]
+            points = [
+                [next(p["iou"][c] for p in r["curve"] if p["step"] == s) for r in ok] for s in steps
+            ]
             stats = [mean_std(p) for p in points]
-            curves[recipe][c] = {"steps": steps, "mean": [m for m, _ in stats], "std": [s or 0.0 for _, s in stats]}
+            curves[recipe][c] = {
+                "steps": steps,
+                "mean": [m for m, _ in stats],
+                "std": [s or 0.0 for _, s in stats],
+            }
     return {"table": table, "curves": curves}
 
 
 def _pm(stat: list) -> str:
     mean, std = stat
-    return f"{100 * mean:.2f} ± {100 * std:.2f}" if std is not None else f"{100 * mean:.2f} (1 seed)"
+    return (
+        f"{100 * mean:.2f} ± {100 * std:.2f}" if std is not None else f"{100 * mean:.2f} (1 seed)"
+    )
 
 
 def to_markdown(result: dict) -> str:
     s = result["settings"]
-    lines = [f"Accuracy benchmark: {s['steps']} steps unless a recipe sets its own, seeds {s['seeds']}, set "
-             f"{s['dataset']}; device {result['meta'].get('device', '?')}, torch {result['meta'].get('torch', '?')}, "
-             f"date {result['meta'].get('date', '?')}. Validation IoU (%), mean ± std over seeds.", "",
-             "| recipe | steps | class | IoU @0.5 | IoU @best threshold | mean best threshold | seeds |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Accuracy benchmark: {s['steps']} steps unless a recipe sets its own, seeds {s['seeds']}, set "
+        f"{s['dataset']}; device {result['meta'].get('device', '?')}, torch {result['meta'].get('torch', '?')}, "
+        f"date {result['meta'].get('date', '?')}. Validation IoU (%), mean ± std over seeds.",
+        "",
+        "| recipe | steps | class | IoU @0.5 | IoU @best threshold | mean best threshold | seeds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for recipe, classes in result["summary"]["table"].items():
         for c, row in classes.items():
-            lines.append(f"| {recipe} | {row.get('steps', s['steps'])} | {c} | {_pm(row['iou_0.5'])} | "
-                         f"{_pm(row['iou_best'])} | {row['best_threshold']:.2f} | {len(row['seeds'])} |")
+            lines.append(
+                f"| {recipe} | {row.get('steps', s['steps'])} | {c} | {_pm(row['iou_0.5'])} | "
+                f"{_pm(row['iou_best'])} | {row['best_threshold']:.2f} | {len(row['seeds'])} |"
+            )
     failed = [r for r in result["runs"] if r["status"] != "ok"]
     for r in failed:
-        lines += ["", f"FAILED: {r['recipe']} seed {r['seed']} ({r['reason']}), log tail:", "```",
-                  r.get("log_tail", ""), "```"]
+        lines += [
+            "",
+            f"FAILED: {r['recipe']} seed {r['seed']} ({r['reason']}), log tail:",
+            "```",
+            r.get("log_tail", ""),
+            "```",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -235,17 +338,26 @@ def plot_curves(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     classes = list(dict.fromkeys(c for per in summary["curves"].values() for c in per))
-    fig, axes = plt.subplots(1, max(1, len(classes)), figsize=(5 * max(1, len(classes)), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, max(1, len(classes)), figsize=(5 * max(1, len(classes)), 4), squeeze=False
+    )
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    color = {recipe: palette[i % len(palette)] for i, recipe in enumerate(summary["curves"])}  # one per recipe
+    color = {
+        recipe: palette[i % len(palette)] for i, recipe in enumerate(summary["curves"])
+    }  # one per recipe
     for ax, c in zip(axes[0], classes):
         for recipe, per in summary["curves"].items():
             if c not in per or not per[c]["steps"]:
                 continue
             steps, mean, std = per[c]["steps"], per[c]["mean"], per[c]["std"]
             ax.plot(steps, [100 * m for m in mean], marker="o", label=recipe, color=color[recipe])
-            ax.fill_between(steps, [100 * (m - d) for m, d in zip(mean, std)],
-                            [100 * (m + d) for m, d in zip(mean, std)], alpha=0.25, color=color[recipe])
+            ax.fill_between(
+                steps,
+                [100 * (m - d) for m, d in zip(mean, std)],
+                [100 * (m + d) for m, d in zip(mean, std)],
+                alpha=0.25,
+                color=color[recipe],
+            )
         ax.set_title(f"{c}: validation IoU @0.5")
         ax.set_xlabel("step")
         ax.set_ylabel("IoU (%)")
@@ -265,13 +377,27 @@ def benchmark(opts: AccuracyOptions, meta: Optional[dict] = None) -> dict:
         raise ValueError(f"recipe names must be distinct, got {names}")
     gen_seconds = ensure_synthetic_set(Path(opts.data_dir), opts.dataset)
     order = {name: i for i, name in enumerate(names)}
-    runs = sorted(train_runs(opts), key=lambda r: (order[r["recipe"]], r["seed"]))  # not the order runs finished in
-    result = {"meta": meta or {}, "summary": summarize(runs), "runs": runs,
-              "settings": {"recipes": {r.name: {"config": r.config, "overrides": list(r.overrides)}
-                                       for r in opts.recipes},
-                           "seeds": list(opts.seeds), "steps": opts.steps, "eval_every": opts.eval_every,
-                           "parallel": opts.parallel, "workers": opts.workers, "quick": opts.quick,
-                           "dataset": opts.dataset.describe(), "generation_seconds": gen_seconds}}
+    runs = sorted(
+        train_runs(opts), key=lambda r: (order[r["recipe"]], r["seed"])
+    )  # not the order runs finished in
+    result = {
+        "meta": meta or {},
+        "summary": summarize(runs),
+        "runs": runs,
+        "settings": {
+            "recipes": {
+                r.name: {"config": r.config, "overrides": list(r.overrides)} for r in opts.recipes
+            },
+            "seeds": list(opts.seeds),
+            "steps": opts.steps,
+            "eval_every": opts.eval_every,
+            "parallel": opts.parallel,
+            "workers": opts.workers,
+            "quick": opts.quick,
+            "dataset": opts.dataset.describe(),
+            "generation_seconds": gen_seconds,
+        },
+    }
     (out / "accuracy.json").write_text(json.dumps(result, indent=1))
     md = to_markdown(result)
     (out / "accuracy.md").write_text(md)
@@ -281,15 +407,26 @@ def benchmark(opts: AccuracyOptions, meta: Optional[dict] = None) -> dict:
 
 
 def quick_options(out_dir: str, data_dir: Optional[str] = None) -> AccuracyOptions:
-    return AccuracyOptions(seeds=(0, 1), steps=2, eval_every=2, parallel=4, workers=0, out_dir=out_dir,
-                           data_dir=data_dir or str(Path(out_dir) / "data"), quick=True, dataset=QUICK_SET)
+    return AccuracyOptions(
+        seeds=(0, 1),
+        steps=2,
+        eval_every=2,
+        parallel=4,
+        workers=0,
+        out_dir=out_dir,
+        data_dir=data_dir or str(Path(out_dir) / "data"),
+        quick=True,
+        dataset=QUICK_SET,
+    )
 
 
 def options_from_env(quick: bool) -> AccuracyOptions:
     """LSS_ACC_RECIPES (space-separated recipes), LSS_ACC_SEEDS (comma-separated), LSS_ACC_STEPS,
     LSS_ACC_PARALLEL, LSS_ACC_WORKERS, LSS_ACC_DATA, LSS_ACC_OUT over the defaults (or quick_options)."""
     env = os.environ
-    out = env.get("LSS_ACC_OUT") or (tempfile.mkdtemp(prefix="lss_accuracy_") if quick else "runs/bench_accuracy")
+    out = env.get("LSS_ACC_OUT") or (
+        tempfile.mkdtemp(prefix="lss_accuracy_") if quick else "runs/bench_accuracy"
+    )
     opts = quick_options(out, env.get("LSS_ACC_DATA")) if quick else AccuracyOptions(out_dir=out)
     if env.get("LSS_ACC_DATA"):
         opts.data_dir = env["LSS_ACC_DATA"]
@@ -297,7 +434,11 @@ def options_from_env(quick: bool) -> AccuracyOptions:
         opts.recipes = [parse_recipe(t) for t in env["LSS_ACC_RECIPES"].split()]
     if env.get("LSS_ACC_SEEDS"):
         opts.seeds = tuple(int(s) for s in env["LSS_ACC_SEEDS"].split(","))
-    for key, name in (("LSS_ACC_STEPS", "steps"), ("LSS_ACC_PARALLEL", "parallel"), ("LSS_ACC_WORKERS", "workers")):
+    for key, name in (
+        ("LSS_ACC_STEPS", "steps"),
+        ("LSS_ACC_PARALLEL", "parallel"),
+        ("LSS_ACC_WORKERS", "workers"),
+    ):
         if env.get(key):
             setattr(opts, name, int(env[key]))
     return opts
@@ -308,12 +449,26 @@ def run(ctx) -> list[dict]:
     rows = []
     for recipe, classes in result["summary"]["table"].items():
         for c, row in classes.items():
-            rows.append({"case": f"val IoU {c}", "impl": recipe, "ms": None, "iou_0.5": row["iou_0.5"],
-                         "iou_best": row["iou_best"], "best_threshold": row["best_threshold"],
-                         "notes": f"IoU@0.5 {_pm(row['iou_0.5'])}, @best {_pm(row['iou_best'])} "
-                                  f"(t={row['best_threshold']:.2f}), {len(row['seeds'])} seeds"})
+            rows.append(
+                {
+                    "case": f"val IoU {c}",
+                    "impl": recipe,
+                    "ms": None,
+                    "iou_0.5": row["iou_0.5"],
+                    "iou_best": row["iou_best"],
+                    "best_threshold": row["best_threshold"],
+                    "notes": f"IoU@0.5 {_pm(row['iou_0.5'])}, @best {_pm(row['iou_best'])} "
+                    f"(t={row['best_threshold']:.2f}), {len(row['seeds'])} seeds",
+                }
+            )
     for r in result["runs"]:
         if r["status"] != "ok":
-            rows.append({"case": f"run seed {r['seed']}", "impl": r["recipe"], "ms": None,
-                         "notes": f"FAILED ({r['reason']}): {tail(r['log_tail'], 3)}"})
+            rows.append(
+                {
+                    "case": f"run seed {r['seed']}",
+                    "impl": r["recipe"],
+                    "ms": None,
+                    "notes": f"FAILED ({r['reason']}): {tail(r['log_tail'], 3)}",
+                }
+            )
     return rows

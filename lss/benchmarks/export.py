@@ -4,6 +4,7 @@ provider is installed) next to PyTorch eager and, on a GPU, the PyTorch forward 
 Case: the LSS paper's sizes (6 cameras 128 x 352, a 200 x 200 grid, 41 depth bins, 64 context channels), random
 weights, the nuScenes rig with the evaluation augmentation baked in (fixed rig, bev_pool in standard ONNX ops);
 quick: 6 cameras 32 x 96, a 32 x 32 grid. The PyTorch forward reuses its cached lookup table (the rig is fixed)."""
+
 from __future__ import annotations
 
 import tempfile
@@ -31,11 +32,18 @@ def bench_config(quick: bool) -> Config:
 def nominal_rig(cfg: Config) -> dict:
     """The nuScenes rig (lss/data/nuscenes_rig.json) with the evaluation augmentation to data.final_dim: N x ..."""
     K, rot, trans = load_nuscenes_rig(cfg.data.cameras)
-    post_rot, post_trans = image_augmentation(val_augmentation(NUSCENES_IMAGE, cfg.data.final_dim,
-                                                               cfg.data.bot_pct_lim), NUSCENES_IMAGE,
-                                              cfg.data.final_dim)
+    post_rot, post_trans = image_augmentation(
+        val_augmentation(NUSCENES_IMAGE, cfg.data.final_dim, cfg.data.bot_pct_lim),
+        NUSCENES_IMAGE,
+        cfg.data.final_dim,
+    )
     n = K.shape[0]
-    return dict(zip(RIG_KEYS, (K, rot, trans, post_rot.expand(n, 3, 3).clone(), post_trans.expand(n, 3).clone())))
+    return dict(
+        zip(
+            RIG_KEYS,
+            (K, rot, trans, post_rot.expand(n, 3, 3).clone(), post_trans.expand(n, 3).clone()),
+        )
+    )
 
 
 def _onnxruntime():
@@ -67,20 +75,49 @@ def run(ctx) -> list[dict]:
         if ort is not None:
             export_model(model, path, cfg, rig=rig)
         dev_model = model.to(ctx.device)
-        batch = {"images": images.to(ctx.device), **{k: v[None].to(ctx.device) for k, v in rig.items()}}
+        batch = {
+            "images": images.to(ctx.device),
+            **{k: v[None].to(ctx.device) for k, v in rig.items()},
+        }
         with torch.no_grad():
             eager = ctx.time(lambda: dev_model(batch), warmup=3, reps=20)
-            rows.append({"case": case, "impl": "lss", "ms": eager,
-                         "notes": f"PyTorch eager, {ctx.device.type}, {threads} CPU threads"})
+            rows.append(
+                {
+                    "case": case,
+                    "impl": "lss",
+                    "ms": eager,
+                    "notes": f"PyTorch eager, {ctx.device.type}, {threads} CPU threads",
+                }
+            )
             if ctx.device.type == "cuda":
                 try:
                     graphed = ctx.time_graphed(lambda: dev_model(batch))
-                    rows.append({"case": case, "impl": "lss cuda-graph", "ms": graphed,
-                                 "notes": "PyTorch forward replayed as one CUDA graph"})
+                    rows.append(
+                        {
+                            "case": case,
+                            "impl": "lss cuda-graph",
+                            "ms": graphed,
+                            "notes": "PyTorch forward replayed as one CUDA graph",
+                        }
+                    )
                 except RuntimeError as e:
-                    rows.append({"case": case, "impl": "lss cuda-graph", "ms": None, "notes": f"not capturable: {e}"})
+                    rows.append(
+                        {
+                            "case": case,
+                            "impl": "lss cuda-graph",
+                            "ms": None,
+                            "notes": f"not capturable: {e}",
+                        }
+                    )
         if ort is None:
-            rows.append({"case": case, "impl": "onnxruntime", "ms": None, "notes": "onnxruntime not installed"})
+            rows.append(
+                {
+                    "case": case,
+                    "impl": "onnxruntime",
+                    "ms": None,
+                    "notes": "onnxruntime not installed",
+                }
+            )
             return rows
         feeds = {"images": images.numpy()}
         providers = ["CPUExecutionProvider"]
@@ -91,8 +128,14 @@ def run(ctx) -> list[dict]:
             options.intra_op_num_threads = threads  # the same CPU threads as PyTorch
             session = ort.InferenceSession(str(path), options, providers=[provider])
             ms = _time_host(ctx, lambda: session.run(["segmentation"], feeds))
-            rows.append({"case": case, "impl": f"onnxruntime {provider.replace('ExecutionProvider', '')}", "ms": ms,
-                         "notes": f"onnxruntime {ort.__version__}, opset 17, fixed rig, {threads} CPU threads"})
+            rows.append(
+                {
+                    "case": case,
+                    "impl": f"onnxruntime {provider.replace('ExecutionProvider', '')}",
+                    "ms": ms,
+                    "notes": f"onnxruntime {ort.__version__}, opset 17, fixed rig, {threads} CPU threads",
+                }
+            )
     return rows
 
 

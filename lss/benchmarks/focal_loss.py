@@ -4,14 +4,19 @@ floor_ms counts reading logits and targets once and writing the logits' gradient
 forward + backward of the "mean" loss moves: the forward folds 1 / N into the gradient and the in-place backward
 finds grad_output * grad_scale = 1 on the device and leaves it as is.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 import torchvision
 
-from lss.ops import (sigmoid_focal_loss, sigmoid_focal_loss_reference, softmax_focal_loss,
-                     softmax_focal_loss_reference)
+from lss.ops import (
+    sigmoid_focal_loss,
+    sigmoid_focal_loss_reference,
+    softmax_focal_loss,
+    softmax_focal_loss_reference,
+)
 
 
 def _fwd_bwd(loss_fn, logits):
@@ -33,18 +38,31 @@ def _dense_rows(ctx, name, shape, with_peers=True, dtype=torch.float32):
     nbytes = n * (2 * logits.element_size() + targets.element_size())
     impls = {"lss": lambda x: sigmoid_focal_loss(x, targets, reduction="mean")}
     if with_peers:
-        impls["torchvision"] = lambda x: torchvision.ops.sigmoid_focal_loss(x, targets, reduction="mean")
+        impls["torchvision"] = lambda x: torchvision.ops.sigmoid_focal_loss(
+            x, targets, reduction="mean"
+        )
         impls["reference"] = lambda x: sigmoid_focal_loss_reference(x, targets, reduction="mean")
     rows = []
     note = f"fwd+bwd, {str(dtype).replace('torch.', '')} logits, float32 targets, mean"
     for impl, fn in impls.items():
         ms = ctx.time(_fwd_bwd(fn, logits), warmup=5, reps=30)
-        rows.append({"case": name, "impl": impl, "ms": ms, "floor_ms": ctx.floor_ms(nbytes), "notes": note})
-    if ctx.device.type == "cuda":  # GPU time alone: both replayed from CUDA graphs, no host overhead on either side
+        rows.append(
+            {"case": name, "impl": impl, "ms": ms, "floor_ms": ctx.floor_ms(nbytes), "notes": note}
+        )
+    if (
+        ctx.device.type == "cuda"
+    ):  # GPU time alone: both replayed from CUDA graphs, no host overhead on either side
         for impl in ("lss", "torchvision") if with_peers else ("lss",):
             ms = ctx.time_graphed(_fwd_bwd(impls[impl], logits))
-            rows.append({"case": name + ", CUDA graph", "impl": impl, "ms": ms, "floor_ms": ctx.floor_ms(nbytes),
-                         "notes": note + "; fwd+bwd captured once, replayed"})
+            rows.append(
+                {
+                    "case": name + ", CUDA graph",
+                    "impl": impl,
+                    "ms": ms,
+                    "floor_ms": ctx.floor_ms(nbytes),
+                    "notes": note + "; fwd+bwd captured once, replayed",
+                }
+            )
     return rows
 
 
@@ -57,9 +75,12 @@ def _class_index_rows(ctx, name, rows_, classes):
     floor = ctx.floor_ms(nbytes)
     impls = {
         ("sigmoid " + name, "lss"): lambda x: sigmoid_focal_loss(x, labels, reduction="mean"),
-        ("sigmoid " + name, "torchvision"): lambda x: torchvision.ops.sigmoid_focal_loss(x, one_hot, reduction="sum")
-        / rows_,
-        ("sigmoid " + name, "reference"): lambda x: sigmoid_focal_loss_reference(x, labels, reduction="mean"),
+        ("sigmoid " + name, "torchvision"): lambda x: (
+            torchvision.ops.sigmoid_focal_loss(x, one_hot, reduction="sum") / rows_
+        ),
+        ("sigmoid " + name, "reference"): lambda x: sigmoid_focal_loss_reference(
+            x, labels, reduction="mean"
+        ),
         ("softmax " + name, "lss"): lambda x: softmax_focal_loss(x, softmax_labels),
         ("softmax " + name, "reference"): lambda x: softmax_focal_loss_reference(x, softmax_labels),
     }
@@ -99,12 +120,18 @@ def smoke(device) -> None:
         mask = torch.rand(2, 1, 17, 9, device=device) > 0.3
         weight = torch.rand(3, device=device)
         for reduction in ("none", "mean", "sum"):
-            sigmoid_focal_loss(logits, targets, 0.25, 0.5, reduction, class_weight=weight, mask=mask).sum().backward()
+            sigmoid_focal_loss(
+                logits, targets, 0.25, 0.5, reduction, class_weight=weight, mask=mask
+            ).sum().backward()
         rows = torch.randn(37, 11, device=device).to(dtype).requires_grad_(True)
         labels = torch.randint(-1, 12, (37,), device=device)
         sigmoid_focal_loss(rows, labels.clamp_min(0), reduction="mean").backward()
-        sigmoid_focal_loss(rows, labels.clamp_min(0), reduction="sum", weight=torch.rand(11, device=device)).backward()
-        softmax_focal_loss(rows, labels.clamp_max(10), weight=torch.rand(11, device=device)).backward()
+        sigmoid_focal_loss(
+            rows, labels.clamp_min(0), reduction="sum", weight=torch.rand(11, device=device)
+        ).backward()
+        softmax_focal_loss(
+            rows, labels.clamp_max(10), weight=torch.rand(11, device=device)
+        ).backward()
         softmax_focal_loss(rows, labels.clamp_max(10), reduction="none").sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

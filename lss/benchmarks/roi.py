@@ -1,6 +1,7 @@
 """RoIAlign / RoIPool (forward + backward) and NMS against torchvision, same inputs, same process.
 Each roi case is timed in eager mode (one call as a user makes it: Python, dispatch and launches included) and, on
 CUDA, replayed from a CUDA graph (GPU time alone). LSS_ROI_BENCH_NMS=0 leaves out the NMS cases."""
+
 from __future__ import annotations
 
 import os
@@ -33,6 +34,7 @@ def _fwd_bwd(fn, x, grad_out):
     def step():
         x.grad = None
         fn(x).backward(grad_out)
+
     return step
 
 
@@ -41,11 +43,29 @@ def _roi_cases(quick):
         return [("roi_align BEV (quick)", (1, 8, 24, 24), 16, 1.0, 2, 2, 10, 24, 24)]
     return [
         # BEV features (0.5 m cells): objects of 2-20 m
-        ("roi_align BEV 4x64x200x200, 2048 rois -> 7x7, sr 2, aligned", (4, 64, 200, 200), 2048, 1.0, 2, 4, 40,
-         200, 200),
+        (
+            "roi_align BEV 4x64x200x200, 2048 rois -> 7x7, sr 2, aligned",
+            (4, 64, 200, 200),
+            2048,
+            1.0,
+            2,
+            4,
+            40,
+            200,
+            200,
+        ),
         # stride-8 FPN level of a 1216 x 800 image: proposals of 32-400 px
-        ("roi_align FPN 2x256x100x152, 2000 rois -> 7x7, scale 1/8, adaptive, aligned", (2, 256, 100, 152), 2000,
-         1 / 8, -1, 32, 400, 800, 1216),
+        (
+            "roi_align FPN 2x256x100x152, 2000 rois -> 7x7, scale 1/8, adaptive, aligned",
+            (2, 256, 100, 152),
+            2000,
+            1 / 8,
+            -1,
+            32,
+            400,
+            800,
+            1216,
+        ),
     ]
 
 
@@ -58,49 +78,108 @@ def run(ctx) -> list[dict]:
         rois = _rois(k, shape[0], img_h, img_w, lo, hi, dev)
         grad_out = torch.randn(k, shape[1], 7, 7, device=dev)
         nbytes = 4 * (2 * x.numel() + 2 * grad_out.numel())
-        impls = [("lss", lambda t: roi_align(t, rois, 7, scale, sr, True)),
-                 ("torchvision", lambda t: torchvision.ops.roi_align(t, rois, 7, scale, sr, True))]
+        impls = [
+            ("lss", lambda t: roi_align(t, rois, 7, scale, sr, True)),
+            ("torchvision", lambda t: torchvision.ops.roi_align(t, rois, 7, scale, sr, True)),
+        ]
         # validate=True: the host reads the bad-roi record (a sync) before it queues the backward
-        validated = ("lss validate=True", lambda t: roi_align(t, rois, 7, scale, sr, True, validate=True))
+        validated = (
+            "lss validate=True",
+            lambda t: roi_align(t, rois, 7, scale, sr, True, validate=True),
+        )
         for impl, fn in impls[:1] + [validated] + impls[1:]:
-            rows.append({"case": case + " fwd+bwd", "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
-                         "floor_ms": ctx.floor_ms(nbytes),
-                         "notes": "float32, eager; floor: read x, grad_out; write out, dx"})
-        rows += _graphed_rows(ctx, case + " fwd+bwd", impls, lambda fn: _fwd_bwd(fn, x, grad_out), nbytes)
+            rows.append(
+                {
+                    "case": case + " fwd+bwd",
+                    "impl": impl,
+                    "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
+                    "floor_ms": ctx.floor_ms(nbytes),
+                    "notes": "float32, eager; floor: read x, grad_out; write out, dx",
+                }
+            )
+        rows += _graphed_rows(
+            ctx, case + " fwd+bwd", impls, lambda fn: _fwd_bwd(fn, x, grad_out), nbytes
+        )
         torch.use_deterministic_algorithms(True)
         try:
             ms = ctx.time(_fwd_bwd(impls[0][1], x, grad_out), warmup=3, reps=10)
         finally:
             torch.use_deterministic_algorithms(False)
-        rows.append({"case": case + " fwd+bwd", "impl": "lss deterministic", "ms": ms, "floor_ms": None,
-                     "notes": "torch.use_deterministic_algorithms(True): sorted segment sum, bit-identical grads"})
+        rows.append(
+            {
+                "case": case + " fwd+bwd",
+                "impl": "lss deterministic",
+                "ms": ms,
+                "floor_ms": None,
+                "notes": "torch.use_deterministic_algorithms(True): sorted segment sum, bit-identical grads",
+            }
+        )
         with torch.no_grad():
             for impl, fn in impls:
-                rows.append({"case": case + " fwd", "impl": impl, "ms": ctx.time(lambda: fn(x)),
-                             "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())), "notes": "float32, eager"})
-            rows += _graphed_rows(ctx, case + " fwd", impls, lambda fn: (lambda: fn(x)),
-                                  4 * (x.numel() + grad_out.numel()))
+                rows.append(
+                    {
+                        "case": case + " fwd",
+                        "impl": impl,
+                        "ms": ctx.time(lambda: fn(x)),
+                        "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())),
+                        "notes": "float32, eager",
+                    }
+                )
+            rows += _graphed_rows(
+                ctx,
+                case + " fwd",
+                impls,
+                lambda fn: lambda: fn(x),
+                4 * (x.numel() + grad_out.numel()),
+            )
         # channels_last features: read in place (lss) or copied to NCHW first (torchvision)
         x_cl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
         for impl, fn in impls:
-            rows.append({"case": case + " channels_last fwd+bwd", "impl": impl,
-                         "ms": ctx.time(_fwd_bwd(fn, x_cl, grad_out)), "floor_ms": ctx.floor_ms(nbytes),
-                         "notes": "float32, channels_last input"})
+            rows.append(
+                {
+                    "case": case + " channels_last fwd+bwd",
+                    "impl": impl,
+                    "ms": ctx.time(_fwd_bwd(fn, x_cl, grad_out)),
+                    "floor_ms": ctx.floor_ms(nbytes),
+                    "notes": "float32, channels_last input",
+                }
+            )
         with torch.no_grad():
             for impl, fn in impls:
-                rows.append({"case": case + " channels_last fwd", "impl": impl, "ms": ctx.time(lambda: fn(x_cl)),
-                             "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())),
-                             "notes": "float32, channels_last input"})
+                rows.append(
+                    {
+                        "case": case + " channels_last fwd",
+                        "impl": impl,
+                        "ms": ctx.time(lambda: fn(x_cl)),
+                        "floor_ms": ctx.floor_ms(4 * (x.numel() + grad_out.numel())),
+                        "notes": "float32, channels_last input",
+                    }
+                )
         del x_cl
-        pool = [("lss", lambda t: roi_pool(t, rois, 7, scale)),
-                ("lss validate=True", lambda t: roi_pool(t, rois, 7, scale, validate=True)),
-                ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale))]
-        pool_case = (case.replace("roi_align", "roi_pool").replace(", adaptive, aligned", "")
-                     .replace(", sr 2, aligned", "") + " fwd+bwd")
+        pool = [
+            ("lss", lambda t: roi_pool(t, rois, 7, scale)),
+            ("lss validate=True", lambda t: roi_pool(t, rois, 7, scale, validate=True)),
+            ("torchvision", lambda t: torchvision.ops.roi_pool(t, rois, 7, scale)),
+        ]
+        pool_case = (
+            case.replace("roi_align", "roi_pool")
+            .replace(", adaptive, aligned", "")
+            .replace(", sr 2, aligned", "")
+            + " fwd+bwd"
+        )
         for impl, fn in pool:
-            rows.append({"case": pool_case, "impl": impl, "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
-                         "floor_ms": ctx.floor_ms(nbytes), "notes": "float32, eager"})
-        rows += _graphed_rows(ctx, pool_case, pool[::2], lambda fn: _fwd_bwd(fn, x, grad_out), nbytes)
+            rows.append(
+                {
+                    "case": pool_case,
+                    "impl": impl,
+                    "ms": ctx.time(_fwd_bwd(fn, x, grad_out)),
+                    "floor_ms": ctx.floor_ms(nbytes),
+                    "notes": "float32, eager",
+                }
+            )
+        rows += _graphed_rows(
+            ctx, pool_case, pool[::2], lambda fn: _fwd_bwd(fn, x, grad_out), nbytes
+        )
         del x, grad_out
     if os.environ.get("LSS_ROI_BENCH_NMS", "1") != "0":
         rows += _nms_rows(ctx)
@@ -112,8 +191,16 @@ def _graphed_rows(ctx, case, impls, make_step, nbytes) -> list[dict]:
     (no host read of the bad-roi record while capturing)."""
     if ctx.device.type != "cuda":
         return []
-    return [{"case": case + ", CUDA graph", "impl": impl, "ms": ctx.time_graphed(make_step(fn)),
-             "floor_ms": ctx.floor_ms(nbytes), "notes": "float32; captured once, replayed"} for impl, fn in impls]
+    return [
+        {
+            "case": case + ", CUDA graph",
+            "impl": impl,
+            "ms": ctx.time_graphed(make_step(fn)),
+            "floor_ms": ctx.floor_ms(nbytes),
+            "notes": "float32; captured once, replayed",
+        }
+        for impl, fn in impls
+    ]
 
 
 def _nms_rows(ctx) -> list[dict]:
@@ -126,17 +213,33 @@ def _nms_rows(ctx) -> list[dict]:
         # only the upper triangle of the N x ceil(N/64) bitmap is written
         floor = ctx.floor_ms(n * ((n + 63) // 64) * 8 / 2)
         for impl, fn in [("lss", nms), ("torchvision", torchvision.ops.nms)]:
-            rows.append({"case": f"nms {n} boxes, IoU 0.5", "impl": impl,
-                         "ms": ctx.time(lambda: fn(boxes, scores, 0.5), warmup=2, reps=reps), "floor_ms": floor,
-                         "notes": f"kept {len(nms(boxes, scores, 0.5))}; floor: bitmap write"})
+            rows.append(
+                {
+                    "case": f"nms {n} boxes, IoU 0.5",
+                    "impl": impl,
+                    "ms": ctx.time(lambda: fn(boxes, scores, 0.5), warmup=2, reps=reps),
+                    "floor_ms": floor,
+                    "notes": f"kept {len(nms(boxes, scores, 0.5))}; floor: bitmap write",
+                }
+            )
     for n in [300] if ctx.quick else [20000, 100000]:
         boxes, scores = _boxes(n, dev, seed=1)
         boxes = boxes - 500.0  # ego-frame style coordinates around 0
         idxs = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(0)).to(dev)
         for impl, fn in [("lss", batched_nms), ("torchvision", torchvision.ops.batched_nms)]:
-            rows.append({"case": f"batched_nms {n} boxes, 10 classes, IoU 0.5", "impl": impl,
-                         "ms": ctx.time(lambda: fn(boxes, scores, idxs, 0.5), warmup=2, reps=5 if n >= 100000 else 30),
-                         "floor_ms": None, "notes": "coordinates in [-500, 500]; eager"})
+            rows.append(
+                {
+                    "case": f"batched_nms {n} boxes, 10 classes, IoU 0.5",
+                    "impl": impl,
+                    "ms": ctx.time(
+                        lambda: fn(boxes, scores, idxs, 0.5),
+                        warmup=2,
+                        reps=5 if n >= 100000 else 30,
+                    ),
+                    "floor_ms": None,
+                    "notes": "coordinates in [-500, 500]; eager",
+                }
+            )
     return rows
 
 
@@ -163,7 +266,10 @@ def smoke(device) -> None:
         bad[5, 2] = float("nan")
         for op in (roi_align, roi_pool):
             op(x, bad, 7, 0.25, validate=False).sum().backward()
-            for inp in (x, x[:, :0]):  # the pooling kernel's record, and the record-only kernel of an empty output
+            for inp in (
+                x,
+                x[:, :0],
+            ):  # the pooling kernel's record, and the record-only kernel of an empty output
                 try:
                     op(inp, bad, 7, 0.25, validate=True)
                     raise AssertionError(f"{op.__name__} accepted roi 5 with a NaN coordinate")

@@ -1,7 +1,25 @@
 """nuScenes data pipeline: dataset, augmentation, BEV targets, batching."""
-from lss.data.loader import collate
-from lss.data.nuscenes import (DETECTION_CLASSES, MAP_LINE_LAYERS, MAP_POLYGON_LAYERS, OBJECT_CLASSES,
-                               DatasetNotFoundError, MapNotFoundError, NuScenesBEV, locate_dataroot)
 
-__all__ = ["NuScenesBEV", "collate", "DETECTION_CLASSES", "OBJECT_CLASSES", "MAP_POLYGON_LAYERS",
-           "MAP_LINE_LAYERS", "DatasetNotFoundError", "MapNotFoundError", "locate_dataroot"]
+from lss.data.loader import collate
+from lss.data.nuscenes import (
+    DETECTION_CLASSES,
+    MAP_LINE_LAYERS,
+    MAP_POLYGON_LAYERS,
+    OBJECT_CLASSES,
+    DatasetNotFoundError,
+    MapNotFoundError,
+    NuScenesBEV,
+    locate_dataroot,
+)
+
+__all__ = [
+    "NuScenesBEV",
+    "collate",
+    "DETECTION_CLASSES",
+    "OBJECT_CLASSES",
+    "MAP_POLYGON_LAYERS",
+    "MAP_LINE_LAYERS",
+    "DatasetNotFoundError",
+    "MapNotFoundError",
+    "locate_dataroot",
+]

@@ -7,6 +7,7 @@ frame, and the box footprints, map geometry and detection boxes the targets are 
 it too. Pixels and camera-frame quantities (intrinsics, post_rot/post_trans, lidar depth targets: the lidar and the
 cameras move together, so lidar -> camera is unchanged) stay as they are.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,9 @@ class BevAugmentation:
 
     def __post_init__(self):
         if not self.scale > 0:
-            raise ValueError(f"BEV augmentation scale must be > 0, got {self.scale} (check data.bev_scale_lim)")
+            raise ValueError(
+                f"BEV augmentation scale must be > 0, got {self.scale} (check data.bev_scale_lim)"
+            )
 
     def matrix(self) -> np.ndarray:
         """3 x 3 float64 T acting on ego points (x, y, z)."""
@@ -37,8 +40,9 @@ class BevAugmentation:
         flip = np.diag([-1.0 if self.flip_x else 1.0, -1.0 if self.flip_y else 1.0, 1.0])
         return flip @ (self.scale * rotation)
 
-    def apply_to_extrinsics(self, sensor2ego_rot: np.ndarray,
-                            sensor2ego_trans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def apply_to_extrinsics(
+        self, sensor2ego_rot: np.ndarray, sensor2ego_trans: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """N x 3 x 3 rotations and N x 3 translations (camera -> ego) -> camera -> augmented ego, float32.
         The returned "rotation" is T @ rot: orthonormal times `scale`, with determinant -1 under one flip."""
         m = self.matrix()
@@ -69,8 +73,12 @@ class BevAugmentation:
         return out.astype(np.float32)
 
 
-def sample_bev_augmentation(rot_lim: tuple[float, float], scale_lim: tuple[float, float], flip: bool,
-                            rng: Optional[np.random.Generator]) -> Optional[BevAugmentation]:
+def sample_bev_augmentation(
+    rot_lim: tuple[float, float],
+    scale_lim: tuple[float, float],
+    flip: bool,
+    rng: Optional[np.random.Generator],
+) -> Optional[BevAugmentation]:
     """Draw T: rotation U(rot_lim) degrees, scale U(scale_lim), each of the x and y flips with p = 0.5 when `flip`.
 
     Returns None, drawing nothing from `rng`, when every setting is off (rot_lim (0, 0), scale_lim (1, 1), no
@@ -79,7 +87,9 @@ def sample_bev_augmentation(rot_lim: tuple[float, float], scale_lim: tuple[float
     if tuple(rot_lim) == (0.0, 0.0) and tuple(scale_lim) == (1.0, 1.0) and not flip:
         return None
     if rng is None:
-        raise ValueError("sample_bev_augmentation needs an rng (numpy Generator) when BEV augmentation is on")
+        raise ValueError(
+            "sample_bev_augmentation needs an rng (numpy Generator) when BEV augmentation is on"
+        )
     rotate = float(rng.uniform(*rot_lim))
     scale = float(rng.uniform(*scale_lim))
     flip_x = bool(flip and rng.uniform() < 0.5)

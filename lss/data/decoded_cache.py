@@ -8,6 +8,7 @@ as without the cache. Files live in the cache folder of lss.data.index_cache (fo
 image's absolute path, size and modification time and the scale, so a changed image is decoded again. An entry that
 cannot be read (truncated, wrong shape) is decoded again and rewritten; an entry that cannot be written is skipped.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,7 +35,9 @@ class DecodedImages:
             st = os.stat(path)
         except OSError:
             return None
-        key = hashlib.sha1(f"{FORMAT}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{scale}".encode())
+        key = hashlib.sha1(
+            f"{FORMAT}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{scale}".encode()
+        )
         name = key.hexdigest()
         return self.root / name[:2] / f"{name}.npy"
 

@@ -4,6 +4,7 @@ Every cell of a camera's stride-`downsample` feature map gets the depth-bin inde
 projects into it, or -1 (no return, or the nearest return outside grid.dbound). Depth is the camera-frame z, the
 quantity the frustum's depth bins measure; bin k of dbound (lo, hi, step) is [lo + k step, lo + (k + 1) step).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,13 +16,17 @@ from pyquaternion import Quaternion
 IGNORE_DEPTH = -1
 
 
-def lidar_to_camera_matrix(nusc, lidar_sample_data_token: str, camera_sample_data_token: str) -> np.ndarray:
+def lidar_to_camera_matrix(
+    nusc, lidar_sample_data_token: str, camera_sample_data_token: str
+) -> np.ndarray:
     """4 x 4 float64 map from the lidar frame to the camera frame through the devkit tables:
     lidar -> ego (lidar time) -> global -> ego (camera time) -> camera."""
     from nuscenes.utils.geometry_utils import transform_matrix
 
     def pose(record: dict, inverse: bool) -> np.ndarray:
-        return transform_matrix(record["translation"], Quaternion(record["rotation"]), inverse=inverse)
+        return transform_matrix(
+            record["translation"], Quaternion(record["rotation"]), inverse=inverse
+        )
 
     lidar = nusc.get("sample_data", lidar_sample_data_token)
     camera = nusc.get("sample_data", camera_sample_data_token)
@@ -42,19 +47,31 @@ def load_lidar_points(path: str | Path, sample_token: str) -> np.ndarray:
             raise ValueError("not a .bin file")
         points = np.fromfile(path, dtype=np.float32).reshape(-1, 5)[:, :3].astype(np.float64)
     except FileNotFoundError:
-        raise FileNotFoundError(f"lidar point cloud {path} not found (sample {sample_token}, channel LIDAR_TOP). "
-                                "data.depth_targets needs the LIDAR_TOP blobs (samples/LIDAR_TOP/*.pcd.bin) "
-                                "under the dataroot; unpack them or set data.depth_targets: false.") from None
+        raise FileNotFoundError(
+            f"lidar point cloud {path} not found (sample {sample_token}, channel LIDAR_TOP). "
+            "data.depth_targets needs the LIDAR_TOP blobs (samples/LIDAR_TOP/*.pcd.bin) "
+            "under the dataroot; unpack them or set data.depth_targets: false."
+        ) from None
     except (ValueError, OSError) as e:
-        raise OSError(f"lidar point cloud {path} could not be read (sample {sample_token}, channel LIDAR_TOP): "
-                      f"{type(e).__name__}: {e}. Expected float32 records of 5 values (x, y, z, intensity, ring) "
-                      "in a .pcd.bin file; re-extract the file.") from None
+        raise OSError(
+            f"lidar point cloud {path} could not be read (sample {sample_token}, channel LIDAR_TOP): "
+            f"{type(e).__name__}: {e}. Expected float32 records of 5 values (x, y, z, intensity, ring) "
+            "in a .pcd.bin file; re-extract the file."
+        ) from None
     return points[np.isfinite(points).all(axis=1)]
 
 
-def project_depth_targets(points: np.ndarray, lidar_to_camera: np.ndarray, intrinsics: np.ndarray,
-                          post_rot: np.ndarray, post_trans: np.ndarray, image_sizes: np.ndarray,
-                          final_dim: Sequence[int], downsample: int, dbound: Sequence[float]) -> np.ndarray:
+def project_depth_targets(
+    points: np.ndarray,
+    lidar_to_camera: np.ndarray,
+    intrinsics: np.ndarray,
+    post_rot: np.ndarray,
+    post_trans: np.ndarray,
+    image_sizes: np.ndarray,
+    final_dim: Sequence[int],
+    downsample: int,
+    dbound: Sequence[float],
+) -> np.ndarray:
     """Depth-bin targets of N cameras from one lidar sweep.
 
     points P x 3 (lidar frame), lidar_to_camera N x 4 x 4, intrinsics N x 3 x 3, post_rot N x 3 x 3 and post_trans
@@ -69,7 +86,9 @@ def project_depth_targets(points: np.ndarray, lidar_to_camera: np.ndarray, intri
     bins = round((hi - lo) / step)
     count = len(lidar_to_camera)
     nearest = np.full(count * fh * fw, np.inf)
-    homogeneous = np.concatenate([np.asarray(points, np.float64).reshape(-1, 3), np.ones((len(points), 1))], 1)
+    homogeneous = np.concatenate(
+        [np.asarray(points, np.float64).reshape(-1, 3), np.ones((len(points), 1))], 1
+    )
     # lidar -> (u d, v d, d) of every camera in one product: intrinsics @ the camera rows of lidar_to_camera
     # (the intrinsics' last row is (0, 0, 1), so the third value is the camera-frame depth)
     to_pixels = np.asarray(intrinsics, np.float64) @ np.asarray(lidar_to_camera, np.float64)[:, :3]

@@ -7,6 +7,7 @@ the size and modification time of every table and map file, so an edited or rege
 The cache lives in $LSS_CACHE_DIR, else $XDG_CACHE_HOME/lss, else ~/.cache/lss (folder index/); a cache that cannot
 be read or written is rebuilt or skipped, never an error.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Optional
 
 FORMAT = 1  # bump when the cached fields change
-BACKGROUND_WAIT_S = 1800.0  # a background build still running after this long is stopped, the index built here
+BACKGROUND_WAIT_S = (
+    1800.0  # a background build still running after this long is stopped, the index built here
+)
 _BACKGROUND: list = []  # this process's background builds (build_in_background), not yet waited for
 
 
@@ -30,7 +33,9 @@ def cache_dir() -> Path:
 
 
 def _files_state(root: Path, version: str) -> list[tuple[str, int, int]]:
-    files = sorted([*(root / version).glob("*.json"), *(root / "maps" / "expansion").glob("*.json")])
+    files = sorted(
+        [*(root / version).glob("*.json"), *(root / "maps" / "expansion").glob("*.json")]
+    )
     return [(str(f.relative_to(root)), (st := f.stat()).st_size, st.st_mtime_ns) for f in files]
 
 
@@ -42,7 +47,15 @@ def index_key(root: Path, version: str, split: str, selection: tuple) -> str:
         devkit = package_version("nuscenes-devkit")
     except PackageNotFoundError:
         devkit = None
-    parts = (FORMAT, str(Path(root).resolve()), version, split, selection, devkit, _files_state(Path(root), version))
+    parts = (
+        FORMAT,
+        str(Path(root).resolve()),
+        version,
+        split,
+        selection,
+        devkit,
+        _files_state(Path(root), version),
+    )
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -75,8 +88,10 @@ def write_cache_file(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 def save_index(key: str, fields: dict) -> None:
     """Write the fields of `key` (write_cache_file)."""
-    write_cache_file(cache_dir() / "index" / f"{key}.pkl",
-                     lambda f: pickle.dump(fields, f, protocol=pickle.HIGHEST_PROTOCOL))
+    write_cache_file(
+        cache_dir() / "index" / f"{key}.pkl",
+        lambda f: pickle.dump(fields, f, protocol=pickle.HIGHEST_PROTOCOL),
+    )
 
 
 def build_in_background(build: Callable[[], None]) -> bool:
@@ -88,8 +103,9 @@ def build_in_background(build: Callable[[], None]) -> bool:
         return False
     import multiprocessing
 
-    child = multiprocessing.get_context("fork").Process(target=_silently, args=(build,), daemon=True,
-                                                         name="lss-index-build")
+    child = multiprocessing.get_context("fork").Process(
+        target=_silently, args=(build,), daemon=True, name="lss-index-build"
+    )
     child.start()
     _BACKGROUND.append(child)
     return True
@@ -97,9 +113,15 @@ def build_in_background(build: Callable[[], None]) -> bool:
 
 def _silently(build: Callable[[], None]) -> None:
     try:
-        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        with (
+            open(os.devnull, "w") as null,
+            contextlib.redirect_stdout(null),
+            contextlib.redirect_stderr(null),
+        ):
             build()
-    except BaseException:  # the dataset that waits for this child builds the index itself and reports the error
+    except (
+        BaseException
+    ):  # the dataset that waits for this child builds the index itself and reports the error
         os._exit(1)
 
 

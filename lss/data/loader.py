@@ -1,6 +1,7 @@
 """Batching of NuScenesBEV items, the datasets of a config's splits (their indexes built ahead in the background
 for `lss train`), and the synthetic set generated where the config asks for it (the loaders themselves:
 lss.engine.build)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,12 +28,17 @@ def collate(items: Sequence[dict]) -> dict:
     keys = list(items[0])
     for n, item in enumerate(items[1:], 1):
         if list(item) != keys:
-            raise ValueError(f"collate: item {n} has fields {sorted(item)}, item 0 has {sorted(keys)}")
+            raise ValueError(
+                f"collate: item {n} has fields {sorted(item)}, item 0 has {sorted(keys)}"
+            )
     batch = {}
     for key in keys:
         values = [item[key] for item in items]
-        if (key not in VARIABLE_LENGTH_FIELDS and all(isinstance(v, torch.Tensor) for v in values)
-                and len({tuple(v.shape) for v in values}) == 1):
+        if (
+            key not in VARIABLE_LENGTH_FIELDS
+            and all(isinstance(v, torch.Tensor) for v in values)
+            and len({tuple(v.shape) for v in values}) == 1
+        ):
             batch[key] = torch.stack(values)
         else:
             batch[key] = values
@@ -43,8 +49,14 @@ def split_dataset(cfg: Config, split: str, is_train: bool, verbose: bool = True)
     """NuScenesBEV of `split`. Evaluation reads no lidar: its depth targets feed only the training loss."""
     if not is_train and cfg.data.depth_targets:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, depth_targets=False))
-    return NuScenesBEV(cfg.data.dataroot, version=cfg.data.version, split=split, config=cfg, is_train=is_train,
-                       verbose=verbose)
+    return NuScenesBEV(
+        cfg.data.dataroot,
+        version=cfg.data.version,
+        split=split,
+        config=cfg,
+        is_train=is_train,
+        verbose=verbose,
+    )
 
 
 def index_splits_in_background(cfg: Config) -> bool:
@@ -56,7 +68,9 @@ def index_splits_in_background(cfg: Config) -> bool:
     the error. No child without a dataset at data.dataroot. Returns whether the child started."""
     try:
         locate_dataroot(cfg.data.dataroot, cfg.data.version)
-    except DatasetNotFoundError:  # generated (or reported) by the run itself, which then builds the index
+    except (
+        DatasetNotFoundError
+    ):  # generated (or reported) by the run itself, which then builds the index
         return False
 
     def build() -> None:
@@ -79,11 +93,20 @@ def ensure_dataset(config: Config) -> None:
         syn = data.synthetic
         root = Path(data.dataroot)
         if root.is_dir() and any(root.iterdir()):
-            raise DatasetError(f"no nuScenes {data.version} at {root}, and the directory holds other files, so no "
-                               "synthetic set is generated there (data.make_synthetic_if_missing): set data.dataroot "
-                               "to the nuScenes root or to a new directory") from None
-        print(f"no nuScenes {data.version} at {data.dataroot}: generating a synthetic set there "
-              f"({syn.scenes} scenes x {syn.samples_per_scene} samples, data.make_synthetic_if_missing)")
-        generate(data.dataroot, version=data.version, scenes=syn.scenes, samples_per_scene=syn.samples_per_scene,
-                 image_size=tuple(syn.image_size), seed=syn.seed)
-
+            raise DatasetError(
+                f"no nuScenes {data.version} at {root}, and the directory holds other files, so no "
+                "synthetic set is generated there (data.make_synthetic_if_missing): set data.dataroot "
+                "to the nuScenes root or to a new directory"
+            ) from None
+        print(
+            f"no nuScenes {data.version} at {data.dataroot}: generating a synthetic set there "
+            f"({syn.scenes} scenes x {syn.samples_per_scene} samples, data.make_synthetic_if_missing)"
+        )
+        generate(
+            data.dataroot,
+            version=data.version,
+            scenes=syn.scenes,
+            samples_per_scene=syn.samples_per_scene,
+            image_size=tuple(syn.image_size),
+            seed=syn.seed,
+        )

@@ -1,5 +1,6 @@
 """The nuScenes tables on disk: where they are, loading them through nuscenes-devkit with errors that name the
 file, the split's scenes, and the checks of what a sample reads (annotations, image files)."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,9 @@ class SampleError(DatasetError, OSError):
     def __init__(self, message: str = ""):
         marker = f"{type(self).__name__}: "
         if message.startswith(f"Caught {type(self).__name__} ") and marker in message:
-            where = message.split("\n", 1)[0].removeprefix(f"Caught {type(self).__name__} ").rstrip(".")
+            where = (
+                message.split("\n", 1)[0].removeprefix(f"Caught {type(self).__name__} ").rstrip(".")
+            )
             message = f"{message.rstrip().rsplit(marker, 1)[1]} ({where})"
         super().__init__(message)
 
@@ -64,15 +67,25 @@ def locate_dataroot(dataroot: str | Path, version: str) -> tuple[Path, str]:
     if not root.is_dir():
         found = f"{root} does not exist"
     else:
-        versions = sorted({str(p.parent) for p in root.glob("*/sample.json")} |
-                          {str(p.parent) for p in root.glob("*/*/sample.json")})
-        found = ("tables found in: " + ", ".join(versions)) if versions else f"no nuScenes tables under {root}"
-    synthetic = (f"`lss make-synthetic {root} --version {version}`" if version in ("v1.0-mini", "v1.0-trainval")
-                 else f"`lss make-synthetic {root}` (and data.version=v1.0-mini)")
+        versions = sorted(
+            {str(p.parent) for p in root.glob("*/sample.json")}
+            | {str(p.parent) for p in root.glob("*/*/sample.json")}
+        )
+        found = (
+            ("tables found in: " + ", ".join(versions))
+            if versions
+            else f"no nuScenes tables under {root}"
+        )
+    synthetic = (
+        f"`lss make-synthetic {root} --version {version}`"
+        if version in ("v1.0-mini", "v1.0-trainval")
+        else f"`lss make-synthetic {root}` (and data.version=v1.0-mini)"
+    )
     raise DatasetNotFoundError(
         f"nuScenes {version} not found: looked for the tables (sample.json, scene.json, ...) in {looked}; {found}. "
         f"Set data.dataroot to the folder holding {version}/ (or mini/{version}/), set data.version to the version "
-        f"you have, or generate a synthetic set with {synthetic}.")
+        f"you have, or generate a synthetic set with {synthetic}."
+    )
 
 
 def resolve_split(version: str, split: str) -> tuple[str, list[str]]:
@@ -84,8 +97,10 @@ def resolve_split(version: str, split: str) -> tuple[str, list[str]]:
     splits = create_splits_scenes()
     name = f"mini_{split}" if version.endswith("mini") and split in ("train", "val") else split
     if name not in splits:
-        raise ConfigError(f"unknown split {split!r} for {version}; expected 'train', 'val' or one of the devkit "
-                          f"splits {sorted(splits)}")
+        raise ConfigError(
+            f"unknown split {split!r} for {version}; expected 'train', 'val' or one of the devkit "
+            f"splits {sorted(splits)}"
+        )
     return name, list(splits[name])
 
 
@@ -103,19 +118,27 @@ def json_file_problem(path: Path, expect: type) -> str | None:
     return None
 
 
-def loaded_or_named(load: Callable[[], Loaded], files: list[Path], expect: type, what: str) -> Loaded:
+def loaded_or_named(
+    load: Callable[[], Loaded], files: list[Path], expect: type, what: str
+) -> Loaded:
     """`load()` (a devkit constructor reading `files`); when it fails on their content, a DatasetError naming the
     first file that is not a valid JSON `expect` (or all of them when each parses)."""
     try:
         return load()
     except (AssertionError, KeyError, TypeError, AttributeError, ValueError) as e:
-        problem = next((p for f in files if f.is_file() and (p := json_file_problem(f, expect))), None)
+        problem = next(
+            (p for f in files if f.is_file() and (p := json_file_problem(f, expect))), None
+        )
         if problem:
-            raise DatasetError(f"{what}: {problem}. Restore the file from the dataset archive (or regenerate "
-                               "a synthetic set)") from None
-        raise DatasetNotFoundError(f"nuscenes-devkit could not load {what}: {type(e).__name__}: {e}. Check that "
-                                   "its JSON files and the files they name (maps/*.png, samples/) are "
-                                   "complete.") from None
+            raise DatasetError(
+                f"{what}: {problem}. Restore the file from the dataset archive (or regenerate "
+                "a synthetic set)"
+            ) from None
+        raise DatasetNotFoundError(
+            f"nuscenes-devkit could not load {what}: {type(e).__name__}: {e}. Check that "
+            "its JSON files and the files they name (maps/*.png, samples/) are "
+            "complete."
+        ) from None
 
 
 _TABLES: dict = {}
@@ -128,13 +151,21 @@ def load_tables(root: Path, version: str):
     key = (str(Path(root).resolve()), version)
     if key not in _TABLES:
         files = sorted((Path(root) / version).glob("*.json"))
-        nusc = loaded_or_named(lambda: NuScenes(version=version, dataroot=str(root), verbose=False),
-                               files, list, f"the {version} tables under {root}")
-        for name in nusc.table_names:  # an object instead of a list can load without an error, and index nothing
+        nusc = loaded_or_named(
+            lambda: NuScenes(version=version, dataroot=str(root), verbose=False),
+            files,
+            list,
+            f"the {version} tables under {root}",
+        )
+        for name in (
+            nusc.table_names
+        ):  # an object instead of a list can load without an error, and index nothing
             if not isinstance(getattr(nusc, name), list):
-                raise DatasetError(f"the {version} tables under {root}: {Path(nusc.table_root) / name}.json holds a "
-                                   f"JSON {type(getattr(nusc, name)).__name__}, expected a JSON list. Restore the file "
-                                   "from the dataset archive (or regenerate a synthetic set)")
+                raise DatasetError(
+                    f"the {version} tables under {root}: {Path(nusc.table_root) / name}.json holds a "
+                    f"JSON {type(getattr(nusc, name)).__name__}, expected a JSON list. Restore the file "
+                    "from the dataset archive (or regenerate a synthetic set)"
+                )
         _TABLES[key] = nusc
     return _TABLES[key]
 
@@ -144,9 +175,17 @@ def check_annotation(ann: dict, table_file: Path) -> None:
     beyond MAX_TRANSLATION_M: its box would be rasterized anywhere (or nowhere) without a word."""
     values = [*ann["size"], *ann["translation"], *ann["rotation"]]
     finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
-    problem = ("is not finite" if not finite else "has a negative size" if min(ann["size"]) < 0
-               else f"lies beyond {MAX_TRANSLATION_M:g} m" if max(map(abs, ann["translation"])) > MAX_TRANSLATION_M
-               else None)
+    problem = (
+        "is not finite"
+        if not finite
+        else "has a negative size"
+        if min(ann["size"]) < 0
+        else f"lies beyond {MAX_TRANSLATION_M:g} m"
+        if max(map(abs, ann["translation"])) > MAX_TRANSLATION_M
+        else None
+    )
     if problem:
-        raise DatasetError(f"annotation {ann['token']} in {table_file} {problem} (size {ann['size']}, translation "
-                           f"{ann['translation']}, rotation {ann['rotation']}): fix or remove the record")
+        raise DatasetError(
+            f"annotation {ann['token']} in {table_file} {problem} (size {ann['size']}, translation "
+            f"{ann['translation']}, rotation {ann['rotation']}): fix or remove the record"
+        )

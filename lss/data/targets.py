@@ -9,6 +9,7 @@ at (col, row) = ((y - ymin)/dy - 0.5, (x - xmin)/dx - 0.5), with SHIFT fractiona
 A filled shape marks every cell whose centre is inside it plus the cells its outline passes through, so shapes
 grow by up to half a cell at their boundary (and a box smaller than a cell still marks the cell it sits in).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -54,16 +55,24 @@ def box_footprints(centers_xy: np.ndarray, sizes_wl: np.ndarray, yaws: np.ndarra
     sizes_wl = np.asarray(sizes_wl, dtype=np.float64).reshape(-1, 2)
     yaws = np.asarray(yaws, dtype=np.float64).reshape(-1)
     half_w, half_l = sizes_wl[:, 0] / 2, sizes_wl[:, 1] / 2
-    local = np.stack([np.stack([half_l, half_w], -1), np.stack([-half_l, half_w], -1),
-                      np.stack([-half_l, -half_w], -1), np.stack([half_l, -half_w], -1)], axis=1)
+    local = np.stack(
+        [
+            np.stack([half_l, half_w], -1),
+            np.stack([-half_l, half_w], -1),
+            np.stack([-half_l, -half_w], -1),
+            np.stack([half_l, -half_w], -1),
+        ],
+        axis=1,
+    )
     c, s = np.cos(yaws)[:, None], np.sin(yaws)[:, None]
     x = c * local[..., 0] - s * local[..., 1] + centers_xy[:, None, 0]
     y = s * local[..., 0] + c * local[..., 1] + centers_xy[:, None, 1]
     return np.stack([x, y], axis=-1)
 
 
-def rasterize_polygons(canvas: np.ndarray, polygons: Sequence[Sequence[np.ndarray]], xbound: Bound,
-                       ybound: Bound) -> np.ndarray:
+def rasterize_polygons(
+    canvas: np.ndarray, polygons: Sequence[Sequence[np.ndarray]], xbound: Bound, ybound: Bound
+) -> np.ndarray:
     """Fill polygons (each a list of rings K x 2 in ego metres: exterior first, then holes) into `canvas` (nx x ny
     uint8) with 1. Polygons are drawn one by one, so overlaps stay filled and holes only cut their own polygon."""
     grid = BevGrid.planar(xbound, ybound)
@@ -74,15 +83,18 @@ def rasterize_polygons(canvas: np.ndarray, polygons: Sequence[Sequence[np.ndarra
     return canvas
 
 
-def rasterize_footprints(canvas: np.ndarray, footprints: np.ndarray, xbound: Bound, ybound: Bound) -> np.ndarray:
+def rasterize_footprints(
+    canvas: np.ndarray, footprints: np.ndarray, xbound: Bound, ybound: Bound
+) -> np.ndarray:
     """Fill M x 4 x 2 box footprints (ego metres) into `canvas` (nx x ny uint8) with 1."""
     for corners in ego_to_raster_points(np.asarray(footprints).reshape(-1, 4, 2), xbound, ybound):
         cv2.fillConvexPoly(canvas, corners, 1, lineType=cv2.LINE_8, shift=SHIFT)
     return canvas
 
 
-def rasterize_lines(canvas: np.ndarray, lines: Sequence[np.ndarray], xbound: Bound, ybound: Bound,
-                    width: float) -> np.ndarray:
+def rasterize_lines(
+    canvas: np.ndarray, lines: Sequence[np.ndarray], xbound: Bound, ybound: Bound, width: float
+) -> np.ndarray:
     """Draw polylines (each K x 2 ego metres) as bands `width` cells wide into `canvas` (nx x ny uint8) with 1.
 
     Each segment is filled as a rectangle `width` cells across and each vertex as a disc, so cells whose centre
@@ -108,8 +120,15 @@ def rasterize_lines(canvas: np.ndarray, lines: Sequence[np.ndarray], xbound: Bou
         for quad in _cells_to_points(quads[length[:, 0] > 0]):
             cv2.fillConvexPoly(canvas, quad, 1, lineType=cv2.LINE_8, shift=SHIFT)
         for joint in _cells_to_points(cells):
-            cv2.circle(canvas, tuple(int(v) for v in joint), radius, 1, thickness=-1, lineType=cv2.LINE_8,
-                       shift=SHIFT)
+            cv2.circle(
+                canvas,
+                tuple(int(v) for v in joint),
+                radius,
+                1,
+                thickness=-1,
+                lineType=cv2.LINE_8,
+                shift=SHIFT,
+            )
     return canvas
 
 
@@ -127,10 +146,18 @@ def global_to_ego_xy(points_xy: np.ndarray, ego_xy: Sequence[float], ego_yaw: fl
     return np.stack([c * d[..., 0] + s * d[..., 1], -s * d[..., 0] + c * d[..., 1]], axis=-1)
 
 
-def camera_visibility_mask(intrinsics: np.ndarray, sensor2ego_rot: np.ndarray, sensor2ego_trans: np.ndarray,
-                           post_rot: np.ndarray, post_trans: np.ndarray, final_dim: tuple[int, int],
-                           xbound: Bound, ybound: Bound, depth_range: tuple[float, float],
-                           height: float = 0.0) -> np.ndarray:
+def camera_visibility_mask(
+    intrinsics: np.ndarray,
+    sensor2ego_rot: np.ndarray,
+    sensor2ego_trans: np.ndarray,
+    post_rot: np.ndarray,
+    post_trans: np.ndarray,
+    final_dim: tuple[int, int],
+    xbound: Bound,
+    ybound: Bound,
+    depth_range: tuple[float, float],
+    height: float = 0.0,
+) -> np.ndarray:
     """Cells whose centre, at ego height `height`, some camera sees inside its (augmented) image within depth_range.
 
     Camera arrays are N x 3 x 3 / N x 3 (as in the dataset items). Depth is the camera-frame z, as for the lifted
@@ -154,5 +181,11 @@ def camera_visibility_mask(intrinsics: np.ndarray, sensor2ego_rot: np.ndarray, s
         u_aug = r[0, 0] * u + r[0, 1] * v + r[0, 2] * depth + t[0]
         v_aug = r[1, 0] * u + r[1, 1] * v + r[1, 2] * depth + t[1]
         # A pixel centre at u covers [u - 0.5, u + 0.5).
-        visible |= in_range & (u_aug >= -0.5) & (u_aug < out_w - 0.5) & (v_aug >= -0.5) & (v_aug < out_h - 0.5)
+        visible |= (
+            in_range
+            & (u_aug >= -0.5)
+            & (u_aug < out_w - 0.5)
+            & (v_aug >= -0.5)
+            & (v_aug < out_h - 0.5)
+        )
     return visible

@@ -10,6 +10,7 @@ libjpeg decode, as PIL's `draft` picks the scale), an area resize to the sampled
 `cv2.warpAffine` for crop + flip + rotation straight to final_dim.
 The reported matrix is the composition of exactly these maps, so projected points land on the same content.
 """
+
 from __future__ import annotations
 
 import io
@@ -19,17 +20,30 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from lss.geometry import (ImageAugmentation, affine_to_post, crop_flip_rotate_affine, resize_affine, resized_window,
-                          val_augmentation)
+from lss.geometry import (
+    ImageAugmentation,
+    affine_to_post,
+    crop_flip_rotate_affine,
+    resize_affine,
+    resized_window,
+    val_augmentation,
+)
 
 # One OpenCV thread per process (forked loader workers inherit it): parallelism comes from the workers, and a
 # thread pool started in the parent before DataLoader forks them can deadlock them (seen on a 16-core machine).
 cv2.setNumThreads(1)
 
 
-def sample_augmentation(image_size: tuple[int, int], final_dim: tuple[int, int], resize_lim: tuple[float, float],
-                        bot_pct_lim: tuple[float, float], rot_lim: tuple[float, float], rand_flip: bool,
-                        is_train: bool, rng: Optional[np.random.Generator] = None) -> ImageAugmentation:
+def sample_augmentation(
+    image_size: tuple[int, int],
+    final_dim: tuple[int, int],
+    resize_lim: tuple[float, float],
+    bot_pct_lim: tuple[float, float],
+    rot_lim: tuple[float, float],
+    rand_flip: bool,
+    is_train: bool,
+    rng: Optional[np.random.Generator] = None,
+) -> ImageAugmentation:
     """Draw the LSS augmentation for a source image of `image_size` (W, H) and output `final_dim` (H, W).
 
     Train: resize by U(resize_lim), crop a final_dim window whose bottom edge is U(bot_pct_lim) of the resized
@@ -55,8 +69,12 @@ def sample_augmentation(image_size: tuple[int, int], final_dim: tuple[int, int],
 
 
 _JPEG_SCALES = (8, 4, 2, 1)
-_REDUCED_FLAGS = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
-                  8: cv2.IMREAD_REDUCED_COLOR_8}
+_REDUCED_FLAGS = {
+    1: cv2.IMREAD_COLOR,
+    2: cv2.IMREAD_REDUCED_COLOR_2,
+    4: cv2.IMREAD_REDUCED_COLOR_4,
+    8: cv2.IMREAD_REDUCED_COLOR_8,
+}
 
 
 def is_jpeg(data: bytes) -> bool:
@@ -83,7 +101,9 @@ def scaled_shape(image_size: tuple[int, int], scale: int) -> tuple[int, int, int
     return -(-height // scale), -(-width // scale), 3
 
 
-def decode_scaled(data: bytes, image_size: tuple[int, int], resize_dims: tuple[int, int]) -> tuple[np.ndarray, int]:
+def decode_scaled(
+    data: bytes, image_size: tuple[int, int], resize_dims: tuple[int, int]
+) -> tuple[np.ndarray, int]:
     """Decode an encoded image of `image_size` (W, H), a JPEG at the largest DCT scale 1/k that still covers
     resize_dims (W, H). Returns (BGR uint8 array, k); libjpeg's output pixel r covers source pixels [k*r, k*(r+1))
     (the last one padded), so the decoded image's edges scale by exactly 1/k.
@@ -94,40 +114,50 @@ def decode_scaled(data: bytes, image_size: tuple[int, int], resize_dims: tuple[i
         raise OSError("the file is empty (0 bytes; expected a JPEG or PNG file): re-extract it")
     k = jpeg_scale(image_size, resize_dims) if is_jpeg(data) else 1
     try:
-        decoded = cv2.imdecode(np.frombuffer(data, dtype=np.uint8),
-                               _REDUCED_FLAGS[k] | cv2.IMREAD_IGNORE_ORIENTATION)
+        decoded = cv2.imdecode(
+            np.frombuffer(data, dtype=np.uint8), _REDUCED_FLAGS[k] | cv2.IMREAD_IGNORE_ORIENTATION
+        )
     except cv2.error as e:  # OpenCV asserts on some corrupt streams instead of returning None
-        raise OSError(f"not a decodable image ({len(data)} bytes; OpenCV: {str(e).strip().splitlines()[-1]})") from None
+        raise OSError(
+            f"not a decodable image ({len(data)} bytes; OpenCV: {str(e).strip().splitlines()[-1]})"
+        ) from None
     if decoded is None:
         raise OSError(f"not a decodable image ({len(data)} bytes; expected a JPEG or PNG file)")
     if decoded.shape != scaled_shape(image_size, k):
-        raise OSError(f"image is {decoded.shape[1] * k}x{decoded.shape[0] * k} pixels, expected {width}x{height} "
-                      f"(the size recorded for it); re-extract the file or fix the sample_data table")
+        raise OSError(
+            f"image is {decoded.shape[1] * k}x{decoded.shape[0] * k} pixels, expected {width}x{height} "
+            f"(the size recorded for it); re-extract the file or fix the sample_data table"
+        )
     return decoded, k
 
 
-def resize_decoded(decoded: np.ndarray, scale: int, resize_dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def resize_decoded(
+    decoded: np.ndarray, scale: int, resize_dims: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Resize an image decoded at DCT scale 1/scale to resize_dims (W, H), anti-aliased (area when shrinking).
     Returns (H x W x 3 uint8 array, 3 x 3 affine from source pixels to the returned pixels)."""
     dec_h, dec_w = decoded.shape[:2]
     new_w, new_h = resize_dims
     if (dec_w, dec_h) != (new_w, new_h):
         shrinking = new_w < dec_w and new_h < dec_h
-        decoded = cv2.resize(decoded, (new_w, new_h),
-                             interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR)
+        decoded = cv2.resize(
+            decoded, (new_w, new_h), interpolation=cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
+        )
     return decoded, resize_affine(new_w / (dec_w * scale), new_h / (dec_h * scale))
 
 
-def decode_resized(data: bytes, image_size: tuple[int, int],
-                   resize_dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def decode_resized(
+    data: bytes, image_size: tuple[int, int], resize_dims: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Decode an encoded image of `image_size` (W, H) to BGR uint8 of size resize_dims (W, H), anti-aliased
     (decode_scaled, then resize_decoded). Returns (H x W x 3 uint8 BGR array, 3 x 3 affine from source pixels to
     the returned pixels)."""
     return resize_decoded(*decode_scaled(data, image_size, resize_dims), resize_dims)
 
 
-def load_augmented_image(data: bytes, image_size: tuple[int, int], aug: ImageAugmentation,
-                         final_dim: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_augmented_image(
+    data: bytes, image_size: tuple[int, int], aug: ImageAugmentation, final_dim: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decode, resize, crop, flip and rotate one encoded camera image of `image_size` (W, H).
 
     Returns (final_dim H x W x 3 uint8 RGB, post_rot 3 x 3, post_trans 3) with post_* mapping source pixels
@@ -136,14 +166,21 @@ def load_augmented_image(data: bytes, image_size: tuple[int, int], aug: ImageAug
     return augment_decoded(*decode_scaled(data, image_size, aug.resize_dims), aug, final_dim)
 
 
-def augment_decoded(decoded: np.ndarray, scale: int, aug: ImageAugmentation,
-                    final_dim: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def augment_decoded(
+    decoded: np.ndarray, scale: int, aug: ImageAugmentation, final_dim: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """load_augmented_image from an image already decoded at DCT scale 1/scale (decode_scaled)."""
     resized, resize_m = resize_decoded(decoded, scale, aug.resize_dims)
     warp = crop_flip_rotate_affine(aug, final_dim)
     out_h, out_w = final_dim
-    image = cv2.warpAffine(resized, warp[:2].astype(np.float64), (out_w, out_h), flags=cv2.INTER_LINEAR,
-                           borderMode=cv2.BORDER_CONSTANT, borderValue=(0, 0, 0))
+    image = cv2.warpAffine(
+        resized,
+        warp[:2].astype(np.float64),
+        (out_w, out_h),
+        flags=cv2.INTER_LINEAR,
+        borderMode=cv2.BORDER_CONSTANT,
+        borderValue=(0, 0, 0),
+    )
     post_rot, post_trans = affine_to_post(warp @ resize_m)
     # Channel swap after the warp: on final_dim pixels it is the cheapest place.
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), post_rot, post_trans

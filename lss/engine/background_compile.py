@@ -13,6 +13,7 @@ loop: it needs the model function, the config and one batch, all passed by pickl
 function must therefore be importable, as build_model is). A failed child leaves the run uncompiled, with a message;
 a run that ends first stops the child.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,8 +24,15 @@ import torch
 from tqdm import tqdm
 
 from lss.config import Config, ConfigError
-from lss.engine.build import (ModelFn, apply_channels_last, autocast_dtype, build_autocast, build_optimizer,
-                              compile_encoders, seed_everything)
+from lss.engine.build import (
+    ModelFn,
+    apply_channels_last,
+    autocast_dtype,
+    build_autocast,
+    build_optimizer,
+    compile_encoders,
+    seed_everything,
+)
 from lss.engine.graph_step import GraphedTrainStep
 from lss.engine.losses import TotalLoss
 
@@ -37,8 +45,10 @@ def wanted(cfg: Config, device: torch.device, distributed: bool) -> bool:
         return False
     if distributed:
         if t.compile_start == "background":
-            raise ConfigError("train.compile_start: background needs a run of one process (every DDP process would "
-                              "have to switch at the same step); set train.compile_start: now (or auto) with torchrun")
+            raise ConfigError(
+                "train.compile_start: background needs a run of one process (every DDP process would "
+                "have to switch at the same step); set train.compile_start: now (or auto) with torchrun"
+            )
         return False
     return t.compile_start == "background" or device.type == "cuda"
 
@@ -54,11 +64,14 @@ def start(trainer, batch: dict) -> None:
     function cannot be sent to a child."""
     trainer.compile_later = False
     try:
-        trainer.background = BackgroundCompile(trainer.cfg, trainer.model_fn, batch, trainer.device,
-                                               trainer.graph_step is not None)
+        trainer.background = BackgroundCompile(
+            trainer.cfg, trainer.model_fn, batch, trainer.device, trainer.graph_step is not None
+        )
     except Exception as e:  # noqa: BLE001 - pickling errors differ by object: a lambda, a local function...
-        tqdm.write(f"lss: the model function cannot go to a compile process ({type(e).__name__}: {e}); compiling "
-                   "before the first step instead")
+        tqdm.write(
+            f"lss: the model function cannot go to a compile process ({type(e).__name__}: {e}); compiling "
+            "before the first step instead"
+        )
         trainer.compile()
 
 
@@ -85,9 +98,11 @@ def switch(trainer) -> None:
         return
     left = seconds_left(trainer)
     if left < SWITCH_PAYS_AFTER_S:
-        tqdm.write(f"lss: the compile process {words}, but the run has about {left:.0f} s of steps left, less than "
-                   f"the {SWITCH_PAYS_AFTER_S:.0f} s a switch to compiled steps needs to pay off: the steps stay "
-                   "uncompiled (the compiler caches on disk now hold the model for the next run)")
+        tqdm.write(
+            f"lss: the compile process {words}, but the run has about {left:.0f} s of steps left, less than "
+            f"the {SWITCH_PAYS_AFTER_S:.0f} s a switch to compiled steps needs to pay off: the steps stay "
+            "uncompiled (the compiler caches on disk now hold the model for the next run)"
+        )
         return
     trainer.check_last_step()  # reads the old graph's outputs before the graph goes
     trainer.compile()
@@ -102,20 +117,27 @@ def stop(trainer) -> None:
     if trainer.background is not None:
         ran = trainer.background.stop()
         trainer.background = None
-        print(f"lss: training ended before the background compilation was done ({ran:.0f} s in); it was stopped",
-              file=sys.stderr)
+        print(
+            f"lss: training ended before the background compilation was done ({ran:.0f} s in); it was stopped",
+            file=sys.stderr,
+        )
 
 
 class BackgroundCompile:
     """The child process of one run: `poll()` says whether it is done, `stop()` ends it."""
 
-    def __init__(self, cfg: Config, model_fn: ModelFn, batch: dict, device: torch.device, captured: bool):
+    def __init__(
+        self, cfg: Config, model_fn: ModelFn, batch: dict, device: torch.device, captured: bool
+    ):
         # the child gets copies: pickling a tensor for another process moves its storage into shared memory
         batch = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
         context = torch.multiprocessing.get_context("spawn")
         self._receive, send = context.Pipe(duplex=False)
-        self.process = context.Process(target=compile_in_child, name="lss-compile",
-                                       args=(cfg, model_fn, batch, str(device), captured, send))
+        self.process = context.Process(
+            target=compile_in_child,
+            name="lss-compile",
+            args=(cfg, model_fn, batch, str(device), captured, send),
+        )
         self.started = time.perf_counter()
         self.process.start()
         send.close()
@@ -128,10 +150,16 @@ class BackgroundCompile:
                 try:
                     self.result = self._receive.recv()
                 except EOFError:
-                    self.result = (False, f"the compile process ended with exit code {self.process.exitcode}")
+                    self.result = (
+                        False,
+                        f"the compile process ended with exit code {self.process.exitcode}",
+                    )
                 self.process.join(timeout=10)
             elif not self.process.is_alive():
-                self.result = (False, f"the compile process ended with exit code {self.process.exitcode} and no word")
+                self.result = (
+                    False,
+                    f"the compile process ended with exit code {self.process.exitcode} and no word",
+                )
         return self.result
 
     def wait(self, timeout: float) -> Optional[tuple[bool, str]]:
@@ -152,7 +180,9 @@ class BackgroundCompile:
         return time.perf_counter() - self.started
 
 
-def compile_in_child(cfg: Config, model_fn: ModelFn, batch: dict, device_name: str, captured: bool, send) -> None:
+def compile_in_child(
+    cfg: Config, model_fn: ModelFn, batch: dict, device_name: str, captured: bool, send
+) -> None:
     """The child's work: the trainer's model, optimizer and compiler settings, one compiled step on `batch` (as the
     captured step's warm-up runs it where the trainer captures, else as the eager step). Sends (ok, words)."""
     started = time.perf_counter()
@@ -166,7 +196,9 @@ def compile_in_child(cfg: Config, model_fn: ModelFn, batch: dict, device_name: s
         device = torch.device(device_name)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
-        seed_everything(t.seed, t.deterministic, t.cudnn_benchmark)  # the global flags the compiler's cache keys see
+        seed_everything(
+            t.seed, t.deterministic, t.cudnn_benchmark
+        )  # the global flags the compiler's cache keys see
         model = model_fn(cfg).to(device)
         apply_channels_last(model, t.channels_last)
         loss_fn = TotalLoss(cfg).to(device)
@@ -176,7 +208,9 @@ def compile_in_child(cfg: Config, model_fn: ModelFn, batch: dict, device_name: s
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         model.train()
         if captured:
-            GraphedTrainStep(model, loss_fn, optimizer, amp_dtype, cfg.optim.grad_clip, warmup=1, capture=False)(batch)
+            GraphedTrainStep(
+                model, loss_fn, optimizer, amp_dtype, cfg.optim.grad_clip, warmup=1, capture=False
+            )(batch)
         else:
             with build_autocast(cfg, device)():
                 outputs = model(batch)

@@ -1,5 +1,6 @@
 """Builders shared by training, evaluation, pictures and the demo: device, seeding and RNG state, autocast, model,
 datasets, loaders, optimizer, learning-rate schedule, and a checkpoint loaded for inference."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,10 +30,12 @@ AutocastFn = Callable[[], ContextManager]
 
 # --------------------------------------------------------------------------------------------- device, RNG, amp
 def device_type(cfg: Config) -> str:
-    """"cuda" or "cpu", as train.device asks ("auto": CUDA when a GPU is visible)."""
+    """ "cuda" or "cpu", as train.device asks ("auto": CUDA when a GPU is visible)."""
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA GPU is visible; use --set train.device=cpu")
+        raise ConfigError(
+            "train.device='cuda' but no CUDA GPU is visible; use --set train.device=cpu"
+        )
     return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
 
 
@@ -48,7 +51,9 @@ def seed_everything(seed: int, deterministic: bool, cudnn_benchmark: bool = True
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for deterministic GEMMs
+        os.environ.setdefault(
+            "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+        )  # cuBLAS needs it for deterministic GEMMs
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
@@ -57,7 +62,11 @@ def seed_everything(seed: int, deterministic: bool, cudnn_benchmark: bool = True
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -100,7 +109,9 @@ def build_autocast(cfg: Config, device: torch.device) -> AutocastFn:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+    }
 
 
 # ------------------------------------------------------------------------------------------------ model, data
@@ -128,24 +139,44 @@ def loader_workers(cfg: Config) -> int:
     loop keeps up with the captured step at 12 on a 16-core H100 machine, docs/benchmarks.md), at least 1."""
     if cfg.data.workers != "auto":
         return cfg.data.workers
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
     return max(1, min(12, cpus // ranks - 2))
 
 
-def build_loader(cfg: Config, dataset: Dataset, sampler: Sampler, batch_size: int, drop_last: bool,
-                 device: torch.device, seed: int, persistent: bool = False,
-                 collate_fn: Callable = collate) -> DataLoader:
+def build_loader(
+    cfg: Config,
+    dataset: Dataset,
+    sampler: Sampler,
+    batch_size: int,
+    drop_last: bool,
+    device: torch.device,
+    seed: int,
+    persistent: bool = False,
+    collate_fn: Callable = collate,
+) -> DataLoader:
     """A loader of `dataset` in `sampler`'s order with data.workers workers. `persistent`: keep the worker processes
     from epoch to epoch (the training loader: starting them again every epoch stalls training on small sets, whose
     epochs last seconds)."""
     workers = loader_workers(cfg)
     # an own generator keeps the loaders from drawing on the global RNG (resume then continues the same stream)
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, collate_fn=collate_fn,
-                      pin_memory=device.type == "cuda", drop_last=drop_last, generator=generator,
-                      persistent_workers=persistent and workers > 0,
-                      worker_init_fn=functools.partial(_init_worker, cfg.data.worker_niceness) if workers else None)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate_fn,
+        pin_memory=device.type == "cuda",
+        drop_last=drop_last,
+        generator=generator,
+        persistent_workers=persistent and workers > 0,
+        worker_init_fn=functools.partial(_init_worker, cfg.data.worker_niceness)
+        if workers
+        else None,
+    )
 
 
 class StreamSampler(Sampler[int]):
@@ -165,20 +196,36 @@ class StreamSampler(Sampler[int]):
         epoch, start = self.epoch, self.start
         while True:
             self.epochs.set_epoch(epoch)
-            yield from list(self.epochs)[start:self.full]
+            yield from list(self.epochs)[start : self.full]
             epoch, start = epoch + 1, 0
 
 
-def build_eval_loader(cfg: Config, dataset: Dataset, device: torch.device, dist_info: Optional[DistInfo] = None,
-                      collate_fn: Callable = collate, persistent: bool = False) -> DataLoader:
+def build_eval_loader(
+    cfg: Config,
+    dataset: Dataset,
+    device: torch.device,
+    dist_info: Optional[DistInfo] = None,
+    collate_fn: Callable = collate,
+    persistent: bool = False,
+) -> DataLoader:
     """Every sample of `dataset` once, in order, in eval.batch_size batches (this rank's share under torchrun).
     `persistent`: keep the workers between passes (the trainer's periodic evaluations; starting and stopping them
     cost seconds per evaluation)."""
     dist_info = dist_info or DistInfo()
-    sampler = EpochSampler(len(dataset), shuffle=False, rank=dist_info.rank, world_size=dist_info.world_size,
-                           pad=False)
-    return build_loader(cfg, dataset, sampler, cfg.eval.batch_size, False, device, cfg.train.seed,
-                        persistent=persistent, collate_fn=collate_fn)
+    sampler = EpochSampler(
+        len(dataset), shuffle=False, rank=dist_info.rank, world_size=dist_info.world_size, pad=False
+    )
+    return build_loader(
+        cfg,
+        dataset,
+        sampler,
+        cfg.eval.batch_size,
+        False,
+        device,
+        cfg.train.seed,
+        persistent=persistent,
+        collate_fn=collate_fn,
+    )
 
 
 def _init_worker(niceness: int, worker_id: int) -> None:
@@ -199,8 +246,13 @@ def limit_native_threads() -> None:
     threadpool_limits(1)
 
 
-def load_for_inference(cfg: Config, ckpt: Union[str, Path], device: Optional[torch.device] = None,
-                       model_fn: ModelFn = build_model, state: Optional[dict] = None) -> tuple[nn.Module, dict]:
+def load_for_inference(
+    cfg: Config,
+    ckpt: Union[str, Path],
+    device: Optional[torch.device] = None,
+    model_fn: ModelFn = build_model,
+    state: Optional[dict] = None,
+) -> tuple[nn.Module, dict]:
     """The model of `cfg` with the weights of checkpoint `ckpt`, on `device` (default: select_device) in eval mode,
     and the checkpoint's state (step, config, ...); `state`: the file already read by load_checkpoint."""
     state = load_checkpoint(ckpt) if state is None else state
@@ -234,7 +286,9 @@ def lr_factor(cfg: Config, step: int) -> float:
     return end + (1.0 - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    cfg: Config, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
 
 
@@ -248,8 +302,10 @@ def apply_channels_last(model: nn.Module, setting: Union[bool, str]) -> nn.Modul
         return model.to(memory_format=torch.channels_last)
     camera = getattr(model, "camera", None)
     if not isinstance(camera, nn.Module):
-        raise ConfigError(f"train.channels_last={setting!r} picks a part of the LSS model but {type(model).__name__} "
-                          "has no camera encoder (.camera); use true or false")
+        raise ConfigError(
+            f"train.channels_last={setting!r} picks a part of the LSS model but {type(model).__name__} "
+            "has no camera encoder (.camera); use true or false"
+        )
     parts = [camera] if setting == "camera" else [m for m in model.children() if m is not camera]
     for part in parts:
         part.to(memory_format=torch.channels_last)
@@ -289,7 +345,11 @@ def fast_start_compiler(start_workers: bool) -> list[str]:
 def uncompiled(model: nn.Module) -> Iterator[None]:
     """Inside, the submodules that compile_encoders compiled run their eager code: evaluation and pictures use other
     shapes and modes than the training step (each would be a compilation of its own, for a second of work)."""
-    compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
+    compiled = [
+        (m, m._compiled_call_impl)
+        for m in model.modules()
+        if getattr(m, "_compiled_call_impl", None)
+    ]
     for module, _ in compiled:
         module._compiled_call_impl = None
     try:
@@ -306,10 +366,14 @@ def compile_encoders(model: nn.Module, mode: str = "default", memory_budget: flo
     that fraction of the activation memory (process-wide: torch._functorch's activation_memory_budget). The
     compiler is set up for a shorter first step (fast_start_compiler), its workers started now for a CUDA model."""
     if mode not in COMPILE_MODES:
-        raise ConfigError(f"train.compile_mode={mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+        raise ConfigError(
+            f"train.compile_mode={mode!r}: expected one of {', '.join(COMPILE_MODES)}"
+        )
     if not 0.0 < memory_budget <= 1.0:
-        raise ConfigError(f"train.compile_memory_budget={memory_budget}: expected a fraction in (0, 1] (1 keeps "
-                          "what the compiler's default partition keeps)")
+        raise ConfigError(
+            f"train.compile_memory_budget={memory_budget}: expected a fraction in (0, 1] (1 keeps "
+            "what the compiler's default partition keeps)"
+        )
     import torch._functorch.config as functorch_config
 
     functorch_config.activation_memory_budget = memory_budget

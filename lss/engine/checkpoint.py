@@ -1,4 +1,5 @@
 """Checkpoints: model (unwrapped), optimizer, scheduler, scaler, step, config and version, written atomically."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,15 @@ from lss.errors import CheckpointError
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format", "model", "step", "config", "version")
 # Config keys that fix what the weights mean: a checkpoint is only evaluated or resumed with the same values.
-FIXED_KEYS = ("grid.xbound", "grid.ybound", "grid.zbound", "grid.dbound", "data.final_dim", "data.classes",
-              "model.heads")
+FIXED_KEYS = (
+    "grid.xbound",
+    "grid.ybound",
+    "grid.zbound",
+    "grid.dbound",
+    "data.final_dim",
+    "data.classes",
+    "model.heads",
+)
 # Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases: .<name>.<random>.tmp).
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+?)\.(?:(?P<host>[^.]+)-(?P<pid>\d+)\.)?[a-z0-9_]{8}\.tmp$")
 # A temp file whose writer cannot be checked (another host, older name) is stale once untouched this long.
@@ -44,7 +52,9 @@ def atomic_save(obj: Any, path: Union[str, Path]) -> None:
     """torch.save to a temp file in the same directory, then os.replace: readers never see a partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_host()}-{os.getpid()}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{path.name}.{_host()}-{os.getpid()}.", suffix=".tmp", dir=path.parent
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -96,20 +106,37 @@ def remove_stale_temp_files(folder: Union[str, Path]) -> list[Path]:
         except OSError:
             continue  # gone meanwhile, or not ours to delete: leave it
     if removed:
-        print(f"removed {len(removed)} stale temp file(s) of interrupted checkpoint saves in {folder} "
-              f"({size / 1e6:.1f} MB): {', '.join(f.name for f in removed)}")
+        print(
+            f"removed {len(removed)} stale temp file(s) of interrupted checkpoint saves in {folder} "
+            f"({size / 1e6:.1f} MB): {', '.join(f.name for f in removed)}"
+        )
     return removed
 
 
-def save_checkpoint(path: Union[str, Path], model: nn.Module, step: int, config: Config,
-                    optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Optional[Any] = None,
-                    scaler: Optional[torch.amp.GradScaler] = None, extra: Optional[dict] = None) -> None:
+def save_checkpoint(
+    path: Union[str, Path],
+    model: nn.Module,
+    step: int,
+    config: Config,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Optional[Any] = None,
+    scaler: Optional[torch.amp.GradScaler] = None,
+    extra: Optional[dict] = None,
+) -> None:
     atomic_save(checkpoint_state(model, step, config, optimizer, scheduler, scaler, extra), path)
 
 
-def checkpoint_state(model: nn.Module, step: int, config: Config, optimizer: Optional[torch.optim.Optimizer] = None,
-                     scheduler: Optional[Any] = None, scaler: Optional[torch.amp.GradScaler] = None,
-                     extra: Optional[dict] = None, *, snapshot: bool = False) -> dict:
+def checkpoint_state(
+    model: nn.Module,
+    step: int,
+    config: Config,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Optional[Any] = None,
+    scaler: Optional[torch.amp.GradScaler] = None,
+    extra: Optional[dict] = None,
+    *,
+    snapshot: bool = False,
+) -> dict:
     """What save_checkpoint writes. snapshot=True copies every tensor to host memory, so that training can go on
     changing the weights and optimizer state while the copy is written (CheckpointWriter)."""
     state = {
@@ -145,7 +172,9 @@ class CheckpointWriter:
     the next `submit` or `wait` raises `failed(error)` for an OSError (the error itself otherwise). At most `depth`
     writes wait in the queue (submit blocks beyond that), so the host memory of snapshots stays bounded."""
 
-    IDLE_SECONDS = 0.5  # the thread ends after this long without work (a later submit starts a new one)
+    IDLE_SECONDS = (
+        0.5  # the thread ends after this long without work (a later submit starts a new one)
+    )
 
     def __init__(self, depth: int = 2):
         self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
@@ -153,8 +182,13 @@ class CheckpointWriter:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
-    def submit(self, state: dict, path: Union[str, Path], done: Callable[[], None] = lambda: None,
-               failed: Callable[[OSError], BaseException] = lambda e: e) -> None:
+    def submit(
+        self,
+        state: dict,
+        path: Union[str, Path],
+        done: Callable[[], None] = lambda: None,
+        failed: Callable[[OSError], BaseException] = lambda e: e,
+    ) -> None:
         self._raise_error()
         with self._lock:
             self._queue.put((state, Path(path), done, failed))
@@ -203,8 +237,10 @@ def _plain(value):
 def _portable_optimizer(state: dict) -> dict:
     """A captured training step (train.cuda_graph) keeps the learning rate as a device tensor and the optimizer
     capturable; the checkpoint stores the plain form, which either kind of run resumes from."""
-    groups = [{**g, "lr": _plain(g["lr"]), **({"capturable": False} if "capturable" in g else {})}
-              for g in state["param_groups"]]
+    groups = [
+        {**g, "lr": _plain(g["lr"]), **({"capturable": False} if "capturable" in g else {})}
+        for g in state["param_groups"]
+    ]
     return {**state, "param_groups": groups}
 
 
@@ -219,29 +255,46 @@ def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> dict:
     temp files of interrupted saves next to it (remove_stale_temp_files)."""
     path = Path(path)
     if path.is_dir():
-        found = sorted(str(p) for p in list(path.glob("*.pt")) + list(path.glob("checkpoints/*.pt")))
-        raise CheckpointError(f"checkpoint {path} is a directory: pass a checkpoint file, "
-                              + (f"e.g. {', '.join(found[:3])}" if found else "e.g. RUN_DIR/checkpoints/last.pt "
-                                 "(this directory holds no *.pt file)"))
+        found = sorted(
+            str(p) for p in list(path.glob("*.pt")) + list(path.glob("checkpoints/*.pt"))
+        )
+        raise CheckpointError(
+            f"checkpoint {path} is a directory: pass a checkpoint file, "
+            + (
+                f"e.g. {', '.join(found[:3])}"
+                if found
+                else "e.g. RUN_DIR/checkpoints/last.pt (this directory holds no *.pt file)"
+            )
+        )
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist: pass the path of a checkpoint file, e.g. "
-                              "RUN_DIR/checkpoints/last.pt or best.pt")
+        raise CheckpointError(
+            f"checkpoint {path} does not exist: pass the path of a checkpoint file, e.g. "
+            "RUN_DIR/checkpoints/last.pt or best.pt"
+        )
     remove_stale_temp_files(path.parent)
     if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes; its save was interrupted): use another "
-                              "checkpoint (e.g. best.pt instead of last.pt)")
+        raise CheckpointError(
+            f"checkpoint {path} is empty (0 bytes; its save was interrupted): use another "
+            "checkpoint (e.g. best.pt instead of last.pt)"
+        )
     try:
         state = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); the file is corrupt or "
-                              "truncated: use another checkpoint (e.g. best.pt instead of last.pt)") from None
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); the file is corrupt or "
+            "truncated: use another checkpoint (e.g. best.pt instead of last.pt)"
+        ) from None
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
         have = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"checkpoint {path} is not an lss checkpoint: expected keys {list(REQUIRED_KEYS)}, "
-                              f"found {have}; pass a checkpoint written by `lss train` (RUN_DIR/checkpoints/*.pt)")
+        raise CheckpointError(
+            f"checkpoint {path} is not an lss checkpoint: expected keys {list(REQUIRED_KEYS)}, "
+            f"found {have}; pass a checkpoint written by `lss train` (RUN_DIR/checkpoints/*.pt)"
+        )
     if state["format"] != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format {state['format']} (written by lss {state['version']}); "
-                              f"this lss {lss.__version__} reads format {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"checkpoint {path} has format {state['format']} (written by lss {state['version']}); "
+            f"this lss {lss.__version__} reads format {FORMAT_VERSION}"
+        )
     return state
 
 
@@ -259,9 +312,11 @@ def check_config_fits(state: dict, config: Config, path: Union[str, Path] = "che
     for key in FIXED_KEYS:
         trained, wanted = _config_value(state["config"], key), _config_value(current, key)
         if trained is not None and trained != wanted:
-            raise CheckpointError(f"checkpoint {path} was trained with {key}={trained}, the config has {key}="
-                                  f"{wanted}: set {key} to the checkpoint's value (--set '{key}={trained}') or use "
-                                  "the config it was trained with (it holds it under 'config')")
+            raise CheckpointError(
+                f"checkpoint {path} was trained with {key}={trained}, the config has {key}="
+                f"{wanted}: set {key} to the checkpoint's value (--set '{key}={trained}') or use "
+                "the config it was trained with (it holds it under 'config')"
+            )
 
 
 def checkpoint_config(state: dict) -> Config:
@@ -279,7 +334,7 @@ def _renamed_keys(weights: dict) -> dict:
     for key, value in weights.items():
         for old, new in RENAMED_STATE_KEYS:
             if key.startswith(old):
-                key = new + key[len(old):]
+                key = new + key[len(old) :]
         renamed[key] = value
     return renamed
 
@@ -291,8 +346,11 @@ def load_model_state(model: nn.Module, state: dict, path: Union[str, Path] = "ch
     weights = _renamed_keys(state["model"])
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
-    mismatched = [f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v.shape)}"
-                  for k, v in own.items() if k in weights and weights[k].shape != v.shape]
+    mismatched = [
+        f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in weights and weights[k].shape != v.shape
+    ]
     if missing or unexpected or mismatched:
         parts = []
         if missing:
@@ -301,7 +359,9 @@ def load_model_state(model: nn.Module, state: dict, path: Union[str, Path] = "ch
             parts.append(f"unexpected {len(unexpected)} (e.g. {unexpected[:3]})")
         if mismatched:
             parts.append(f"shape mismatch {len(mismatched)} (e.g. {mismatched[:3]})")
-        raise CheckpointError(f"checkpoint {path} does not fit this model: {'; '.join(parts)}. Use the config it was "
-                              "trained with (its model, grid and data.classes/final_dim sections; the checkpoint "
-                              "holds it under 'config')")
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: {'; '.join(parts)}. Use the config it was "
+            "trained with (its model, grid and data.classes/final_dim sections; the checkpoint "
+            "holds it under 'config')"
+        )
     target.load_state_dict(weights)

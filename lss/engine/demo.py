@@ -1,4 +1,5 @@
 """`lss demo`: generate the synthetic set if missing, train, evaluate and render, in minutes on a CPU."""
+
 from __future__ import annotations
 
 import tempfile
@@ -70,7 +71,9 @@ def demo_config(overrides: Sequence[str] = ()) -> Config:
         return load_config(path, overrides)
 
 
-def demo(config: Optional[str] = None, overrides: Sequence[str] = (), out_dir: str = "runs/demo") -> dict:
+def demo(
+    config: Optional[str] = None, overrides: Sequence[str] = (), out_dir: str = "runs/demo"
+) -> dict:
     """Train on the synthetic set (generated at data.dataroot when missing), evaluate the best checkpoint and render
     pictures into `out_dir`/viz. Returns {"train": ..., "eval": ..., "pictures": [...], "seconds": ...}."""
     from lss.engine.eval import evaluate_checkpoint
@@ -83,11 +86,22 @@ def demo(config: Optional[str] = None, overrides: Sequence[str] = (), out_dir: s
     run_dir = Path(out_dir)
     # a demo run replaces the previous demo run in the same directory
     final = train(cfg, out_dir=str(run_dir), render_fn=bev_grid_image, overwrite=True)
-    ckpt = run_dir / "checkpoints" / ("best.pt" if (run_dir / "checkpoints" / "best.pt").is_file() else "last.pt")
+    ckpt = (
+        run_dir
+        / "checkpoints"
+        / ("best.pt" if (run_dir / "checkpoints" / "best.pt").is_file() else "last.pt")
+    )
     result = evaluate_checkpoint(cfg, str(ckpt), str(run_dir))
     pictures = render_checkpoint(cfg, str(ckpt), str(run_dir / "viz"))
     seconds = time.perf_counter() - start
     iou = ", ".join(f"{c} {100 * v:.1f}%" for c, v in result["iou"].items())
-    print(f"demo done in {seconds / 60:.1f} min: val IoU {iou}; run directory {run_dir} (tensorboard --logdir "
-          f"{run_dir / 'tensorboard'}), pictures in {run_dir / 'viz'}")
-    return {"train": final, "eval": result, "pictures": [str(p) for p in pictures], "seconds": seconds}
+    print(
+        f"demo done in {seconds / 60:.1f} min: val IoU {iou}; run directory {run_dir} (tensorboard --logdir "
+        f"{run_dir / 'tensorboard'}), pictures in {run_dir / 'viz'}"
+    )
+    return {
+        "train": final,
+        "eval": result,
+        "pictures": [str(p) for p in pictures],
+        "seconds": seconds,
+    }

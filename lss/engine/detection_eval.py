@@ -1,6 +1,7 @@
 """nuScenes detection evaluation of the detection head: ego-frame detections -> the official submission JSON (global
 frame) -> nuscenes.eval.detection's DetectionEval (config "detection_cvpr_2019") -> mAP, NDS and the true-positive
 errors per class, as a markdown table and JSON."""
+
 from __future__ import annotations
 
 import json
@@ -20,14 +21,24 @@ from lss.errors import DatasetError
 from lss.models.heads.detection import decode_detections
 
 TP_ERRORS = ("trans_err", "scale_err", "orient_err", "vel_err", "attr_err")
-_TABLE_COLUMNS = {"trans_err": "ATE (m)", "scale_err": "ASE (1-IoU)", "orient_err": "AOE (rad)",
-                  "vel_err": "AVE (m/s)", "attr_err": "AAE (1-acc)"}
+_TABLE_COLUMNS = {
+    "trans_err": "ATE (m)",
+    "scale_err": "ASE (1-IoU)",
+    "orient_err": "AOE (rad)",
+    "vel_err": "AVE (m/s)",
+    "attr_err": "AAE (1-acc)",
+}
 # A box slower than this (m/s) gets the "standing still" attribute (the devkit's baselines use the same cut).
 _MOVING_SPEED = 0.2
 # The nuScenes vehicle classes; the "vehicles" summary scores those of them with ground truth in the split.
 VEHICLE_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle")
-SUBMISSION_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False,
-                   "use_external": False}
+SUBMISSION_META = {
+    "use_camera": True,
+    "use_lidar": False,
+    "use_radar": False,
+    "use_map": False,
+    "use_external": False,
+}
 
 
 def default_attribute(name: str, speed: float) -> str:
@@ -45,13 +56,21 @@ def default_attribute(name: str, speed: float) -> str:
 def lidar_ego_pose(nusc, sample_token: str) -> tuple[np.ndarray, Quaternion]:
     """Translation (3,) and rotation of the ego pose at the sample's LIDAR_TOP sweep (the frame of det_boxes)."""
     sample = nusc.get("sample", sample_token)
-    pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+    pose = nusc.get(
+        "ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"]
+    )
     return np.asarray(pose["translation"], dtype=np.float64), Quaternion(pose["rotation"])
 
 
-def ego_boxes_to_submission(sample_token: str, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
-                            ego_translation: np.ndarray, ego_rotation: Quaternion,
-                            classes: tuple[str, ...] = DETECTION_CLASSES) -> list[dict]:
+def ego_boxes_to_submission(
+    sample_token: str,
+    boxes: np.ndarray,
+    scores: np.ndarray,
+    labels: np.ndarray,
+    ego_translation: np.ndarray,
+    ego_rotation: Quaternion,
+    classes: tuple[str, ...] = DETECTION_CLASSES,
+) -> list[dict]:
     """Submission entries (global frame) of one sample's boxes M x 9 [x, y, z, w, l, h, yaw, vx, vy] (ego frame),
     scores M and labels M (indices into `classes`)."""
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 9)
@@ -64,38 +83,52 @@ def ego_boxes_to_submission(sample_token: str, boxes: np.ndarray, scores: np.nda
         velocity = (rotation @ np.array([box[7], box[8], 0.0]))[:2]
         orientation = ego_rotation * Quaternion(axis=(0.0, 0.0, 1.0), radians=float(box[6]))
         name = classes[int(label)]
-        entries.append({
-            "sample_token": sample_token,
-            "translation": centre.tolist(),
-            "size": box[3:6].tolist(),
-            "rotation": orientation.elements.tolist(),
-            "velocity": velocity.tolist(),
-            "detection_name": name,
-            "detection_score": float(score),
-            "attribute_name": default_attribute(name, float(np.hypot(*velocity))),
-        })
+        entries.append(
+            {
+                "sample_token": sample_token,
+                "translation": centre.tolist(),
+                "size": box[3:6].tolist(),
+                "rotation": orientation.elements.tolist(),
+                "velocity": velocity.tolist(),
+                "detection_name": name,
+                "detection_score": float(score),
+                "attribute_name": default_attribute(name, float(np.hypot(*velocity))),
+            }
+        )
     return entries
 
 
 def split_sample_tokens(nusc, eval_set: str) -> list[str]:
     """Every sample token of the devkit split `eval_set` (e.g. "mini_val") in this dataset."""
     scenes = set(resolve_split(nusc.version, eval_set)[1])
-    return [s["token"] for s in nusc.sample if nusc.get("scene", s["scene_token"])["name"] in scenes]
+    return [
+        s["token"] for s in nusc.sample if nusc.get("scene", s["scene_token"])["name"] in scenes
+    ]
 
 
-def build_submission(detections: dict, nusc, eval_set: str,
-                     classes: tuple[str, ...] = DETECTION_CLASSES) -> dict:
+def build_submission(
+    detections: dict, nusc, eval_set: str, classes: tuple[str, ...] = DETECTION_CLASSES
+) -> dict:
     """The submission JSON object: `detections` maps sample tokens to {"boxes" M x 9 (ego frame), "scores" M,
     "labels" M} (tensors or arrays); samples of the split without detections get an empty list, as the evaluation
     requires every sample of the split."""
     results = {token: [] for token in split_sample_tokens(nusc, eval_set)}
     for token, det in detections.items():
         if token not in results:
-            raise DatasetError(f"sample {token} is not in the evaluation split {eval_set!r}; evaluate the split the "
-                             "detections were made on (config data.val_split)")
+            raise DatasetError(
+                f"sample {token} is not in the evaluation split {eval_set!r}; evaluate the split the "
+                "detections were made on (config data.val_split)"
+            )
         translation, rotation = lidar_ego_pose(nusc, token)
-        results[token] = ego_boxes_to_submission(token, _numpy(det["boxes"]), _numpy(det["scores"]),
-                                                 _numpy(det["labels"]), translation, rotation, classes)
+        results[token] = ego_boxes_to_submission(
+            token,
+            _numpy(det["boxes"]),
+            _numpy(det["scores"]),
+            _numpy(det["labels"]),
+            translation,
+            rotation,
+            classes,
+        )
     return {"meta": dict(SUBMISSION_META), "results": results}
 
 
@@ -116,7 +149,9 @@ def summarize(metrics, classes_with_gt: Iterable[str]) -> dict:
     for name in metrics.cfg.class_names:
         per_class[name] = {
             "AP": float(mean_dist_aps[name]),
-            "AP_per_distance": {str(d): float(metrics.get_label_ap(name, d)) for d in metrics.cfg.dist_ths},
+            "AP_per_distance": {
+                str(d): float(metrics.get_label_ap(name, d)) for d in metrics.cfg.dist_ths
+            },
             **{m: _finite_or_none(metrics.get_label_tp(name, m)) for m in TP_ERRORS},
             "has_ground_truth": name in classes_with_gt,
         }
@@ -129,7 +164,10 @@ def summarize(metrics, classes_with_gt: Iterable[str]) -> dict:
         "mAP_classes_with_gt": float(np.mean(present)) if present else 0.0,
         "classes_with_gt": classes_with_gt,
         "per_class": per_class,
-        "vehicles": {"classes": vehicles, **subset_scores(per_class, vehicles, metrics.cfg.mean_ap_weight)},
+        "vehicles": {
+            "classes": vehicles,
+            **subset_scores(per_class, vehicles, metrics.cfg.mean_ap_weight),
+        },
     }
 
 
@@ -146,8 +184,11 @@ def subset_scores(per_class: dict, classes: Iterable[str], mean_ap_weight: float
         errors[m] = float(np.mean(defined)) if defined else None
     # A metric undefined for every class counts as the worst error (the devkit would give NaN).
     tp_scores = [max(0.0, 1.0 - e) if e is not None else 0.0 for e in errors.values()]
-    return {"mAP": mean_ap, "NDS": (mean_ap_weight * mean_ap + sum(tp_scores)) / (mean_ap_weight + len(TP_ERRORS)),
-            "tp_errors": errors}
+    return {
+        "mAP": mean_ap,
+        "NDS": (mean_ap_weight * mean_ap + sum(tp_scores)) / (mean_ap_weight + len(TP_ERRORS)),
+        "tp_errors": errors,
+    }
 
 
 def format_table(summary: dict) -> str:
@@ -160,22 +201,39 @@ def format_table(summary: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in summary["per_class"].items():
         flag = "" if row["has_ground_truth"] else " (no GT)"
-        lines.append("| " + " | ".join([name + flag, cell(row["AP"])] + [cell(row[m]) for m in TP_ERRORS]) + " |")
-    lines.append("| **mean** | " + " | ".join([cell(summary["mAP"])]
-                                              + [cell(summary["tp_errors"][m]) for m in TP_ERRORS]) + " |")
+        lines.append(
+            "| "
+            + " | ".join([name + flag, cell(row["AP"])] + [cell(row[m]) for m in TP_ERRORS])
+            + " |"
+        )
+    lines.append(
+        "| **mean** | "
+        + " | ".join([cell(summary["mAP"])] + [cell(summary["tp_errors"][m]) for m in TP_ERRORS])
+        + " |"
+    )
     lines.append("")
-    lines.append(f"mAP {summary['mAP']:.4f}, NDS {summary['NDS']:.4f} on {summary['eval_set']} "
-                 f"({summary['num_samples']} samples); mAP over the {len(summary['classes_with_gt'])} classes with "
-                 f"ground truth: {summary['mAP_classes_with_gt']:.4f}")
+    lines.append(
+        f"mAP {summary['mAP']:.4f}, NDS {summary['NDS']:.4f} on {summary['eval_set']} "
+        f"({summary['num_samples']} samples); mAP over the {len(summary['classes_with_gt'])} classes with "
+        f"ground truth: {summary['mAP_classes_with_gt']:.4f}"
+    )
     vehicles = summary.get("vehicles")
     if vehicles and vehicles["classes"]:
-        lines.append(f"vehicles ({', '.join(vehicles['classes'])}): mAP {vehicles['mAP']:.4f}, NDS "
-                     f"{vehicles['NDS']:.4f}")
+        lines.append(
+            f"vehicles ({', '.join(vehicles['classes'])}): mAP {vehicles['mAP']:.4f}, NDS "
+            f"{vehicles['NDS']:.4f}"
+        )
     return "\n".join(lines) + "\n"
 
 
-def evaluate_submission(nusc, submission: Union[dict, str, Path], eval_set: str, out_dir: Union[str, Path],
-                        sample_tokens: Optional[Iterable[str]] = None, verbose: bool = False) -> dict:
+def evaluate_submission(
+    nusc,
+    submission: Union[dict, str, Path],
+    eval_set: str,
+    out_dir: Union[str, Path],
+    sample_tokens: Optional[Iterable[str]] = None,
+    verbose: bool = False,
+) -> dict:
     """Run the official DetectionEval (detection_cvpr_2019) on a submission (object or JSON path).
 
     Writes OUT_DIR/detection_submission.json (when given an object), detection_metrics.json and detection_metrics.md;
@@ -194,8 +252,14 @@ def evaluate_submission(nusc, submission: Union[dict, str, Path], eval_set: str,
         path = Path(submission)
         if not path.is_file():
             raise FileNotFoundError(f"detection submission {path} does not exist")
-    evaluator = DetectionEval(nusc, config_factory("detection_cvpr_2019"), str(path), eval_set,
-                              output_dir=str(out_dir / "detection_eval"), verbose=verbose)
+    evaluator = DetectionEval(
+        nusc,
+        config_factory("detection_cvpr_2019"),
+        str(path),
+        eval_set,
+        output_dir=str(out_dir / "detection_eval"),
+        verbose=verbose,
+    )
     if sample_tokens is not None:
         keep = set(sample_tokens)
         for boxes in (evaluator.gt_boxes, evaluator.pred_boxes):
@@ -226,8 +290,10 @@ class DetectionCollector:
         tokens = batch["sample_token"]
         decoded = decode_detections(outputs, self.config)
         if len(tokens) != len(decoded):
-            raise ValueError(f"DetectionCollector.add: {len(tokens)} sample tokens but {len(decoded)} samples of "
-                             "detections; pass the batch the outputs were computed on")
+            raise ValueError(
+                f"DetectionCollector.add: {len(tokens)} sample tokens but {len(decoded)} samples of "
+                "detections; pass the batch the outputs were computed on"
+            )
         for token, det in zip(tokens, decoded):
             self.detections[token] = {k: v.detach().cpu() for k, v in det.items()}
 
@@ -240,11 +306,17 @@ class DetectionCollector:
         for part in parts:
             self.detections.update(part)
 
-    def evaluate(self, nusc, eval_set: str, out_dir: Union[str, Path], verbose: bool = False) -> dict:
+    def evaluate(
+        self, nusc, eval_set: str, out_dir: Union[str, Path], verbose: bool = False
+    ) -> dict:
         """Metrics of the collected samples (see evaluate_submission); the table is printed."""
         submission = build_submission(self.detections, nusc, eval_set)
-        restrict = None if set(self.detections) == set(submission["results"]) else list(self.detections)
-        summary = evaluate_submission(nusc, submission, eval_set, out_dir, sample_tokens=restrict, verbose=verbose)
+        restrict = (
+            None if set(self.detections) == set(submission["results"]) else list(self.detections)
+        )
+        summary = evaluate_submission(
+            nusc, submission, eval_set, out_dir, sample_tokens=restrict, verbose=verbose
+        )
         print(format_table(summary), end="")
         return summary
 
@@ -252,8 +324,10 @@ class DetectionCollector:
         """Metrics on the split of `dataset` (a lss.data.NuScenesBEV), gathered over distributed ranks: rank 0
         evaluates and shares the result. Files go to `out_dir` (default: a temporary folder, removed after)."""
         if not all(hasattr(dataset, a) for a in ("root", "version", "devkit_split")):
-            raise TypeError(f"DetectionCollector.evaluate_dataset: expected a lss.data.NuScenesBEV, got "
-                            f"{type(dataset).__name__}")
+            raise TypeError(
+                f"DetectionCollector.evaluate_dataset: expected a lss.data.NuScenesBEV, got "
+                f"{type(dataset).__name__}"
+            )
         self.gather()
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         summary = None

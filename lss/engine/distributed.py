@@ -1,4 +1,5 @@
 """Process-group setup for `torchrun --nproc_per_node=K -m lss train ...`; a single process needs none of it."""
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,15 @@ class EpochSampler(Sampler[int]):
     The first `start` indices of the rank's share are skipped.
     """
 
-    def __init__(self, length: int, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 pad: bool = True):
+    def __init__(
+        self,
+        length: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        pad: bool = True,
+    ):
         self.length, self.shuffle, self.seed, self.pad = length, shuffle, seed, pad
         self.rank, self.world_size = rank, world_size
         if pad:
@@ -82,4 +90,4 @@ class EpochSampler(Sampler[int]):
         if self.pad:
             total = self.per_rank * self.world_size
             order = (order * math.ceil(total / max(len(order), 1)))[:total]
-        yield from order[self.rank::self.world_size][self.start:]
+        yield from order[self.rank :: self.world_size][self.start :]

@@ -1,4 +1,5 @@
 """`lss eval`: dataset-level IoU per class of a checkpoint on the validation split, written to eval.json."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +15,14 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lss.config import Config
-from lss.engine.build import (build_autocast, build_dataset, build_eval_loader, load_for_inference, select_device,
-                              to_device)
+from lss.engine.build import (
+    build_autocast,
+    build_dataset,
+    build_eval_loader,
+    load_for_inference,
+    select_device,
+    to_device,
+)
 from lss.engine.checkpoint import check_config_fits, load_checkpoint
 from lss.engine.detection_eval import DetectionCollector
 from lss.engine.metrics import IoUMeter, format_iou_table
@@ -23,17 +30,26 @@ from lss.errors import CheckpointError
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device: torch.device,
-             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-             show_progress: bool = True, detection_dir: Optional[Path] = None, timing: Optional[dict] = None,
-             batches: Optional[Iterable[dict]] = None) -> dict:
+def evaluate(
+    model: nn.Module,
+    loader: Optional[DataLoader],
+    cfg: Config,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    show_progress: bool = True,
+    detection_dir: Optional[Path] = None,
+    timing: Optional[dict] = None,
+    batches: Optional[Iterable[dict]] = None,
+) -> dict:
     """IoU per class over every batch of `loader` (summed over distributed ranks); see IoUMeter.compute. With the
     detection head, also "detection": the nuScenes detection metrics (files in `detection_dir` when given).
     `timing`, when given, receives "samples", "seconds" (the IoU pass, workers' start included), "first_batch_s"
     and "samples_per_s" (the samples after the first batch over the time after it: the steady rate).
     `batches`: a pass over `loader` already started (EvalPasses), instead of a new one."""
     meter = IoUMeter(cfg.data.classes, cfg.eval.threshold, cfg.eval.sweep)
-    detections = DetectionCollector(cfg) if "detection" in cfg.model.heads and loader is not None else None
+    detections = (
+        DetectionCollector(cfg) if "detection" in cfg.model.heads and loader is not None else None
+    )
     was_training = model.training
     model.eval()
     limit = cfg.eval.max_batches
@@ -42,8 +58,17 @@ def evaluate(model: nn.Module, loader: Optional[DataLoader], cfg: Config, device
     started, first, samples = time.perf_counter(), None, 0
     try:
         source = batches if batches is not None else (loader or [])
-        for i, batch in enumerate(tqdm(source, total=total, desc="eval", unit="batch", leave=False,
-                                       dynamic_ncols=True, disable=not show_progress)):
+        for i, batch in enumerate(
+            tqdm(
+                source,
+                total=total,
+                desc="eval",
+                unit="batch",
+                leave=False,
+                dynamic_ncols=True,
+                disable=not show_progress,
+            )
+        ):
             if limit is not None and i >= limit:
                 break
             size = len(batch["targets"])
@@ -111,6 +136,7 @@ def pad_batch(batch: dict, size: int) -> dict:
     """`batch` filled up to `size` samples with copies of its last one (the model then always sees the shapes of
     a full batch: no new cuDNN autotuning, no new kernels for the last batch of a split). Per-sample results are
     unchanged (BatchNorm in eval mode treats every sample alone); the caller drops the copies' outputs."""
+
     def pad(value):
         extra = size - len(value)
         if torch.is_tensor(value):
@@ -120,8 +146,9 @@ def pad_batch(batch: dict, size: int) -> dict:
     return {k: pad(v) for k, v in batch.items()}
 
 
-def load_checkpoint_model(cfg: Config, path: Path, device: torch.device,
-                          state: Optional[dict] = None) -> tuple[nn.Module, dict]:
+def load_checkpoint_model(
+    cfg: Config, path: Path, device: torch.device, state: Optional[dict] = None
+) -> tuple[nn.Module, dict]:
     """load_for_inference, refusing a checkpoint trained with another grid, input size, classes or heads (a
     CheckpointError naming the key and both values, also where the weights would not fit); `state`: the file already
     read by load_checkpoint."""
@@ -143,14 +170,32 @@ def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -
     model, state = load_checkpoint_model(cfg, path, device)
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     loader = build_eval_loader(cfg, dataset, device)
-    out = Path(out_dir) if out_dir else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
+    out = (
+        Path(out_dir)
+        if out_dir
+        else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
+    )
     out.mkdir(parents=True, exist_ok=True)
     timing: dict = {}
-    result = evaluate(model, loader, cfg, device, build_autocast(cfg, device), detection_dir=out, timing=timing)
-    result.update({"checkpoint": str(path), "step": state["step"], "split": cfg.data.val_split,
-                   "samples": len(dataset), "timing": timing})
+    result = evaluate(
+        model, loader, cfg, device, build_autocast(cfg, device), detection_dir=out, timing=timing
+    )
+    result.update(
+        {
+            "checkpoint": str(path),
+            "step": state["step"],
+            "split": cfg.data.val_split,
+            "samples": len(dataset),
+            "timing": timing,
+        }
+    )
     (out / "eval.json").write_text(json.dumps(result, indent=1))
-    print(format_iou_table(result, title=f"IoU (%) of {path} at step {state['step']} on {cfg.data.val_split} "
-                                         f"({len(dataset)} samples)"))
+    print(
+        format_iou_table(
+            result,
+            title=f"IoU (%) of {path} at step {state['step']} on {cfg.data.val_split} "
+            f"({len(dataset)} samples)",
+        )
+    )
     print(f"wrote {out / 'eval.json'}")
     return result

@@ -13,6 +13,7 @@ CUDA graphs (checked when the config loads, lss.config.validate); one CUDA proce
 once the device is known); and batches of one fixed set of shapes (the train loader drops the last partial batch).
 With train.cuda_graph: auto a config or a machine that breaks a rule trains with eager steps instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,9 @@ from torch import nn
 from lss.config import Config, ConfigError, cuda_graph_problems, cuda_graph_refusal
 
 
-def decide_cuda_graph(cfg: Config, device: torch.device, distributed: bool) -> tuple[bool, list[str]]:
+def decide_cuda_graph(
+    cfg: Config, device: torch.device, distributed: bool
+) -> tuple[bool, list[str]]:
     """Whether the trainer captures its step (train.cuda_graph), and why not. false: (False, []). true: (True, []),
     or a ConfigError naming the setting to change when this device or process layout cannot run it (the config's own
     rules were checked when it loaded). "auto": (True, []) where every rule holds (lss.config.cuda_graph_problems and
@@ -37,7 +40,9 @@ def decide_cuda_graph(cfg: Config, device: torch.device, distributed: bool) -> t
     if device.type != "cuda":
         problems.append(f"it needs a CUDA device (training runs on {device})")
     if distributed:
-        problems.append("it runs in one process only (use train.compile_mode: reduce-overhead with torchrun)")
+        problems.append(
+            "it runs in one process only (use train.compile_mode: reduce-overhead with torchrun)"
+        )
     if setting is True and problems:
         raise ConfigError(cuda_graph_refusal(problems))
     return not problems, problems
@@ -63,21 +68,40 @@ class GraphedTrainStep:
     place; the graph reads it at every replay).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
-                 amp_dtype: Optional[torch.dtype], grad_clip: float, warmup: int = 2, capture: bool = True,
-                 check_batch: Optional[Callable[[dict], None]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        amp_dtype: Optional[torch.dtype],
+        grad_clip: float,
+        warmup: int = 2,
+        capture: bool = True,
+        check_batch: Optional[Callable[[dict], None]] = None,
+    ):
         if warmup < 1:
-            raise ValueError(f"GraphedTrainStep: warmup must be >= 1 (the optimizer state must exist before the "
-                             f"capture), got {warmup}")
-        self.model, self.loss_fn, self.optimizer, self.amp_dtype = model, loss_fn, optimizer, amp_dtype
+            raise ValueError(
+                f"GraphedTrainStep: warmup must be >= 1 (the optimizer state must exist before the "
+                f"capture), got {warmup}"
+            )
+        self.model, self.loss_fn, self.optimizer, self.amp_dtype = (
+            model,
+            loss_fn,
+            optimizer,
+            amp_dtype,
+        )
         self.grad_clip = grad_clip if grad_clip > 0 else float("inf")
         self.warmup, self.capture = warmup, capture
         self.check_batch = check_batch
         self.static: Optional[dict] = None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.outputs: Optional[dict] = None
-        self.peak_bytes: Optional[int] = None  # peak allocated device memory of a step (CUDA, after the capture)
-        self.setup_seconds: dict[str, float] = {}  # part of the first call -> seconds (see the class)
+        self.peak_bytes: Optional[int] = (
+            None  # peak allocated device memory of a step (CUDA, after the capture)
+        )
+        self.setup_seconds: dict[
+            str, float
+        ] = {}  # part of the first call -> seconds (see the class)
 
     @property
     def device(self) -> torch.device:
@@ -109,14 +133,18 @@ class GraphedTrainStep:
     def _load(self, batch: dict) -> None:
         tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
         if tensors.keys() != self.static.keys():
-            raise ValueError(f"train.cuda_graph: the batch holds tensors {sorted(tensors)} but the captured step was "
-                             f"built for {sorted(self.static)}; every batch must hold the same entries")
+            raise ValueError(
+                f"train.cuda_graph: the batch holds tensors {sorted(tensors)} but the captured step was "
+                f"built for {sorted(self.static)}; every batch must hold the same entries"
+            )
         for k, v in tensors.items():
             buf = self.static[k]
             if v.shape != buf.shape or v.dtype != buf.dtype:
-                raise ValueError(f"train.cuda_graph: batch[{k!r}] is {tuple(v.shape)} {v.dtype} but the captured "
-                                 f"step was built for {tuple(buf.shape)} {buf.dtype}; every batch must have the same "
-                                 "shapes (fixed image size, drop_last) or set train.cuda_graph: false")
+                raise ValueError(
+                    f"train.cuda_graph: batch[{k!r}] is {tuple(v.shape)} {v.dtype} but the captured "
+                    f"step was built for {tuple(buf.shape)} {buf.dtype}; every batch must have the same "
+                    "shapes (fixed image size, drop_last) or set train.cuda_graph: false"
+                )
             buf.copy_(v, non_blocking=True)
 
     def _setup(self, batch: dict) -> None:
@@ -141,7 +169,9 @@ class GraphedTrainStep:
             torch.cuda.current_stream(device).wait_stream(side)
         snapshot.restore()
         del snapshot  # its copies of the parameters and optimizer state must not count in the captured step's peak
-        self.optimizer.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in its pool
+        self.optimizer.zero_grad(
+            set_to_none=True
+        )  # the captured backward allocates the gradients in its pool
         if not self.capture:
             return
         self.graph = torch.cuda.CUDAGraph()
@@ -171,7 +201,9 @@ class GraphedTrainStep:
             outputs = self.model(self.static)
         losses = self.loss_fn(outputs, self.static)
         losses["loss"].backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.grad_clip, foreach=True
+        )
         self.optimizer.step()
         out = {k: v.detach() for k, v in losses.items()}
         out["grad_norm"] = grad_norm.detach()
@@ -185,8 +217,10 @@ class _Snapshot:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
         self.tensors = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-        self.optimizer_state = {id(p): {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                                for p, s in optimizer.state.items()}
+        self.optimizer_state = {
+            id(p): {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        }
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 

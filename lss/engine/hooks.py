@@ -4,6 +4,7 @@ depend on what computes them.
 
 A hook sees the trainer (lss.engine.train.Trainer: step, cfg, model, state, save) after every optimizer step and
 once after training; what `after_train` returns goes into train()'s final metrics."""
+
 from __future__ import annotations
 
 import json
@@ -79,7 +80,11 @@ class MetricsWriter:
         self.path = out_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # drop records past the resumed checkpoint so the file reads as one continuous run
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            kept = [
+                ln
+                for ln in self.path.read_text().splitlines()
+                if ln and json.loads(ln)["step"] <= resume_step
+            ]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         self.tb_dir, self.resume_step = out_dir / "tensorboard", resume_step
         self._tb = None
@@ -133,8 +138,10 @@ class LogHook(Hook):
         if not self.startup_written:
             graph_step = getattr(trainer, "graph_step", None)
             detail = graph_step.setup_seconds if graph_step is not None else {}
-            startup = {"phases": dict(getattr(trainer, "phases", {})),
-                       "first_step_detail": {k: round(v, 3) for k, v in detail.items()}}
+            startup = {
+                "phases": dict(getattr(trainer, "phases", {})),
+                "first_step_detail": {k: round(v, 3) for k, v in detail.items()},
+            }
             self.writer.write("startup", trainer.step, startup)
             self.startup_written = True
         if is_due(trainer, self.period):
@@ -151,8 +158,13 @@ def detection_curve_point(summary: dict) -> dict:
     """What the metrics file keeps of a detection evaluation (lss.engine.detection_eval.summarize): mAP, NDS, the
     vehicle classes' mAP and NDS and every class's AP."""
     vehicles = summary.get("vehicles", {})
-    return {"mAP": summary["mAP"], "NDS": summary["NDS"], "vehicle_mAP": vehicles.get("mAP"),
-            "vehicle_NDS": vehicles.get("NDS"), "AP": {n: row["AP"] for n, row in summary["per_class"].items()}}
+    return {
+        "mAP": summary["mAP"],
+        "NDS": summary["NDS"],
+        "vehicle_mAP": vehicles.get("mAP"),
+        "vehicle_NDS": vehicles.get("NDS"),
+        "AP": {n: row["AP"] for n, row in summary["per_class"].items()},
+    }
 
 
 class EvalHook(Hook):
@@ -161,9 +173,19 @@ class EvalHook(Hook):
     `prepare()` (EvalPasses.arm) starts the next evaluation's data ahead: after the run's first step and after
     each evaluation but the last."""
 
-    def __init__(self, period: int, eval_function: Callable[[], dict], writer: Optional[MetricsWriter] = None,
-                 prepare: Optional[Callable[[], None]] = None):
-        self.period, self.eval_function, self.writer, self.prepare = period, eval_function, writer, prepare
+    def __init__(
+        self,
+        period: int,
+        eval_function: Callable[[], dict],
+        writer: Optional[MetricsWriter] = None,
+        prepare: Optional[Callable[[], None]] = None,
+    ):
+        self.period, self.eval_function, self.writer, self.prepare = (
+            period,
+            eval_function,
+            writer,
+            prepare,
+        )
         self.last: dict = {}
         self._prepared = False
 
@@ -171,7 +193,11 @@ class EvalHook(Hook):
         due = is_due(trainer, self.period)
         if due:
             self._evaluate(trainer)
-        if self.prepare is not None and (due or not self._prepared) and trainer.step < trainer.cfg.train.max_steps:
+        if (
+            self.prepare is not None
+            and (due or not self._prepared)
+            and trainer.step < trainer.cfg.train.max_steps
+        ):
             self._prepared = True
             self.prepare()
 
@@ -185,8 +211,10 @@ class EvalHook(Hook):
             if "detection" in result:
                 values["detection"] = detection_curve_point(result["detection"])
             self.writer.write("val", trainer.step, values)
-            tqdm.write(f"step {trainer.step}: val IoU " +
-                       ", ".join(f"{c} {100 * v:.2f}" for c, v in result["iou"].items()))
+            tqdm.write(
+                f"step {trainer.step}: val IoU "
+                + ", ".join(f"{c} {100 * v:.2f}" for c, v in result["iou"].items())
+            )
         best = trainer.state.get("best_iou")
         if best is None or result["mean_iou"] > best:
             trainer.state["best_iou"] = result["mean_iou"]
@@ -208,16 +236,29 @@ class CheckpointHook(Hook):
             trainer.save("last.pt")
 
     def after_train(self, trainer) -> dict:
-        return {"step": trainer.step, "best_iou": trainer.state.get("best_iou"),
-                "best_step": trainer.state.get("best_step")}
+        return {
+            "step": trainer.step,
+            "best_iou": trainer.state.get("best_iou"),
+            "best_step": trainer.state.get("best_step"),
+        }
 
 
 class VizHook(Hook):
     """The picture of `picture_function()` (H x W x 3 uint8) into tensorboard every `period` steps and at the end."""
 
-    def __init__(self, period: int, picture_function: Callable[[], np.ndarray], writer: MetricsWriter,
-                 tag: str = "val/bev_prediction"):
-        self.period, self.picture_function, self.writer, self.tag = period, picture_function, writer, tag
+    def __init__(
+        self,
+        period: int,
+        picture_function: Callable[[], np.ndarray],
+        writer: MetricsWriter,
+        tag: str = "val/bev_prediction",
+    ):
+        self.period, self.picture_function, self.writer, self.tag = (
+            period,
+            picture_function,
+            writer,
+            tag,
+        )
 
     def after_step(self, trainer, logs: dict) -> None:
         if is_due(trainer, self.period):

@@ -1,4 +1,5 @@
 """Dataset-level IoU: per class, the sum of intersections over the sum of unions across the whole split."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -24,17 +25,30 @@ class IoUMeter:
         shape = (len(self.thresholds), len(self.classes))
         self.intersection = torch.zeros(shape, dtype=torch.float64)
         self.union = torch.zeros(shape, dtype=torch.float64)
-        self._cut: Optional[torch.Tensor] = None  # thresholds as a T x 1 x 1 x 1 x 1 tensor beside the counts
+        self._cut: Optional[torch.Tensor] = (
+            None  # thresholds as a T x 1 x 1 x 1 x 1 tensor beside the counts
+        )
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        if logits.shape != targets.shape or logits.dim() != 4 or logits.shape[1] != len(self.classes):
-            raise ValueError(f"IoUMeter.update: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must "
-                             f"both be B x {len(self.classes)} x nx x ny")
+        if (
+            logits.shape != targets.shape
+            or logits.dim() != 4
+            or logits.shape[1] != len(self.classes)
+        ):
+            raise ValueError(
+                f"IoUMeter.update: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must "
+                f"both be B x {len(self.classes)} x nx x ny"
+            )
         probs = logits.float().sigmoid()
         truth = targets > 0.5
-        if self.intersection.device != probs.device:  # count where the predictions are: no host sync per batch
-            self.intersection, self.union = self.intersection.to(probs.device), self.union.to(probs.device)
+        if (
+            self.intersection.device != probs.device
+        ):  # count where the predictions are: no host sync per batch
+            self.intersection, self.union = (
+                self.intersection.to(probs.device),
+                self.union.to(probs.device),
+            )
             self._cut = None
         if self._cut is None:  # the thresholds on the counts' device, copied there once
             self._cut = torch.tensor(self.thresholds, device=probs.device).view(-1, 1, 1, 1, 1)
@@ -54,16 +68,24 @@ class IoUMeter:
 
     def compute(self) -> dict:
         self.intersection, self.union = self.intersection.cpu(), self.union.cpu()
-        iou = torch.where(self.union > 0, self.intersection / self.union.clamp(min=1), torch.zeros_like(self.union))
+        iou = torch.where(
+            self.union > 0,
+            self.intersection / self.union.clamp(min=1),
+            torch.zeros_like(self.union),
+        )
         at = self.thresholds.index(self.threshold)
         per_class = {c: float(iou[at, k]) for k, c in enumerate(self.classes)}
         return {
             "threshold": self.threshold,
             "iou": per_class,
             "mean_iou": sum(per_class.values()) / max(len(per_class), 1),
-            "sweep": {f"{t:g}": {c: float(iou[i, k]) for k, c in enumerate(self.classes)}
-                      for i, t in enumerate(self.thresholds)},
-            "intersection": {c: float(self.intersection[at, k]) for k, c in enumerate(self.classes)},
+            "sweep": {
+                f"{t:g}": {c: float(iou[i, k]) for k, c in enumerate(self.classes)}
+                for i, t in enumerate(self.thresholds)
+            },
+            "intersection": {
+                c: float(self.intersection[at, k]) for k, c in enumerate(self.classes)
+            },
             "union": {c: float(self.union[at, k]) for k, c in enumerate(self.classes)},
         }
 

@@ -1,5 +1,6 @@
 """`lss train`: a short run_step (batch -> loss -> backward -> step) with hooks around it for logging, evaluation,
 checkpoints and BEV pictures. Single process or `torchrun --nproc_per_node=K -m lss train ...` (DDP)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,17 +21,45 @@ from tqdm import tqdm
 from lss.config import Config, ConfigError, config_to_dict, save_config
 from lss.data import collate
 from lss.engine import checkpoint as ckpt_io
-from lss.engine.build import (DatasetFn, ModelFn, apply_channels_last, autocast_dtype, build_autocast,
-                              build_dataset, build_eval_loader, build_loader, build_model, build_optimizer,
-                              build_scheduler, compile_encoders, device_type, ensure_dataset, lr_factor,
-                              preserved_rng, rng_state, seed_everything, select_device, set_rng_state, StreamSampler,
-                              to_device, uncompiled)
+from lss.engine.build import (
+    DatasetFn,
+    ModelFn,
+    apply_channels_last,
+    autocast_dtype,
+    build_autocast,
+    build_dataset,
+    build_eval_loader,
+    build_loader,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    compile_encoders,
+    device_type,
+    ensure_dataset,
+    lr_factor,
+    preserved_rng,
+    rng_state,
+    seed_everything,
+    select_device,
+    set_rng_state,
+    StreamSampler,
+    to_device,
+    uncompiled,
+)
 from lss.engine import background_compile
 from lss.engine.distributed import DistInfo, EpochSampler, init_distributed, shutdown
 from lss.engine.eval import EvalPasses, evaluate
 from lss.engine.graph_step import GraphedTrainStep, decide_cuda_graph
-from lss.engine.hooks import (CheckpointHook, EvalHook, Hook, LogHook, MetricsWriter, StepLogs, VizHook,
-                              is_due)
+from lss.engine.hooks import (
+    CheckpointHook,
+    EvalHook,
+    Hook,
+    LogHook,
+    MetricsWriter,
+    StepLogs,
+    VizHook,
+    is_due,
+)
 from lss.engine.losses import TotalLoss, check_depth_targets
 from lss.engine.run_dir import check_run_dir, clear_run
 
@@ -48,9 +77,18 @@ class TrainingInterrupted(KeyboardInterrupt):
 class Trainer:
     """Holds the model, optimizer and data stream; `run_step` does one optimizer step, hooks do the rest."""
 
-    def __init__(self, cfg: Config, model: nn.Module, train_set: Dataset, val_set: Optional[Dataset],
-                 out_dir: Path, device: torch.device, dist_info: DistInfo, collate_fn: Callable = collate,
-                 model_fn: Optional[ModelFn] = None):
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        train_set: Dataset,
+        val_set: Optional[Dataset],
+        out_dir: Path,
+        device: torch.device,
+        dist_info: DistInfo,
+        collate_fn: Callable = collate,
+        model_fn: Optional[ModelFn] = None,
+    ):
         """`model_fn`, the function that built `model`, lets train.compile_start compile in the background."""
         self.cfg, self.out_dir, self.device, self.dist = cfg, out_dir, device, dist_info
         t = cfg.train
@@ -62,8 +100,13 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg, device)
         self.autocast = build_autocast(cfg, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        self.model_fn, self.background = model_fn, None  # background: the compiling child (compile_start)
-        self.compile_later = model_fn is not None and background_compile.wanted(cfg, device, dist_info.enabled)
+        self.model_fn, self.background = (
+            model_fn,
+            None,
+        )  # background: the compiling child (compile_start)
+        self.compile_later = model_fn is not None and background_compile.wanted(
+            cfg, device, dist_info.enabled
+        )
         if t.compile and not self.compile_later:
             self.compile()
         captured, self.eager_because = decide_cuda_graph(cfg, device, dist_info.enabled)
@@ -72,28 +115,51 @@ class Trainer:
         if dist_info.enabled:
             ids = [device.index] if device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=ids)
-        epochs = EpochSampler(len(train_set), shuffle=True, seed=t.seed, rank=dist_info.rank,
-                              world_size=dist_info.world_size)
+        epochs = EpochSampler(
+            len(train_set),
+            shuffle=True,
+            seed=t.seed,
+            rank=dist_info.rank,
+            world_size=dist_info.world_size,
+        )
         self.batches_per_epoch = epochs.per_rank // t.batch_size
         if self.batches_per_epoch == 0:
-            raise ConfigError(f"the train split has {len(train_set)} samples, fewer than train.batch_size="
-                              f"{t.batch_size} per process ({dist_info.world_size} processes); lower the batch size")
+            raise ConfigError(
+                f"the train split has {len(train_set)} samples, fewer than train.batch_size="
+                f"{t.batch_size} per process ({dist_info.world_size} processes); lower the batch size"
+            )
         self.train_sampler = StreamSampler(epochs, t.batch_size)
-        self.train_loader = build_loader(cfg, train_set, self.train_sampler, t.batch_size, True, device, t.seed,
-                                         collate_fn=collate_fn)
+        self.train_loader = build_loader(
+            cfg,
+            train_set,
+            self.train_sampler,
+            t.batch_size,
+            True,
+            device,
+            t.seed,
+            collate_fn=collate_fn,
+        )
         self.val_loader = None
         if val_set is not None and len(val_set) > 0:
-            self.val_loader = build_eval_loader(cfg, val_set, device, dist_info, collate_fn, persistent=True)
+            self.val_loader = build_eval_loader(
+                cfg, val_set, device, dist_info, collate_fn, persistent=True
+            )
         self.val_passes = EvalPasses(self.val_loader) if self.val_loader is not None else None
         self.step = 0
         self.epoch = 0
         self.state: dict = {"best_iou": None}  # hook state that a checkpoint carries
         self.saved: dict[str, int] = {}  # checkpoint name -> step of the file on disk
         self.hooks: list[Hook] = []
-        self.phases: dict[str, float] = {}  # start-up phase -> seconds since train() was called (LogHook writes them)
+        self.phases: dict[
+            str, float
+        ] = {}  # start-up phase -> seconds since train() was called (LogHook writes them)
         self.started = time.perf_counter()
-        self._unchecked: Optional[tuple[int, StepLogs]] = None  # the captured step's last values, not yet checked
-        self._fetch_s = self._wait_s = 0.0  # host seconds since the last take_host_split (see there)
+        self._unchecked: Optional[tuple[int, StepLogs]] = (
+            None  # the captured step's last values, not yet checked
+        )
+        self._fetch_s = self._wait_s = (
+            0.0  # host seconds since the last take_host_split (see there)
+        )
         self._split_since, self._split_step = time.perf_counter(), 0
         self._writer = ckpt_io.CheckpointWriter()
 
@@ -125,11 +191,19 @@ class Trainer:
 
     def compile(self) -> None:
         """Compile the model's trainable parts in place (train.compile_mode, train.compile_memory_budget)."""
-        compile_encoders(self.model, self.cfg.train.compile_mode, self.cfg.train.compile_memory_budget)
+        compile_encoders(
+            self.model, self.cfg.train.compile_mode, self.cfg.train.compile_memory_budget
+        )
 
     def new_graph_step(self) -> GraphedTrainStep:
-        return GraphedTrainStep(self.model, self.loss_fn, self.optimizer, self.amp_dtype, self.cfg.optim.grad_clip,
-                                check_batch=self._check_batch)
+        return GraphedTrainStep(
+            self.model,
+            self.loss_fn,
+            self.optimizer,
+            self.amp_dtype,
+            self.cfg.optim.grad_clip,
+            check_batch=self._check_batch,
+        )
 
     def _check_batch(self, batch: dict) -> None:
         """Host-side checks of a batch for the captured step (which cannot sync inside)."""
@@ -139,15 +213,19 @@ class Trainer:
 
     def run_step(self, micro_batches: list[dict]) -> dict:
         """One optimizer step over `micro_batches` (gradient accumulation); returns the mean loss terms."""
-        if not self.model.training:  # Module.train() walks every submodule: about 1 ms per step on a GPU machine
+        if (
+            not self.model.training
+        ):  # Module.train() walks every submodule: about 1 ms per step on a GPU machine
             self.net.train()
         if self.graph_step is not None:
             return self._run_graph_step(micro_batches[0])
         totals = self._forward_backward([to_device(b, self.device) for b in micro_batches])
         loss = float(totals["loss"])
         if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step + 1}; lower optim.lr, check the data, or "
-                                     "resume from the last good checkpoint")
+            raise FloatingPointError(
+                f"loss is {loss} at step {self.step + 1}; lower optim.lr, check the data, or "
+                "resume from the last good checkpoint"
+            )
         grad_norm = self._optimizer_step()
         self.step += 1
         return StepLogs(**{k: float(v) for k, v in totals.items()}, grad_norm=float(grad_norm))
@@ -157,7 +235,9 @@ class Trainer:
         totals: dict = {}
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            sync = self.net.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
+            sync = (
+                self.net.no_sync() if self.dist.enabled and not last else contextlib.nullcontext()
+            )
             with sync:
                 with self.autocast():
                     outputs = self.net(batch)
@@ -165,10 +245,13 @@ class Trainer:
                 self.scaler.scale(losses["loss"] / len(micro_batches)).backward()
             for k, v in losses.items():
                 totals[k] = totals.get(k, 0.0) + v.detach() / len(micro_batches)
-        if self.dist.enabled:  # log the global batch's mean, and let every rank see a non-finite loss together
+        if (
+            self.dist.enabled
+        ):  # log the global batch's mean, and let every rank see a non-finite loss together
             names = sorted(totals)
-            stacked = torch.stack([torch.as_tensor(totals[k], device=self.device, dtype=torch.float32)
-                                   for k in names])
+            stacked = torch.stack(
+                [torch.as_tensor(totals[k], device=self.device, dtype=torch.float32) for k in names]
+            )
             torch.distributed.all_reduce(stacked)
             totals = dict(zip(names, stacked / self.dist.world_size))
         return totals
@@ -202,9 +285,14 @@ class Trainer:
         for the checkpoint writes in flight (a failed one is reported on stderr: another error is on its way)."""
         self.finish_checkpoints(report_only=True)
         background_compile.stop(self)
-        iterators = [getattr(self, "_train_iter", None), getattr(self.val_loader, "_iterator", None)]
+        iterators = [
+            getattr(self, "_train_iter", None),
+            getattr(self.val_loader, "_iterator", None),
+        ]
         for iterator in iterators:
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):  # single-process ones have none
+            if iterator is not None and hasattr(
+                iterator, "_shutdown_workers"
+            ):  # single-process ones have none
                 iterator._shutdown_workers()
         self._train_iter = None
         if self.val_loader is not None:
@@ -220,9 +308,11 @@ class Trainer:
         loss = logs["loss"]  # waits for that step
         self._wait_s += time.perf_counter() - waited
         if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step} (train.cuda_graph: the updates of this step "
-                                     "and at most one more were applied; the checkpoints on disk predate them); "
-                                     "lower optim.lr, check the data, or resume from the last good checkpoint")
+            raise FloatingPointError(
+                f"loss is {loss} at step {step} (train.cuda_graph: the updates of this step "
+                "and at most one more were applied; the checkpoints on disk predate them); "
+                "lower optim.lr, check the data, or resume from the last good checkpoint"
+            )
 
     def take_host_split(self) -> dict:
         """Where the loop's host time went since the last call, in mean ms per step: "fetch_ms" waiting for the
@@ -233,8 +323,11 @@ class Trainer:
         split = {}
         if steps > 0:
             total = now - self._split_since
-            split = {"fetch_ms": 1e3 * self._fetch_s / steps, "wait_ms": 1e3 * self._wait_s / steps,
-                     "other_ms": 1e3 * (total - self._fetch_s - self._wait_s) / steps}
+            split = {
+                "fetch_ms": 1e3 * self._fetch_s / steps,
+                "wait_ms": 1e3 * self._wait_s / steps,
+                "other_ms": 1e3 * (total - self._fetch_s - self._wait_s) / steps,
+            }
         self._fetch_s = self._wait_s = 0.0
         self._split_since, self._split_step = now, self.step
         return split
@@ -249,8 +342,14 @@ class Trainer:
         Host syncs: with train.cuda_graph one per step, for the loss check, after the next batch is ready."""
         t = self.cfg.train
         stream = stream if stream is not None else self.batches()
-        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not self.dist.is_main)
+        bar = tqdm(
+            total=t.max_steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not self.dist.is_main,
+        )
         first = True
         try:
             while self.step < t.max_steps:
@@ -269,10 +368,16 @@ class Trainer:
                     self.take_host_split()  # the split covers the steps after the first (start-up has its record)
                     first = False
                 step_time = time.perf_counter() - start
-                logs.add(step_time=step_time, lr=self.learning_rate(),
-                         samples_per_s=t.batch_size * t.grad_accum * self.dist.world_size / step_time)
+                logs.add(
+                    step_time=step_time,
+                    lr=self.learning_rate(),
+                    samples_per_s=t.batch_size * t.grad_accum * self.dist.world_size / step_time,
+                )
                 bar.update(1)
-                if any(is_due(self, period) for period in (t.log_every, t.ckpt_every, t.eval_every, t.viz_every)):
+                if any(
+                    is_due(self, period)
+                    for period in (t.log_every, t.ckpt_every, t.eval_every, t.viz_every)
+                ):
                     self.check_last_step()  # hooks read, save or evaluate now: a NaN stops first, with its step
                 if is_due(self, t.log_every):
                     bar.set_postfix(epoch=self.epoch, loss=f"{logs['loss']:.4f}")
@@ -295,26 +400,44 @@ class Trainer:
         the state to host memory here and writes the file in the background (ckpt_io.CheckpointWriter): a failed
         write raises at the next save or when training ends (`finish_checkpoints`)."""
         path = self.out_dir / "checkpoints" / name
-        if not bool(torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()):
+        if not bool(
+            torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all()
+        ):
             self.finish_checkpoints()  # the earlier writes: `saved` says what is on disk, and their error comes first
             raise FloatingPointError(
                 f"weights are not finite after step {self.step}; {path} was not written and {self._on_disk(name)}"
                 f"{' (the last good checkpoint is kept)' if name in self.saved else ''}. Lower optim.lr (now "
-                f"{self.cfg.optim.lr:g}) or set optim.grad_clip, check the data, then {self._continue_hint()}")
+                f"{self.cfg.optim.lr:g}) or set optim.grad_clip, check the data, then {self._continue_hint()}"
+            )
         if not self.dist.is_main:
             self.saved[name] = self.step
             return
         step = self.step
-        state = ckpt_io.checkpoint_state(self.model, step, self.cfg, self.optimizer, self.scheduler, self.scaler,
-                                         extra={"rng": rng_state(), "state": dict(self.state)}, snapshot=True)
+        state = ckpt_io.checkpoint_state(
+            self.model,
+            step,
+            self.cfg,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            extra={"rng": rng_state(), "state": dict(self.state)},
+            snapshot=True,
+        )
 
-        def failed(e: OSError) -> OSError:  # in the writer's thread, after the earlier writes: `saved` is current
-            error = OSError(e.errno, f"{e.strerror or e} while writing {path}; {self._on_disk(name)}: free some "
-                                     f"space, then {self._continue_hint()}")
+        def failed(
+            e: OSError,
+        ) -> OSError:  # in the writer's thread, after the earlier writes: `saved` is current
+            error = OSError(
+                e.errno,
+                f"{e.strerror or e} while writing {path}; {self._on_disk(name)}: free some "
+                f"space, then {self._continue_hint()}",
+            )
             error.__cause__ = e
             return error
 
-        self._writer.submit(state, path, done=lambda: self.saved.__setitem__(name, step), failed=failed)
+        self._writer.submit(
+            state, path, done=lambda: self.saved.__setitem__(name, step), failed=failed
+        )
 
     def finish_checkpoints(self, report_only: bool = False) -> None:
         """Wait until the checkpoints saved so far are on disk; raise the error of a failed write (`report_only`:
@@ -341,10 +464,16 @@ class Trainer:
     def resume(self, path: Path) -> None:
         state = ckpt_io.load_checkpoint(path, map_location=self.device)
         ckpt_io.load_model_state(self.model, state, path)
-        for name, obj in (("optimizer", self.optimizer), ("scheduler", self.scheduler), ("scaler", self.scaler)):
+        for name, obj in (
+            ("optimizer", self.optimizer),
+            ("scheduler", self.scheduler),
+            ("scaler", self.scaler),
+        ):
             if state.get(name) is None:
-                raise ckpt_io.CheckpointError(f"checkpoint {path} has no {name} state; it cannot be resumed "
-                                              "(start a new run from it instead)")
+                raise ckpt_io.CheckpointError(
+                    f"checkpoint {path} has no {name} state; it cannot be resumed "
+                    "(start a new run from it instead)"
+                )
             obj.load_state_dict(state[name])
         self.step = state["step"]
         self.state.update(state["extra"].get("state", {}))
@@ -363,7 +492,9 @@ class Trainer:
             return
         self.saved["best.pt"] = best["step"]
         state = best["extra"].get("state", {})
-        if state.get("best_step") is not None and state["best_step"] > (self.state.get("best_step") or -1):
+        if state.get("best_step") is not None and state["best_step"] > (
+            self.state.get("best_step") or -1
+        ):
             self.state.update(best_iou=state["best_iou"], best_step=state["best_step"])
 
 
@@ -371,11 +502,20 @@ class Trainer:
 def evaluation(trainer: Trainer) -> Callable[[], dict]:
     """The evaluation callable of EvalHook: lss.engine.eval.evaluate of the model on the val loader (with its
     "timing")."""
+
     def run() -> dict:
         timing: dict = {}
         with preserved_rng(), uncompiled(trainer.model):
-            result = evaluate(trainer.model, trainer.val_loader, trainer.cfg, trainer.device, trainer.autocast,
-                              show_progress=trainer.dist.is_main, timing=timing, batches=trainer.val_passes.take())
+            result = evaluate(
+                trainer.model,
+                trainer.val_loader,
+                trainer.cfg,
+                trainer.device,
+                trainer.autocast,
+                show_progress=trainer.dist.is_main,
+                timing=timing,
+                batches=trainer.val_passes.take(),
+            )
         return {**result, "timing": timing}
 
     return run
@@ -399,14 +539,19 @@ def bev_pictures(trainer: Trainer, render_fn: RenderFn) -> Callable[[], np.ndarr
     return picture
 
 
-def default_hooks(trainer: Trainer, writer: Optional[MetricsWriter], started: float,
-                  render_fn: Optional[RenderFn]) -> list[Hook]:
+def default_hooks(
+    trainer: Trainer, writer: Optional[MetricsWriter], started: float, render_fn: Optional[RenderFn]
+) -> list[Hook]:
     """Logging, checkpoints, evaluation and pictures at the train.*_every periods (writers on rank 0 only)."""
     t = trainer.cfg.train
     hooks: list[Hook] = [LogHook(t.log_every, writer, started)] if writer is not None else []
-    hooks.append(CheckpointHook(t.ckpt_every))  # before evaluation: a failing evaluation keeps the step's last.pt
+    hooks.append(
+        CheckpointHook(t.ckpt_every)
+    )  # before evaluation: a failing evaluation keeps the step's last.pt
     if trainer.val_loader is not None:
-        hooks.append(EvalHook(t.eval_every, evaluation(trainer), writer, prepare=trainer.val_passes.arm))
+        hooks.append(
+            EvalHook(t.eval_every, evaluation(trainer), writer, prepare=trainer.val_passes.arm)
+        )
     if writer is not None and trainer.val_loader is not None and render_fn is not None:
         hooks.append(VizHook(t.viz_every, bev_pictures(trainer, render_fn), writer))
     return hooks
@@ -415,27 +560,46 @@ def default_hooks(trainer: Trainer, writer: Optional[MetricsWriter], started: fl
 def step_mode(trainer: Trainer) -> str:
     """How the trainer runs its steps, for the run's first line (train.cuda_graph, train.compile_start)."""
     mode = "each step one CUDA graph replay" if trainer.graph_step is not None else "eager steps"
-    if trainer.graph_step is None and trainer.eager_because:  # only auto falls back (true raises instead)
+    if (
+        trainer.graph_step is None and trainer.eager_because
+    ):  # only auto falls back (true raises instead)
         mode += " (train.cuda_graph: auto: " + "; ".join(trainer.eager_because) + ")"
     if trainer.compile_later:
-        mode += ", uncompiled until a background process has compiled the model (train.compile_start)"
+        mode += (
+            ", uncompiled until a background process has compiled the model (train.compile_start)"
+        )
     return mode
 
 
 def interrupted_message(trainer: Trainer) -> str:
     """Ctrl-C: which checkpoint is on disk (once the writes in flight are done) and how to continue."""
-    trainer.finish_checkpoints(report_only=True)  # a failed write: the message names the checkpoint before it
+    trainer.finish_checkpoints(
+        report_only=True
+    )  # a failed write: the message names the checkpoint before it
     step = trainer.saved.get("last.pt")
     if step is None:
-        return (f"training interrupted at step {trainer.step}; no checkpoint was written (train.ckpt_every="
-                f"{trainer.cfg.train.ckpt_every}): start again with --overwrite")
-    return (f"training interrupted at step {trainer.step}; the last checkpoint is step {step} in "
-            f"{trainer.out_dir / 'checkpoints' / 'last.pt'}: continue with `{RESUME_HINT.format(trainer.out_dir)}`")
+        return (
+            f"training interrupted at step {trainer.step}; no checkpoint was written (train.ckpt_every="
+            f"{trainer.cfg.train.ckpt_every}): start again with --overwrite"
+        )
+    return (
+        f"training interrupted at step {trainer.step}; the last checkpoint is step {step} in "
+        f"{trainer.out_dir / 'checkpoints' / 'last.pt'}: continue with `{RESUME_HINT.format(trainer.out_dir)}`"
+    )
 
 
-def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, overwrite: bool = False,
-          model_fn: ModelFn = build_model, dataset_fn: DatasetFn = build_dataset, collate_fn: Callable = collate,
-          render_fn: Optional[RenderFn] = None, hooks: Sequence[Hook] = ()) -> dict:
+def train(
+    cfg: Config,
+    out_dir: Optional[str] = None,
+    resume: bool = False,
+    *,
+    overwrite: bool = False,
+    model_fn: ModelFn = build_model,
+    dataset_fn: DatasetFn = build_dataset,
+    collate_fn: Callable = collate,
+    render_fn: Optional[RenderFn] = None,
+    hooks: Sequence[Hook] = (),
+) -> dict:
     """Train from `cfg` into `out_dir` (default train.out_dir); returns the final metrics.
 
     A directory that holds an earlier run (lss.engine.run_dir.RUN_FILES) needs `resume` (continue from
@@ -454,7 +618,9 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
     writer, trainer = None, None
     try:
         device = select_device(cfg, dist_info)
-        seed_everything(cfg.train.seed + dist_info.rank, cfg.train.deterministic, cfg.train.cudnn_benchmark)
+        seed_everything(
+            cfg.train.seed + dist_info.rank, cfg.train.deterministic, cfg.train.cudnn_benchmark
+        )
         if cfg.data.make_synthetic_if_missing:
             ensure_dataset(cfg, dist_info)
         train_set = dataset_fn(cfg, cfg.data.train_split, True)
@@ -462,13 +628,17 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
         datasets_done = time.perf_counter() - started
         model = model_fn(cfg)
         model_done = time.perf_counter() - started
-        trainer = Trainer(cfg, model, train_set, val_set, run_dir, device, dist_info, collate_fn, model_fn)
+        trainer = Trainer(
+            cfg, model, train_set, val_set, run_dir, device, dist_info, collate_fn, model_fn
+        )
         trainer.started = started
         trainer.phases.update(datasets=round(datasets_done, 3), model=round(model_done, 3))
         trainer.mark("trainer")  # the model on the device, optimizer, loaders
         if resume:
             trainer.resume(run_dir / "checkpoints" / "last.pt")
-        stream = trainer.batches()  # the workers start on the first batches while the rest starts up
+        stream = (
+            trainer.batches()
+        )  # the workers start on the first batches while the rest starts up
         trainer.mark("workers")
         if dist_info.is_main:
             if overwrite:
@@ -476,8 +646,10 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "config.yaml")
             writer = MetricsWriter(run_dir, trainer.step if resume else None)
-            print(f"lss: training on {device} ({dist_info.world_size} process(es)), {len(train_set)} train / "
-                  f"{len(val_set)} val samples, run directory {run_dir}; {step_mode(trainer)}")
+            print(
+                f"lss: training on {device} ({dist_info.world_size} process(es)), {len(train_set)} train / "
+                f"{len(val_set)} val samples, run directory {run_dir}; {step_mode(trainer)}"
+            )
         trainer.register_hooks(default_hooks(trainer, writer, started, render_fn) + list(hooks))
         trainer.mark("writer")
         try:
@@ -486,7 +658,9 @@ def train(cfg: Config, out_dir: Optional[str] = None, resume: bool = False, *, o
             raise TrainingInterrupted(interrupted_message(trainer)) from None
         final["run_dir"] = str(run_dir)
         if dist_info.is_main:
-            (run_dir / "final.json").write_text(json.dumps({"config": config_to_dict(cfg), **final}, indent=1))
+            (run_dir / "final.json").write_text(
+                json.dumps({"config": config_to_dict(cfg), **final}, indent=1)
+            )
         return final
     finally:
         if trainer is not None:

@@ -1,4 +1,5 @@
 """`lss export --check`: the exported model in onnxruntime against the PyTorch model on validation samples."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,19 +24,31 @@ def onnxruntime_session(path: Union[str, Path], threads: Optional[int] = None):
         import onnx
         import onnxruntime as ort
     except ImportError as e:
-        raise LssError(f"running an exported model needs onnx and onnxruntime ({e}); install them with "
-                       "pip install onnx onnxruntime (or pip install -e '.[export]')") from None
-    if any(node.domain == CUSTOM_DOMAIN for node in onnx.load(str(path), load_external_data=False).graph.node):
-        raise ArgumentError(f"{path} holds the custom node {CUSTOM_DOMAIN}.BevPool, which stock onnxruntime cannot "
-                            "run; check an export made with --bev-pool onnx (same weights and rig)")
+        raise LssError(
+            f"running an exported model needs onnx and onnxruntime ({e}); install them with "
+            "pip install onnx onnxruntime (or pip install -e '.[export]')"
+        ) from None
+    if any(
+        node.domain == CUSTOM_DOMAIN
+        for node in onnx.load(str(path), load_external_data=False).graph.node
+    ):
+        raise ArgumentError(
+            f"{path} holds the custom node {CUSTOM_DOMAIN}.BevPool, which stock onnxruntime cannot "
+            "run; check an export made with --bev-pool onnx (same weights and rig)"
+        )
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def check_export(cfg: Config, model: nn.Module, path: Union[str, Path], rig: Optional[dict] = None,
-                 samples: int = 8) -> dict:
+def check_export(
+    cfg: Config,
+    model: nn.Module,
+    path: Union[str, Path],
+    rig: Optional[dict] = None,
+    samples: int = 8,
+) -> dict:
     """Run the PyTorch `model` (CPU, fp32) and the ONNX file `path` in onnxruntime on the first `samples` validation
     samples, one at a time. A fixed-rig export (rig given) is compared with PyTorch run on that rig, and the largest
     difference between the samples' own rig and it is reported ("rig_deviation"). Returns max_abs_diff,
@@ -56,7 +69,9 @@ def check_export(cfg: Config, model: nn.Module, path: Union[str, Path], rig: Opt
     for index in range(count):
         batch = collate([dataset[index]])
         if rig is not None:
-            rig_deviation = max(rig_deviation, max(float((batch[k][0] - rig[k]).abs().max()) for k in RIG_KEYS))
+            rig_deviation = max(
+                rig_deviation, max(float((batch[k][0] - rig[k]).abs().max()) for k in RIG_KEYS)
+            )
             batch.update({k: rig[k][None].float() for k in RIG_KEYS})
         with torch.no_grad():
             ours = model(batch)["segmentation"]
@@ -66,26 +81,39 @@ def check_export(cfg: Config, model: nn.Module, path: Union[str, Path], rig: Opt
         max_logit = max(max_logit, float(ours.abs().max()))
         meters["torch"].update(ours, batch["targets"])
         meters["onnx"].update(theirs, batch["targets"])
-    result = {"samples": count, "max_abs_diff": max_diff, "max_abs_logit": max_logit,
-              "rig_deviation": rig_deviation if rig is not None else None}
+    result = {
+        "samples": count,
+        "max_abs_diff": max_diff,
+        "max_abs_logit": max_logit,
+        "rig_deviation": rig_deviation if rig is not None else None,
+    }
     result.update({f"iou_{name}": meter.compute()["iou"] for name, meter in meters.items()})
-    result["max_iou_diff_points"] = max(100 * abs(result["iou_torch"][c] - result["iou_onnx"][c])
-                                        for c in cfg.data.classes)
-    result["passed"] = max_diff <= LOGIT_TOLERANCE and result["max_iou_diff_points"] <= IOU_TOLERANCE
+    result["max_iou_diff_points"] = max(
+        100 * abs(result["iou_torch"][c] - result["iou_onnx"][c]) for c in cfg.data.classes
+    )
+    result["passed"] = (
+        max_diff <= LOGIT_TOLERANCE and result["max_iou_diff_points"] <= IOU_TOLERANCE
+    )
     return result
 
 
 def format_check(result: dict, path: Union[str, Path]) -> str:
-    lines = [f"check of {path}: {result['samples']} validation samples, onnxruntime CPU vs PyTorch CPU (fp32)",
-             f"max |logit difference| {result['max_abs_diff']:.3g} (largest |logit| {result['max_abs_logit']:.3g}; "
-             f"target <= {LOGIT_TOLERANCE:g})"]
+    lines = [
+        f"check of {path}: {result['samples']} validation samples, onnxruntime CPU vs PyTorch CPU (fp32)",
+        f"max |logit difference| {result['max_abs_diff']:.3g} (largest |logit| {result['max_abs_logit']:.3g}; "
+        f"target <= {LOGIT_TOLERANCE:g})",
+    ]
     width = max(len(c) for c in result["iou_torch"])
     lines.append(f"{'class':<{width}}  IoU torch  IoU onnx")
     for c, iou in result["iou_torch"].items():
         lines.append(f"{c:<{width}}  {100 * iou:9.2f}  {100 * result['iou_onnx'][c]:8.2f}")
-    lines.append(f"largest IoU difference {result['max_iou_diff_points']:.3f} points (target <= {IOU_TOLERANCE:g})")
+    lines.append(
+        f"largest IoU difference {result['max_iou_diff_points']:.3f} points (target <= {IOU_TOLERANCE:g})"
+    )
     if result["rig_deviation"]:
-        lines.append(f"note: the samples' own rigs differ from the exported fixed rig by up to "
-                     f"{result['rig_deviation']:.3g} (both sides ran on the fixed rig)")
+        lines.append(
+            f"note: the samples' own rigs differ from the exported fixed rig by up to "
+            f"{result['rig_deviation']:.3g} (both sides ran on the fixed rig)"
+        )
     lines.append("PASSED" if result["passed"] else "FAILED")
     return "\n".join(lines)

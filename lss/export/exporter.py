@@ -1,4 +1,5 @@
 """`lss export`: a checkpoint's segmentation network to an ONNX file (TorchScript exporter, opset >= 16)."""
+
 from __future__ import annotations
 
 import copy
@@ -34,14 +35,18 @@ def check_options(opset: int, splat: str, rig_inputs: bool, resize_mode: Optiona
 
     max_opset = getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", 20)
     if not MIN_OPSET <= opset <= max_opset:
-        raise ArgumentError(f"--opset {opset}: supported opsets are {MIN_OPSET}..{max_opset} (the splat needs "
-                            f"ScatterND with reduction='add', opset {MIN_OPSET}); default {DEFAULT_OPSET}")
+        raise ArgumentError(
+            f"--opset {opset}: supported opsets are {MIN_OPSET}..{max_opset} (the splat needs "
+            f"ScatterND with reduction='add', opset {MIN_OPSET}); default {DEFAULT_OPSET}"
+        )
     if splat not in SPLATS:
         raise ArgumentError(f"--bev-pool {splat!r}: expected one of {', '.join(SPLATS)}")
     if splat == "custom" and rig_inputs:
-        raise ArgumentError("--bev-pool custom needs --fixed-rig: the lss.BevPool node takes the sorted lookup "
-                            "table as constants; with --rig-inputs use --bev-pool onnx (the table is then computed "
-                            "in the graph)")
+        raise ArgumentError(
+            "--bev-pool custom needs --fixed-rig: the lss.BevPool node takes the sorted lookup "
+            "table as constants; with --rig-inputs use --bev-pool onnx (the table is then computed "
+            "in the graph)"
+        )
     if resize_mode is not None and resize_mode not in MODES:
         raise ArgumentError(f"--resize-mode {resize_mode!r}: expected one of {', '.join(MODES)}")
 
@@ -50,14 +55,18 @@ def read_rig(path: Union[str, Path], num_cameras: int) -> dict:
     """A rig file (JSON, as `lss export` writes next to the model): RIG_KEYS -> N x 3 x 3 / N x 3 lists."""
     path = Path(path)
     if not path.is_file():
-        raise ArgumentError(f"--rig {path}: no such file; pass a JSON file with keys {', '.join(RIG_KEYS)} (the "
-                            "format `lss export` writes as MODEL.rig.json)")
+        raise ArgumentError(
+            f"--rig {path}: no such file; pass a JSON file with keys {', '.join(RIG_KEYS)} (the "
+            "format `lss export` writes as MODEL.rig.json)"
+        )
     try:
         raw = json.loads(path.read_text())
         rig = {k: torch.tensor(raw[k], dtype=torch.float32) for k in RIG_KEYS}
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ArgumentError(f"--rig {path}: not a rig file ({type(e).__name__}: {e}); expected a JSON object with "
-                            f"keys {', '.join(RIG_KEYS)}") from None
+        raise ArgumentError(
+            f"--rig {path}: not a rig file ({type(e).__name__}: {e}); expected a JSON object with "
+            f"keys {', '.join(RIG_KEYS)}"
+        ) from None
     check_rig(rig, num_cameras, str(path))
     return rig
 
@@ -65,11 +74,17 @@ def read_rig(path: Union[str, Path], num_cameras: int) -> dict:
 def check_rig(rig: dict, num_cameras: int, where: str = "rig") -> None:
     """Every rig tensor has the fixed-rig shape: N x 3 x 3 (intrinsics, rotations) or N x 3 (translations)."""
     for key in RIG_KEYS:
-        want = (num_cameras, 3, 3) if key in ("intrinsics", "sensor2ego_rot", "post_rot") else (num_cameras, 3)
+        want = (
+            (num_cameras, 3, 3)
+            if key in ("intrinsics", "sensor2ego_rot", "post_rot")
+            else (num_cameras, 3)
+        )
         have = tuple(rig[key].shape)
         if have != want:
-            raise ArgumentError(f"{where}: {key} has shape {have}, expected {want} ({num_cameras} cameras of "
-                                "data.cameras); give one camera rig, without a batch dimension")
+            raise ArgumentError(
+                f"{where}: {key} has shape {have}, expected {want} ({num_cameras} cameras of "
+                "data.cameras); give one camera rig, without a batch dimension"
+            )
 
 
 def write_rig(rig: dict, path: Path) -> None:
@@ -82,14 +97,25 @@ def dataset_rig(cfg: Config, index: int = 0) -> dict:
 
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     if not 0 <= index < len(dataset):
-        raise ArgumentError(f"--rig-sample {index}: the {cfg.data.val_split} split has {len(dataset)} samples")
+        raise ArgumentError(
+            f"--rig-sample {index}: the {cfg.data.val_split} split has {len(dataset)} samples"
+        )
     sample = dataset[index]
     return {k: sample[k] for k in RIG_KEYS}
 
 
-def export_model(model: nn.Module, out: Union[str, Path], cfg: Config, *, rig: Optional[dict] = None,
-                 rig_inputs: bool = False, splat: str = "onnx", opset: int = DEFAULT_OPSET,
-                 upsample_mode: Optional[str] = None, resize_mode: Optional[str] = None) -> Path:
+def export_model(
+    model: nn.Module,
+    out: Union[str, Path],
+    cfg: Config,
+    *,
+    rig: Optional[dict] = None,
+    rig_inputs: bool = False,
+    splat: str = "onnx",
+    opset: int = DEFAULT_OPSET,
+    upsample_mode: Optional[str] = None,
+    resize_mode: Optional[str] = None,
+) -> Path:
     """Write the segmentation network of LiftSplatShoot `model` to `out` (ONNX). Inputs: "images" B x N x 3 x H x W
     (normalised as the data path does), with rig_inputs also the RIG_KEYS B x N x ...; output "segmentation"
     B x K x nx x ny logits. The batch size is dynamic. upsample_mode: the mode the model was trained with
@@ -98,27 +124,49 @@ def export_model(model: nn.Module, out: Union[str, Path], cfg: Config, *, rig: O
     num_cameras = len(cfg.data.cameras)
     if not rig_inputs:
         if rig is None:
-            raise ArgumentError("a fixed-rig export needs the camera rig: pass --rig FILE or let it read a "
-                                "validation sample (--rig-sample)")
+            raise ArgumentError(
+                "a fixed-rig export needs the camera rig: pass --rig FILE or let it read a "
+                "validation sample (--rig-sample)"
+            )
         check_rig(rig, num_cameras)
-    deploy = DeployModel(model, "rig_inputs" if rig_inputs else splat, rig, resize_mode,
-                         upsample_mode or cfg.model.upsample_mode).eval()
+    deploy = DeployModel(
+        model,
+        "rig_inputs" if rig_inputs else splat,
+        rig,
+        resize_mode,
+        upsample_mode or cfg.model.upsample_mode,
+    ).eval()
     H, W = cfg.data.final_dim
     args = [torch.zeros(1, num_cameras, 3, H, W)]
     names = ["images"]
     if rig_inputs:
-        args += [rig[k][None].float() for k in RIG_KEYS] if rig is not None else _example_rig(num_cameras)
+        args += (
+            [rig[k][None].float() for k in RIG_KEYS]
+            if rig is not None
+            else _example_rig(num_cameras)
+        )
         names += list(RIG_KEYS)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
+        warnings.simplefilter(
+            "ignore"
+        )  # the TorchScript exporter's deprecation and tracer warnings
         # the TorchScript exporter: the default since torch 2.9 is the torch.export one (needs onnxscript)
-        legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
-        torch.onnx.export(deploy, tuple(args), str(out), opset_version=opset, input_names=names,
-                          output_names=["segmentation"], dynamic_axes={n: {0: "batch"} for n in
-                                                                       names + ["segmentation"]},
-                          custom_opsets={CUSTOM_DOMAIN: 1} if splat == "custom" else None, **legacy)
+        legacy = (
+            {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+        )
+        torch.onnx.export(
+            deploy,
+            tuple(args),
+            str(out),
+            opset_version=opset,
+            input_names=names,
+            output_names=["segmentation"],
+            dynamic_axes={n: {0: "batch"} for n in names + ["segmentation"]},
+            custom_opsets={CUSTOM_DOMAIN: 1} if splat == "custom" else None,
+            **legacy,
+        )
     return out
 
 
@@ -131,9 +179,18 @@ def _example_rig(num_cameras: int) -> list[torch.Tensor]:
     return [K, eye, zeros, eye.clone(), zeros.clone()]
 
 
-def export_checkpoint(cfg: Config, ckpt: Union[str, Path], out: Union[str, Path], *, rig_file: Optional[str] = None,
-                      rig_sample: int = 0, rig_inputs: bool = False, splat: str = "onnx",
-                      opset: int = DEFAULT_OPSET, resize_mode: Optional[str] = None) -> dict:
+def export_checkpoint(
+    cfg: Config,
+    ckpt: Union[str, Path],
+    out: Union[str, Path],
+    *,
+    rig_file: Optional[str] = None,
+    rig_sample: int = 0,
+    rig_inputs: bool = False,
+    splat: str = "onnx",
+    opset: int = DEFAULT_OPSET,
+    resize_mode: Optional[str] = None,
+) -> dict:
     """`lss export`: load checkpoint `ckpt`, write `out` and, for a fixed rig, OUT.rig.json (the rig baked in).
     Returns what the check needs: {"model" (PyTorch, CPU, eval), "path", "rig", "rig_path" (None with rig inputs),
     "upsample_mode", "resize_mode"}."""
@@ -145,16 +202,35 @@ def export_checkpoint(cfg: Config, ckpt: Union[str, Path], out: Union[str, Path]
     state = load_checkpoint(path)
     trained = trained_upsample_mode(state, cfg)
     cfg = copy.deepcopy(cfg)
-    cfg.model.upsample_mode = trained  # the network as it was trained; the Resize mode may differ (resize_mode)
+    cfg.model.upsample_mode = (
+        trained  # the network as it was trained; the Resize mode may differ (resize_mode)
+    )
     model, _ = load_checkpoint_model(cfg, path, torch.device("cpu"), state=state)
     rig = None
     if not rig_inputs:
-        rig = read_rig(rig_file, len(cfg.data.cameras)) if rig_file else dataset_rig(cfg, rig_sample)
-    out = export_model(model, out, cfg, rig=rig, rig_inputs=rig_inputs, splat=splat, opset=opset,
-                       upsample_mode=trained, resize_mode=resize_mode)
+        rig = (
+            read_rig(rig_file, len(cfg.data.cameras)) if rig_file else dataset_rig(cfg, rig_sample)
+        )
+    out = export_model(
+        model,
+        out,
+        cfg,
+        rig=rig,
+        rig_inputs=rig_inputs,
+        splat=splat,
+        opset=opset,
+        upsample_mode=trained,
+        resize_mode=resize_mode,
+    )
     rig_path = None
     if rig is not None:
         rig_path = out.with_suffix(".rig.json")
         write_rig(rig, rig_path)
-    return {"model": model, "path": out, "rig": rig, "rig_path": rig_path, "upsample_mode": trained,
-            "resize_mode": resize_mode or trained}
+    return {
+        "model": model,
+        "path": out,
+        "rig": rig,
+        "rig_path": rig_path,
+        "upsample_mode": trained,
+        "resize_mode": resize_mode or trained,
+    }

@@ -7,6 +7,7 @@ forward runs our PyTorch op (the values the graph is traced with), its symbolic 
 - `ScatterAddFn`: summing rows into a zero tensor -> ONNX ScatterND with reduction "add" (opset >= 16).
 - `BevPoolFn`: bev_pool with a one-sample lookup table -> one node `lss.BevPool` (see docs/export.md).
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,13 +33,29 @@ class ResizeFn(torch.autograd.Function):
         empty = g.op("Constant", value_t=torch.tensor([], dtype=torch.float32))
         attrs = dict(mode_s="linear", coordinate_transformation_mode_s=mode)
         if scale_factor is not None:
-            sh, sw = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)
-            scales = g.op("Constant", value_t=torch.tensor([1.0, 1.0, float(sh), float(sw)], dtype=torch.float32))
+            sh, sw = (
+                scale_factor
+                if isinstance(scale_factor, (tuple, list))
+                else (scale_factor, scale_factor)
+            )
+            scales = g.op(
+                "Constant",
+                value_t=torch.tensor([1.0, 1.0, float(sh), float(sw)], dtype=torch.float32),
+            )
             return g.op("Resize", x, empty, scales, **attrs)
         h, w = size if isinstance(size, (tuple, list)) else (size, size)
-        batch_channels = g.op("Slice", g.op("Shape", x), g.op("Constant", value_t=torch.tensor([0])),
-                              g.op("Constant", value_t=torch.tensor([2])))
-        sizes = g.op("Concat", batch_channels, g.op("Constant", value_t=torch.tensor([int(h), int(w)])), axis_i=0)
+        batch_channels = g.op(
+            "Slice",
+            g.op("Shape", x),
+            g.op("Constant", value_t=torch.tensor([0])),
+            g.op("Constant", value_t=torch.tensor([2])),
+        )
+        sizes = g.op(
+            "Concat",
+            batch_channels,
+            g.op("Constant", value_t=torch.tensor([int(h), int(w)])),
+            axis_i=0,
+        )
         return g.op("Resize", x, empty, empty, sizes, **attrs)
 
 
@@ -72,19 +89,42 @@ class BevPoolFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, depth, feat, sorted_points, cell_start, point_cell, nz, nx, ny):
         _, N, D, fH, fW = depth.shape
-        lut = FrustumLUT._valid_by_construction(point_cell=point_cell, sorted_points=sorted_points,
-                                                cell_start=cell_start, B=1, N=N, D=D, fH=fH, fW=fW, nz=nz, nx=nx,
-                                                ny=ny)
-        return torch.cat([bev_pool(depth[b:b + 1], feat[b:b + 1], lut) for b in range(depth.shape[0])])
+        lut = FrustumLUT._valid_by_construction(
+            point_cell=point_cell,
+            sorted_points=sorted_points,
+            cell_start=cell_start,
+            B=1,
+            N=N,
+            D=D,
+            fH=fH,
+            fW=fW,
+            nz=nz,
+            nx=nx,
+            ny=ny,
+        )
+        return torch.cat(
+            [bev_pool(depth[b : b + 1], feat[b : b + 1], lut) for b in range(depth.shape[0])]
+        )
 
     @staticmethod
     def symbolic(g, depth, feat, sorted_points, cell_start, point_cell, nz, nx, ny):
-        out = g.op(f"{CUSTOM_DOMAIN}::BevPool", depth, feat, sorted_points, cell_start, point_cell,
-                   nz_i=nz, nx_i=nx, ny_i=ny)
+        out = g.op(
+            f"{CUSTOM_DOMAIN}::BevPool",
+            depth,
+            feat,
+            sorted_points,
+            cell_start,
+            point_cell,
+            nz_i=nz,
+            nx_i=nx,
+            ny_i=ny,
+        )
         sizes = depth.type().sizes() if depth.type().dim() else None
         channels = feat.type().sizes()[2] if feat.type().dim() else None
         if sizes is not None and channels is not None:
-            out.setType(depth.type().with_sizes([None, nz * channels, nx, ny]))  # the batch is dynamic
+            out.setType(
+                depth.type().with_sizes([None, nz * channels, nx, ny])
+            )  # the batch is dynamic
         return out
 
 
@@ -107,11 +147,19 @@ class DeployModel(nn.Module):
     resize_mode: the coordinate mode of every Resize (default: the model's model.upsample_mode).
     """
 
-    def __init__(self, model: nn.Module, splat: str = "onnx", rig: Optional[dict] = None,
-                 resize_mode: Optional[str] = None, upsample_mode: str = "pytorch_half_pixel"):
+    def __init__(
+        self,
+        model: nn.Module,
+        splat: str = "onnx",
+        rig: Optional[dict] = None,
+        resize_mode: Optional[str] = None,
+        upsample_mode: str = "pytorch_half_pixel",
+    ):
         super().__init__()
         if splat not in ("onnx", "custom", "rig_inputs"):
-            raise ValueError(f"DeployModel: splat must be 'onnx', 'custom' or 'rig_inputs', got {splat!r}")
+            raise ValueError(
+                f"DeployModel: splat must be 'onnx', 'custom' or 'rig_inputs', got {splat!r}"
+            )
         model = copy.deepcopy(model).cpu().eval()  # the caller's model stays where it is
         replace_upsampling(model, resize_mode or upsample_mode)
         self.camera, self.bev, self.segmentation = model.camera, model.bev, model.segmentation
@@ -142,40 +190,66 @@ class DeployModel(nn.Module):
         D, fH, fW = depth.shape[1:]
         C = context.shape[1]
         if self.splat_mode == "custom":
-            pooled = BevPoolFn.apply(depth.unflatten(0, (B, N)), context.unflatten(0, (B, N)), self.sorted_points,
-                                     self.cell_start, self.point_cell, self.nz, self.nx, self.ny)
+            pooled = BevPoolFn.apply(
+                depth.unflatten(0, (B, N)),
+                context.unflatten(0, (B, N)),
+                self.sorted_points,
+                self.cell_start,
+                self.point_cell,
+                self.nz,
+                self.nx,
+                self.ny,
+            )
         else:
             # B x N*fH*fW x C: the context vector of every feature pixel
-            pixels = context.reshape(B, N, C, fH * fW).permute(0, 1, 3, 2).reshape(B, N * fH * fW, C)
+            pixels = (
+                context.reshape(B, N, C, fH * fW).permute(0, 1, 3, 2).reshape(B, N * fH * fW, C)
+            )
             depth = depth.reshape(B, N * D * fH * fW)
-            pooled = self._pool_rig_inputs(depth, pixels, rig) if self.splat_mode == "rig_inputs" else \
-                self._pool_fixed(depth, pixels)
+            pooled = (
+                self._pool_rig_inputs(depth, pixels, rig)
+                if self.splat_mode == "rig_inputs"
+                else self._pool_fixed(depth, pixels)
+            )
         return self.segmentation(self.bev(pooled))
 
     def _to_bev(self, cells: torch.Tensor, B: int) -> torch.Tensor:
         """B x nz*nx*ny x C cell sums -> B x nz*C x nx x ny (the bev_pool layout)."""
         C = cells.shape[-1]
-        return cells.reshape(B, self.nz, self.nx, self.ny, C).permute(0, 1, 4, 2, 3).reshape(
-            B, self.nz * C, self.nx, self.ny)
+        return (
+            cells.reshape(B, self.nz, self.nx, self.ny, C)
+            .permute(0, 1, 4, 2, 3)
+            .reshape(B, self.nz * C, self.nx, self.ny)
+        )
 
     def _pool_fixed(self, depth: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
         B, C = depth.shape[0], pixels.shape[-1]
-        products = depth[:, self.kept_points].unsqueeze(-1) * pixels[:, self.kept_pixels]  # B x K x C
+        products = (
+            depth[:, self.kept_points].unsqueeze(-1) * pixels[:, self.kept_pixels]
+        )  # B x K x C
         zeros = products.new_zeros(self.nz * self.nx * self.ny, B, C)
-        cells = ScatterAddFn.apply(zeros, self.kept_cells, products.transpose(0, 1))  # cells x B x C
+        cells = ScatterAddFn.apply(
+            zeros, self.kept_cells, products.transpose(0, 1)
+        )  # cells x B x C
         return self._to_bev(cells.transpose(0, 1), B)
 
-    def _pool_rig_inputs(self, depth: torch.Tensor, pixels: torch.Tensor, rig: tuple) -> torch.Tensor:
+    def _pool_rig_inputs(
+        self, depth: torch.Tensor, pixels: torch.Tensor, rig: tuple
+    ) -> torch.Tensor:
         B, C = depth.shape[0], pixels.shape[-1]
         points = frustum_to_ego(self.frustum, *rig)  # B x N x D x fH x fW x 3
         N, D, fH, fW = points.shape[1:5]
-        cell = torch.stack([torch.floor(self.grid.to_cells(points[..., a], a)) for a in range(3)], dim=-1)
+        cell = torch.stack(
+            [torch.floor(self.grid.to_cells(points[..., a], a)) for a in range(3)], dim=-1
+        )
         bounds = torch.tensor([self.nx, self.ny, self.nz], dtype=cell.dtype, device=cell.device)
         kept = ((cell >= 0) & (cell < bounds)).all(dim=-1).reshape(B, -1)
         cell = cell.reshape(B, -1, 3).long()
         num_cells = self.nz * self.nx * self.ny
         # points outside the grid go to one spare row per sample, dropped afterwards
-        index = torch.where(kept, (cell[..., 2] * self.nx + cell[..., 0]) * self.ny + cell[..., 1], num_cells)
+        index = torch.where(
+            kept, (cell[..., 2] * self.nx + cell[..., 0]) * self.ny + cell[..., 1], num_cells
+        )
         index = index + torch.arange(B, device=index.device).unsqueeze(1) * (num_cells + 1)
         # the feature pixel (n, h, w) of every point (n, d, h, w)
         point = torch.arange(N * D * fH * fW, device=depth.device)

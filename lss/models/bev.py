@@ -1,5 +1,6 @@
 """BEV encoder: ResNet-18 trunk over the splatted grid, Up blocks back to full resolution; the heads
 (lss.models.heads) read its features."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,10 @@ class BevEncoder(nn.Module):
         self.layer2 = trunk.layer2  # stride 4, 128 channels
         self.layer3 = trunk.layer3  # stride 8, 256 channels
         self.up1 = Up(64 + 256, 256, scale_factor=4, upsample_mode=upsample_mode)
-        self.up2 = nn.Sequential(UpsampleBilinear(scale_factor=2, mode=upsample_mode),
-                                 *conv_bn_relu(256, self.feature_channels))
+        self.up2 = nn.Sequential(
+            UpsampleBilinear(scale_factor=2, mode=upsample_mode),
+            *conv_bn_relu(256, self.feature_channels),
+        )
 
     def forward(self, bev: torch.Tensor) -> torch.Tensor:
         x1 = self.layer1(self.stem(bev))

@@ -1,4 +1,5 @@
 """Building blocks shared by the camera and BEV encoders."""
+
 from __future__ import annotations
 
 import torch
@@ -21,11 +22,18 @@ class Up(nn.Module):
     forward(coarse B x Cc x h x w, skip B x Cs x (h*s) x (w*s)) -> B x out_channels x (h*s) x (w*s).
     """
 
-    def __init__(self, in_channels: int, out_channels: int, scale_factor: int = 2,
-                 upsample_mode: str = "pytorch_half_pixel"):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        scale_factor: int = 2,
+        upsample_mode: str = "pytorch_half_pixel",
+    ):
         super().__init__()
         self.upsample = UpsampleBilinear(scale_factor=scale_factor, mode=upsample_mode)
-        self.conv = nn.Sequential(*conv_bn_relu(in_channels, out_channels), *conv_bn_relu(out_channels, out_channels))
+        self.conv = nn.Sequential(
+            *conv_bn_relu(in_channels, out_channels), *conv_bn_relu(out_channels, out_channels)
+        )
 
     def forward(self, coarse: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         coarse = self.upsample(coarse)

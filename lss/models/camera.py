@@ -1,4 +1,5 @@
 """Camera encoder: EfficientNet-B0 trunk -> fused stride-16 features -> per-pixel depth distribution and context."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,7 +29,9 @@ class EfficientNetTrunk(nn.Module):
     def __init__(self, name: str = "efficientnet-b0", pretrained: Optional[str] = None):
         super().__init__()
         net = EfficientNet.from_name(name)
-        net.set_swish(memory_efficient=False)  # plain x*sigmoid(x): traceable by torch.compile and ONNX export
+        net.set_swish(
+            memory_efficient=False
+        )  # plain x*sigmoid(x): traceable by torch.compile and ONNX export
         for attr in _UNUSED_TRUNK_MODULES:
             delattr(net, attr)
         self.net = net
@@ -64,7 +67,9 @@ class EfficientNetTrunk(nn.Module):
                 stride16 = x  # overwritten at every reduction: ends as the map before the last one (16 -> 32)
             x = y
         if stride16 is None:
-            raise ValueError(f"EfficientNetTrunk: input {tuple(images.shape)} is too small (needs H, W >= 32)")
+            raise ValueError(
+                f"EfficientNetTrunk: input {tuple(images.shape)} is too small (needs H, W >= 32)"
+            )
         return stride16, x
 
 
@@ -76,20 +81,31 @@ class CameraEncoder(nn.Module):
     with return_logits=True also the depth logits B*N x D x H/16 x W/16 (for a depth loss) as a third element.
     """
 
-    def __init__(self, depth_bins: int, context_channels: int, backbone: str = "efficientnet-b0",
-                 pretrained: Optional[str] = None, upsample_mode: str = "pytorch_half_pixel"):
+    def __init__(
+        self,
+        depth_bins: int,
+        context_channels: int,
+        backbone: str = "efficientnet-b0",
+        pretrained: Optional[str] = None,
+        upsample_mode: str = "pytorch_half_pixel",
+    ):
         super().__init__()
         self.depth_bins = depth_bins
         self.context_channels = context_channels
         self.trunk = EfficientNetTrunk(backbone, pretrained)
-        self.fuse = Up(EfficientNetTrunk.stride16_channels + EfficientNetTrunk.stride32_channels, 512,
-                       upsample_mode=upsample_mode)
+        self.fuse = Up(
+            EfficientNetTrunk.stride16_channels + EfficientNetTrunk.stride32_channels,
+            512,
+            upsample_mode=upsample_mode,
+        )
         self.head = nn.Conv2d(512, depth_bins + context_channels, kernel_size=1)
 
-    def forward(self, images: torch.Tensor, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, images: torch.Tensor, return_logits: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         stride16, stride32 = self.trunk(images)
         out = self.head(self.fuse(stride32, stride16))
         logits = out[:, : self.depth_bins]
-        context = out[:, self.depth_bins:]
+        context = out[:, self.depth_bins :]
         depth = logits.softmax(dim=1)
         return (depth, context, logits) if return_logits else (depth, context)

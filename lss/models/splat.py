@@ -1,4 +1,5 @@
 """Splat: camera-frustum points -> BEV cells (a LUT built in float32) -> pooled BEV features (our bev_pool op)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,13 +17,21 @@ class Splat(nn.Module):
     impl is model.splat ("bev_pool" or "reference", checked when the config loads).
     """
 
-    def __init__(self, grid: BevGrid, final_dim: tuple[int, int], downsample: int,
-                 dbound: tuple[float, float, float], impl: str = "bev_pool"):
+    def __init__(
+        self,
+        grid: BevGrid,
+        final_dim: tuple[int, int],
+        downsample: int,
+        dbound: tuple[float, float, float],
+        impl: str = "bev_pool",
+    ):
         super().__init__()
         self.grid = grid
         self.impl = impl
         # D x fH x fW x 3 (u, v, depth) in augmented-image pixels; a constant that follows the module's device
-        self.register_buffer("frustum", frustum(final_dim, downsample, dbound).float(), persistent=False)
+        self.register_buffer(
+            "frustum", frustum(final_dim, downsample, dbound).float(), persistent=False
+        )
         self.lut_cache = FrustumLUTCache()
 
     @property

@@ -1,4 +1,5 @@
 """Loading of the compiled extension `lss._C` and the rules for falling back to the pure-PyTorch references."""
+
 from __future__ import annotations
 
 import warnings
@@ -7,6 +8,7 @@ import torch
 
 try:
     from lss import _C  # registers torch.ops.lss.*
+
     _LOAD_ERROR: Exception | None = None
 except ImportError as e:  # not built, or built against another torch
     _C = None
@@ -25,7 +27,9 @@ def has_ext() -> bool:
     return _C is not None
 
 
-_HAS_CUDA = _C is not None and bool(_C.has_cuda())  # read once: torch.compile cannot trace into lss._C
+_HAS_CUDA = _C is not None and bool(
+    _C.has_cuda()
+)  # read once: torch.compile cannot trace into lss._C
 
 
 def has_cuda_ops() -> bool:

@@ -1,4 +1,5 @@
 """Roi format conversion and validation shared by roi_align and roi_pool."""
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,10 @@ def output_hw(output_size, op: str) -> tuple[int, int]:
     else:
         size = tuple(output_size)
     if len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
-        raise ValueError(f"lss.ops.{op}: output_size must be a positive int or an (h, w) pair of positive ints, "
-                         f"got {output_size!r}")
+        raise ValueError(
+            f"lss.ops.{op}: output_size must be a positive int or an (h, w) pair of positive ints, "
+            f"got {output_size!r}"
+        )
     return size
 
 
@@ -31,8 +34,10 @@ def check_spatial_scale(spatial_scale: float, op: str) -> float:
     """spatial_scale as a float, finite and > 0 (NaN would pool to NaN or zeros, <= 0 collapses every roi)."""
     scale = float(spatial_scale)
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"lss.ops.{op}: spatial_scale must be a finite number > 0 (feature-map pixels per input "
-                         f"pixel, e.g. 1/8 for a stride-8 map), got {spatial_scale!r}")
+        raise ValueError(
+            f"lss.ops.{op}: spatial_scale must be a finite number > 0 (feature-map pixels per input "
+            f"pixel, e.g. 1/8 for a stride-8 map), got {spatial_scale!r}"
+        )
     return scale
 
 
@@ -42,8 +47,10 @@ def check_sampling_ratio(sampling_ratio: int, op: str) -> int:
         raise ValueError(f"lss.ops.{op}: sampling_ratio must be an integer, got {sampling_ratio!r}")
     ratio = int(sampling_ratio)
     if ratio > MAX_SAMPLING_RATIO:
-        raise ValueError(f"lss.ops.{op}: sampling_ratio must be <= {MAX_SAMPLING_RATIO} samples per bin side "
-                         f"(or <= 0 for ceil(roi size / output size)), got {ratio}")
+        raise ValueError(
+            f"lss.ops.{op}: sampling_ratio must be <= {MAX_SAMPLING_RATIO} samples per bin side "
+            f"(or <= 0 for ceil(roi size / output size)), got {ratio}"
+        )
     return ratio
 
 
@@ -52,7 +59,9 @@ def check_input(input: torch.Tensor, op: str) -> None:
         shape = tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__
         raise ValueError(f"lss.ops.{op}: input must be an N x C x H x W tensor, got {shape}")
     if not input.is_floating_point():
-        raise TypeError(f"lss.ops.{op}: input must be float32, float16, bfloat16 or float64, got {input.dtype}")
+        raise TypeError(
+            f"lss.ops.{op}: input must be float32, float16, bfloat16 or float64, got {input.dtype}"
+        )
 
 
 def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
@@ -62,26 +71,38 @@ def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
     dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
     if isinstance(rois, torch.Tensor):
         if rois.dim() != 2 or rois.shape[1] != 5:
-            raise ValueError(f"lss.ops.{op}: rois must be K x 5 (batch index, x1, y1, x2, y2) or a list of "
-                             f"L_i x 4 boxes per image, got a tensor of shape {tuple(rois.shape)}")
+            raise ValueError(
+                f"lss.ops.{op}: rois must be K x 5 (batch index, x1, y1, x2, y2) or a list of "
+                f"L_i x 4 boxes per image, got a tensor of shape {tuple(rois.shape)}"
+            )
         if not rois.is_floating_point():
             raise TypeError(f"lss.ops.{op}: rois must be floating point, got {rois.dtype}")
         if rois.device != input.device:
-            raise ValueError(f"lss.ops.{op}: rois are on {rois.device} but input is on {input.device}; "
-                             "move them to the same device")
+            raise ValueError(
+                f"lss.ops.{op}: rois are on {rois.device} but input is on {input.device}; "
+                "move them to the same device"
+            )
         return rois if rois.dtype == dtype else rois.to(dtype)
     if not isinstance(rois, (list, tuple)):
-        raise TypeError(f"lss.ops.{op}: rois must be a K x 5 tensor or a list of L_i x 4 tensors, got "
-                        f"{type(rois).__name__}")
+        raise TypeError(
+            f"lss.ops.{op}: rois must be a K x 5 tensor or a list of L_i x 4 tensors, got "
+            f"{type(rois).__name__}"
+        )
     if len(rois) > input.shape[0]:
-        raise ValueError(f"lss.ops.{op}: got boxes for {len(rois)} images but the input batch has "
-                         f"{input.shape[0]}")
+        raise ValueError(
+            f"lss.ops.{op}: got boxes for {len(rois)} images but the input batch has "
+            f"{input.shape[0]}"
+        )
     for i, boxes in enumerate(rois):
         if not isinstance(boxes, torch.Tensor) or boxes.dim() != 2 or boxes.shape[1] != 4:
             shape = tuple(boxes.shape) if isinstance(boxes, torch.Tensor) else type(boxes).__name__
-            raise ValueError(f"lss.ops.{op}: rois[{i}] must be an L x 4 tensor (x1, y1, x2, y2), got {shape}")
+            raise ValueError(
+                f"lss.ops.{op}: rois[{i}] must be an L x 4 tensor (x1, y1, x2, y2), got {shape}"
+            )
         if boxes.device != input.device:
-            raise ValueError(f"lss.ops.{op}: rois[{i}] is on {boxes.device} but input is on {input.device}")
+            raise ValueError(
+                f"lss.ops.{op}: rois[{i}] is on {boxes.device} but input is on {input.device}"
+            )
     # One copy per image into a preallocated K x 5 tensor and one fill per image for its index column.
     out = torch.empty(sum(b.shape[0] for b in rois), 5, dtype=dtype, device=input.device)
     start = 0
@@ -119,15 +140,23 @@ def raise_on_bad_rois(bad_rois: torch.Tensor, rois: torch.Tensor, batch_size: in
     roi with non-finite coordinates and the first with a bad batch index, -1 for none), non-finite coordinates first.
     Reading the record waits for the kernel (a host sync); skipped while tracing (torch.compile) or capturing a CUDA
     graph, where bad rois just pool to zeros."""
-    if torch.compiler.is_compiling() or (bad_rois.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling() or (
+        bad_rois.is_cuda and torch.cuda.is_current_stream_capturing()
+    ):
         return
     _raise_first_bad_roi(rois, *bad_rois.tolist(), batch_size, op)
 
 
-def _raise_first_bad_roi(rois: torch.Tensor, non_finite: int, bad_index: int, batch_size: int, op: str) -> None:
+def _raise_first_bad_roi(
+    rois: torch.Tensor, non_finite: int, bad_index: int, batch_size: int, op: str
+) -> None:
     if non_finite >= 0:
-        raise ValueError(f"lss.ops.{op}: rois must be finite; roi {non_finite} is {rois[non_finite].tolist()}. "
-                         "Filter out boxes with NaN/inf coordinates first")
+        raise ValueError(
+            f"lss.ops.{op}: rois must be finite; roi {non_finite} is {rois[non_finite].tolist()}. "
+            "Filter out boxes with NaN/inf coordinates first"
+        )
     if bad_index >= 0:
-        raise ValueError(f"lss.ops.{op}: roi {bad_index} has batch index {rois[bad_index, 0].item()}, expected an "
-                         f"integer in [0, {batch_size}) (the input batch size)")
+        raise ValueError(
+            f"lss.ops.{op}: roi {bad_index} has batch index {rois[bad_index, 0].item()}, expected an "
+            f"integer in [0, {batch_size}) (the input batch size)"
+        )

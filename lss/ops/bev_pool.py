@@ -8,6 +8,7 @@ feature map viewed as B x N x C x fH x fW) gives a torch.channels_last output, w
 which a channels-last BEV encoder consumes without a copy and whose gradient the backward reads in place. The
 gradient of feat comes back in the same layout (channels-last for channels-last feat, contiguous otherwise).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,28 +31,42 @@ def output_channels_last(feat: Tensor) -> bool:
 
 def _check_inputs(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> None:
     if not isinstance(lut, FrustumLUT):
-        raise TypeError(f"bev_pool: lut must be a lss.geometry.FrustumLUT (FrustumLUT.build), got {type(lut).__name__}")
+        raise TypeError(
+            f"bev_pool: lut must be a lss.geometry.FrustumLUT (FrustumLUT.build), got {type(lut).__name__}"
+        )
     for name, t in (("depth", depth), ("feat", feat)):
         if not isinstance(t, Tensor):
             raise TypeError(f"bev_pool: {name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
-            raise TypeError(f"bev_pool: {name} must be floating point (float32, float16, bfloat16 or float64), "
-                            f"got {t.dtype}")
+            raise TypeError(
+                f"bev_pool: {name} must be floating point (float32, float16, bfloat16 or float64), "
+                f"got {t.dtype}"
+            )
     if depth.dim() != 5:
-        raise ValueError(f"bev_pool: depth must be B x N x D x fH x fW, got shape {tuple(depth.shape)}")
+        raise ValueError(
+            f"bev_pool: depth must be B x N x D x fH x fW, got shape {tuple(depth.shape)}"
+        )
     if feat.dim() != 5:
-        raise ValueError(f"bev_pool: feat must be B x N x C x fH x fW, got shape {tuple(feat.shape)}")
+        raise ValueError(
+            f"bev_pool: feat must be B x N x C x fH x fW, got shape {tuple(feat.shape)}"
+        )
     want = (lut.B, lut.N, lut.D, lut.fH, lut.fW)
     if tuple(depth.shape) != want:
-        raise ValueError(f"bev_pool: depth has shape {tuple(depth.shape)} but the LUT was built for B x N x D x fH x fW "
-                         f"= {want}; rebuild the LUT from these cameras or fix the depth head")
+        raise ValueError(
+            f"bev_pool: depth has shape {tuple(depth.shape)} but the LUT was built for B x N x D x fH x fW "
+            f"= {want}; rebuild the LUT from these cameras or fix the depth head"
+        )
     B, N, C, fH, fW = feat.shape
     if (B, N, fH, fW) != (lut.B, lut.N, lut.fH, lut.fW):
-        raise ValueError(f"bev_pool: feat has shape {tuple(feat.shape)} but depth/LUT need B x N x C x fH x fW with "
-                         f"B={lut.B}, N={lut.N}, fH={lut.fH}, fW={lut.fW}")
+        raise ValueError(
+            f"bev_pool: feat has shape {tuple(feat.shape)} but depth/LUT need B x N x C x fH x fW with "
+            f"B={lut.B}, N={lut.N}, fH={lut.fH}, fW={lut.fW}"
+        )
     if depth.device != feat.device or depth.device != lut.device:
-        raise ValueError(f"bev_pool: depth ({depth.device}), feat ({feat.device}) and the LUT ({lut.device}) must be on "
-                         "the same device; build the LUT from points on that device or use lut.to(device)")
+        raise ValueError(
+            f"bev_pool: depth ({depth.device}), feat ({feat.device}) and the LUT ({lut.device}) must be on "
+            "the same device; build the LUT from points on that device or use lut.to(device)"
+        )
 
 
 def _common_dtype(depth: Tensor, feat: Tensor) -> tuple[Tensor, Tensor]:
@@ -75,10 +90,13 @@ def bev_pool(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
     depth, feat = _common_dtype(depth, feat)
     if _ext.use_reference("bev_pool"):
         out = bev_pool_reference(depth, feat, lut)
-        return out.contiguous(memory_format=torch.channels_last) if output_channels_last(feat) else out
+        return (
+            out.contiguous(memory_format=torch.channels_last) if output_channels_last(feat) else out
+        )
     _ext.check_device("bev_pool", depth, feat)
-    return torch.ops.lss.bev_pool(depth, feat, lut.sorted_points, lut.cell_start, lut.point_cell,
-                                  lut.nz, lut.nx, lut.ny)
+    return torch.ops.lss.bev_pool(
+        depth, feat, lut.sorted_points, lut.cell_start, lut.point_cell, lut.nz, lut.nx, lut.ny
+    )
 
 
 def bev_pool_reference(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
@@ -93,9 +111,16 @@ def bev_pool_reference(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
     # B x N x D x fH x fW x C products of every frustum point, in point order
     values = depth.to(acc).unsqueeze(-1) * feat.to(acc).permute(0, 1, 3, 4, 2).unsqueeze(2)
     cells = lut.num_cells
-    target = torch.where(lut.point_cell >= 0, lut.point_cell, cells).long()  # dropped points go to a spare row
+    target = torch.where(
+        lut.point_cell >= 0, lut.point_cell, cells
+    ).long()  # dropped points go to a spare row
     grid = values.new_zeros(cells + 1, C).index_add(0, target, values.reshape(-1, C))[:cells]
-    return grid.view(B, nz, nx, ny, C).permute(0, 1, 4, 2, 3).reshape(B, nz * C, nx, ny).to(depth.dtype)
+    return (
+        grid.view(B, nz, nx, ny, C)
+        .permute(0, 1, 4, 2, 3)
+        .reshape(B, nz * C, nx, ny)
+        .to(depth.dtype)
+    )
 
 
 if _ext.has_ext():
@@ -104,14 +129,18 @@ if _ext.has_ext():
     def _bev_pool_fake(depth, feat, sorted_points, cell_start, point_cell, nz, nx, ny):
         B, N, C, fH, fW = feat.shape
         layout = torch.channels_last if output_channels_last(feat) else torch.contiguous_format
-        return torch.empty((B, nz * C, nx, ny), dtype=depth.dtype, device=depth.device, memory_format=layout)
+        return torch.empty(
+            (B, nz * C, nx, ny), dtype=depth.dtype, device=depth.device, memory_format=layout
+        )
 
     @torch.library.register_fake("lss::_bev_pool_backward")
     def _bev_pool_backward_fake(grad_out, depth, feat, cell_start, point_cell, nz, nx, ny):
         B, N, C, fH, fW = feat.shape
         # grad_feat in feat's layout: channels-last (B x N x fH x fW x C in memory) or contiguous
         if output_channels_last(feat):
-            return depth.new_empty(depth.shape), feat.new_empty((B, N, fH, fW, C)).permute(0, 1, 4, 2, 3)
+            return depth.new_empty(depth.shape), feat.new_empty((B, N, fH, fW, C)).permute(
+                0, 1, 4, 2, 3
+            )
         return depth.new_empty(depth.shape), feat.new_empty((B, N, C, fH, fW))
 
     # Autograd is registered in C++ (csrc/ops/autograd.cpp): no Python runs in an eager call.

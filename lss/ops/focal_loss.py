@@ -13,6 +13,7 @@ even that when the factor is 1 (loss.backward() of the loss itself). Everything 
 float64 logits) from log-sigmoid / log-softmax forms, so logits of +-100 and gamma < 1 give neither NaN nor inf in
 any dtype. No gradient flows to targets, weight or mask.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,9 @@ def _check_common(op: str, logits: Tensor, alpha: float, gamma: float, reduction
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not math.isfinite(alpha):
-        raise ValueError(f"{op}: alpha must be finite (a negative alpha disables the class balancing), got {alpha}")
+        raise ValueError(
+            f"{op}: alpha must be finite (a negative alpha disables the class balancing), got {alpha}"
+        )
     if not (math.isfinite(gamma) and gamma >= 0):
         raise ValueError(f"{op}: gamma must be a finite number >= 0, got {gamma}")
 
@@ -55,10 +58,14 @@ def _check_common(op: str, logits: Tensor, alpha: float, gamma: float, reduction
 def _check_no_grad(op: str, **tensors: Optional[Tensor]) -> None:
     for name, t in tensors.items():
         if t is not None and t.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{op}: no gradient flows to {name}, but it requires grad; pass {name}.detach()")
+            raise ValueError(
+                f"{op}: no gradient flows to {name}, but it requires grad; pass {name}.detach()"
+            )
 
 
-def _prepare_weight(op: str, weight: Optional[Tensor], logits: Tensor, name: str = "weight") -> Optional[Tensor]:
+def _prepare_weight(
+    op: str, weight: Optional[Tensor], logits: Tensor, name: str = "weight"
+) -> Optional[Tensor]:
     if weight is None:
         return None
     if not isinstance(weight, Tensor) or not weight.is_floating_point():
@@ -124,11 +131,15 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, r
         _check_class_range(op, targets, 0, C, f"[0, C] = [0, {C}] (C = background)")
     index_targets = _is_index(targets)
     if weight is not None and not index_targets:
-        raise ValueError(f"{op}: weight scales sample n by weight[targets[n]] (mmcv's meaning) and needs int64 "
-                         "class-index targets; to weight the class columns of dense targets pass class_weight=")
+        raise ValueError(
+            f"{op}: weight scales sample n by weight[targets[n]] (mmcv's meaning) and needs int64 "
+            "class-index targets; to weight the class columns of dense targets pass class_weight="
+        )
     if weight is not None and class_weight is not None:
-        raise ValueError(f"{op}: give weight (per sample, by its target class) or class_weight (per class column), "
-                         "not both; fold one into the other, e.g. class_weight * weight[targets][:, None] as a mask")
+        raise ValueError(
+            f"{op}: give weight (per sample, by its target class) or class_weight (per class column), "
+            "not both; fold one into the other, e.g. class_weight * weight[targets][:, None] as a mask"
+        )
     weight = _prepare_weight(op, weight, logits)
     class_weight = _prepare_weight(op, class_weight, logits, "class_weight")
     _check_no_grad(op, weight=weight, class_weight=class_weight)
@@ -182,8 +193,9 @@ def sigmoid_focal_loss(
     raise an error (on CUDA this check waits for the kernel).
     """
     logits = inputs
-    targets, weight, mask = _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, reduction,
-                                                  mask)
+    targets, weight, mask = _prepare_sigmoid_args(
+        logits, targets, alpha, gamma, weight, class_weight, reduction, mask
+    )
     if _ext.use_reference("sigmoid_focal_loss"):
         return _sigmoid_reference(logits, targets, alpha, gamma, weight, reduction, mask)
     _ext.check_device("sigmoid_focal_loss", logits, targets, weight, mask)
@@ -231,8 +243,9 @@ def softmax_focal_loss(
         return softmax_focal_loss_reference(logits, targets, alpha, gamma, weight, reduction)
     _ext.check_device(op, logits, targets, weight)
     save_grad = torch.is_grad_enabled() and logits.requires_grad
-    loss, _, _ = torch.ops.lss.softmax_focal_loss(logits, targets, weight, float(alpha), float(gamma), reduction,
-                                                  save_grad, True)
+    loss, _, _ = torch.ops.lss.softmax_focal_loss(
+        logits, targets, weight, float(alpha), float(gamma), reduction, save_grad, True
+    )
     return loss
 
 
@@ -254,10 +267,19 @@ def sigmoid_focal_loss_reference(
     """Pure-PyTorch `sigmoid_focal_loss` (same arguments and semantics), computed in float32 or float64."""
     if weight is not None:
         if not _is_index(targets):
-            raise ValueError("sigmoid_focal_loss: weight needs int64 class-index targets; use class_weight=")
+            raise ValueError(
+                "sigmoid_focal_loss: weight needs int64 class-index targets; use class_weight="
+            )
         weight = _label_weight(weight)
-    return _sigmoid_reference(inputs, targets, alpha, gamma, weight if weight is not None else class_weight,
-                              reduction, mask)
+    return _sigmoid_reference(
+        inputs,
+        targets,
+        alpha,
+        gamma,
+        weight if weight is not None else class_weight,
+        reduction,
+        mask,
+    )
 
 
 def _sigmoid_reference(logits, targets, alpha, gamma, weight, reduction, mask):
@@ -267,7 +289,9 @@ def _sigmoid_reference(logits, targets, alpha, gamma, weight, reduction, mask):
     index_targets = _is_index(targets)
     if index_targets:
         if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) > x.shape[1]):
-            raise ValueError(f"sigmoid_focal_loss: class-index targets must lie in [0, C] = [0, {x.shape[1]}]")
+            raise ValueError(
+                f"sigmoid_focal_loss: class-index targets must lie in [0, C] = [0, {x.shape[1]}]"
+            )
         t = F.one_hot(targets, x.shape[1] + 1)[:, : x.shape[1]].to(dtype)
     else:
         t = targets.to(dtype)
@@ -308,7 +332,9 @@ def softmax_focal_loss_reference(
     dtype = _compute_dtype(logits)
     x = logits.to(dtype)
     if targets.numel() and int(targets.max()) >= x.shape[1]:
-        raise ValueError(f"softmax_focal_loss: targets must be < C = {x.shape[1]} (negative values are ignored)")
+        raise ValueError(
+            f"softmax_focal_loss: targets must be < C = {x.shape[1]} (negative values are ignored)"
+        )
     valid = targets >= 0
     t = targets.clamp_min(0)
     if x.shape[1] == 0:
@@ -332,16 +358,31 @@ class SigmoidFocalLoss(nn.Module):
     """Module form of `sigmoid_focal_loss` (reduction "mean" by default, as mmcv's module); forward(logits, targets,
     mask=None). weight and class_weight have the function's meaning."""
 
-    def __init__(self, alpha: float = 0.25, gamma: float = 2.0, weight: Optional[Tensor] = None,
-                 reduction: str = "mean", *, class_weight: Optional[Tensor] = None):
+    def __init__(
+        self,
+        alpha: float = 0.25,
+        gamma: float = 2.0,
+        weight: Optional[Tensor] = None,
+        reduction: str = "mean",
+        *,
+        class_weight: Optional[Tensor] = None,
+    ):
         super().__init__()
         self.alpha, self.gamma, self.reduction = alpha, gamma, reduction
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("class_weight", class_weight, persistent=False)
 
     def forward(self, logits: Tensor, targets: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        return sigmoid_focal_loss(logits, targets, self.alpha, self.gamma, self.reduction, weight=self.weight,
-                                  class_weight=self.class_weight, mask=mask)
+        return sigmoid_focal_loss(
+            logits,
+            targets,
+            self.alpha,
+            self.gamma,
+            self.reduction,
+            weight=self.weight,
+            class_weight=self.class_weight,
+            mask=mask,
+        )
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, gamma={self.gamma}, reduction={self.reduction!r}"
@@ -350,14 +391,21 @@ class SigmoidFocalLoss(nn.Module):
 class SoftmaxFocalLoss(nn.Module):
     """Module form of `softmax_focal_loss`; forward(logits N x C, targets N)."""
 
-    def __init__(self, alpha: float = 0.25, gamma: float = 2.0, weight: Optional[Tensor] = None,
-                 reduction: str = "mean"):
+    def __init__(
+        self,
+        alpha: float = 0.25,
+        gamma: float = 2.0,
+        weight: Optional[Tensor] = None,
+        reduction: str = "mean",
+    ):
         super().__init__()
         self.alpha, self.gamma, self.reduction = alpha, gamma, reduction
         self.register_buffer("weight", weight, persistent=False)
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return softmax_focal_loss(logits, targets, self.alpha, self.gamma, self.weight, self.reduction)
+        return softmax_focal_loss(
+            logits, targets, self.alpha, self.gamma, self.weight, self.reduction
+        )
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, gamma={self.gamma}, reduction={self.reduction!r}"
@@ -400,10 +448,19 @@ def _can_scale_in_place(grad_loss: Tensor, grad: Tensor) -> bool:
     number of its dtype. This is an optimisation that reads private torch state; without it the backward writes a
     new tensor (the public path), which is always correct."""
     dispatch_depth = _private(torch._C, "_len_torch_dispatch_stack")
-    if dispatch_depth is None or type(grad) is not Tensor or torch.compiler.is_compiling() or dispatch_depth() != 0:
+    if (
+        dispatch_depth is None
+        or type(grad) is not Tensor
+        or torch.compiler.is_compiling()
+        or dispatch_depth() != 0
+    ):
         return False
-    return (grad_loss.numel() == 1 and grad_loss.dtype == grad.dtype and grad_loss.device == grad.device
-            and not _keeps_graph())
+    return (
+        grad_loss.numel() == 1
+        and grad_loss.dtype == grad.dtype
+        and grad_loss.device == grad.device
+        and not _keeps_graph()
+    )
 
 
 def _backward(ctx, grad_loss, *_):
@@ -428,11 +485,15 @@ def _backward(ctx, grad_loss, *_):
 if _ext.has_ext():
 
     @torch.library.register_fake("lss::sigmoid_focal_loss")
-    def _sigmoid_focal_loss_fake(logits, targets, weight, mask, alpha, gamma, reduction, save_grad, reuse_grad=False):
+    def _sigmoid_focal_loss_fake(
+        logits, targets, weight, mask, alpha, gamma, reduction, save_grad, reuse_grad=False
+    ):
         return _fake_outputs(logits, logits.shape if reduction == "none" else (), save_grad)
 
     @torch.library.register_fake("lss::softmax_focal_loss")
-    def _softmax_focal_loss_fake(logits, targets, weight, alpha, gamma, reduction, save_grad, reuse_grad=False):
+    def _softmax_focal_loss_fake(
+        logits, targets, weight, alpha, gamma, reduction, save_grad, reuse_grad=False
+    ):
         return _fake_outputs(logits, logits.shape[:1] if reduction == "none" else (), save_grad)
 
     @torch.library.register_fake("lss::_focal_loss_backward")
@@ -443,5 +504,9 @@ if _ext.has_ext():
     def _focal_loss_backward_inplace_fake(grad, grad_output, grad_scale):
         return None
 
-    torch.library.register_autograd("lss::sigmoid_focal_loss", _backward, setup_context=_setup_context)
-    torch.library.register_autograd("lss::softmax_focal_loss", _backward, setup_context=_setup_context)
+    torch.library.register_autograd(
+        "lss::sigmoid_focal_loss", _backward, setup_context=_setup_context
+    )
+    torch.library.register_autograd(
+        "lss::softmax_focal_loss", _backward, setup_context=_setup_context
+    )

@@ -5,6 +5,7 @@ its IoU with an already kept box is strictly greater than iou_threshold. IoU is 
 float64 boxes), fp16/bf16 boxes included. NaN scores sort above every number (torch.sort's order), so NaN-scored
 boxes are visited first; filter them out beforehand if that is not wanted.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,18 +25,24 @@ def _check(boxes, scores, idxs, op):
         shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"lss.ops.{op}: scores must be 1-D (N), got {shape}")
     if boxes.shape[0] != scores.shape[0]:
-        raise ValueError(f"lss.ops.{op}: boxes and scores must have the same length, got {boxes.shape[0]} boxes "
-                         f"and {scores.shape[0]} scores")
+        raise ValueError(
+            f"lss.ops.{op}: boxes and scores must have the same length, got {boxes.shape[0]} boxes "
+            f"and {scores.shape[0]} scores"
+        )
     if not boxes.is_floating_point() or not scores.is_floating_point():
-        raise TypeError(f"lss.ops.{op}: boxes and scores must be floating point, got {boxes.dtype} and "
-                        f"{scores.dtype}")
+        raise TypeError(
+            f"lss.ops.{op}: boxes and scores must be floating point, got {boxes.dtype} and "
+            f"{scores.dtype}"
+        )
     if scores.device != boxes.device:
         raise ValueError(f"lss.ops.{op}: boxes are on {boxes.device} but scores on {scores.device}")
     if idxs is not None:
         if not isinstance(idxs, torch.Tensor) or idxs.dim() != 1 or idxs.shape[0] != boxes.shape[0]:
             shape = tuple(idxs.shape) if isinstance(idxs, torch.Tensor) else type(idxs).__name__
-            raise ValueError(f"lss.ops.{op}: idxs must be 1-D with one class per box ({boxes.shape[0]}), got "
-                             f"{shape}")
+            raise ValueError(
+                f"lss.ops.{op}: idxs must be 1-D with one class per box ({boxes.shape[0]}), got "
+                f"{shape}"
+            )
         if idxs.is_floating_point() or idxs.is_complex() or idxs.dtype == torch.bool:
             raise TypeError(f"lss.ops.{op}: idxs must be an integer tensor, got {idxs.dtype}")
         if idxs.device != boxes.device:
@@ -52,7 +59,9 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torc
     return torch.ops.lss.nms(boxes, scores, float(iou_threshold))
 
 
-def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou_threshold: float) -> torch.Tensor:
+def batched_nms(
+    boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou_threshold: float
+) -> torch.Tensor:
     """NMS where only boxes of the same category (idxs, N integers) suppress each other. Returns the kept indices
     by decreasing score. Classes are compared directly instead of shifting boxes apart by a class offset, so any
     coordinates work (negative BEV coordinates included) and no precision is lost to large offsets. On CUDA, from
@@ -68,8 +77,12 @@ def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, i
     return torch.ops.lss.batched_nms(boxes, scores, idxs, float(iou_threshold))
 
 
-def nms_reference(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float,
-                  idxs: torch.Tensor | None = None) -> torch.Tensor:
+def nms_reference(
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    iou_threshold: float,
+    idxs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Pure-PyTorch greedy NMS (test oracle and fallback): one vectorised IoU row per kept box, O(N) memory.
     With idxs, boxes of different classes never suppress each other."""
     _check(boxes, scores, idxs, "nms")
@@ -88,21 +101,24 @@ def nms_reference(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: floa
         if suppressed[i]:
             continue
         keep.append(i)
-        rest = b[i + 1:]
+        rest = b[i + 1 :]
         w = (torch.minimum(b[i, 2], rest[:, 2]) - torch.maximum(b[i, 0], rest[:, 0])).clamp(min=0)
         h = (torch.minimum(b[i, 3], rest[:, 3]) - torch.maximum(b[i, 1], rest[:, 1])).clamp(min=0)
         inter = w * h
-        over = inter / (area[i] + area[i + 1:] - inter) > threshold.to(b.device)
+        over = inter / (area[i] + area[i + 1 :] - inter) > threshold.to(b.device)
         if cls is not None:
-            over &= cls[i + 1:] == cls[i]
-        suppressed[i + 1:] |= over
+            over &= cls[i + 1 :] == cls[i]
+        suppressed[i + 1 :] |= over
     return order[torch.tensor(keep, dtype=torch.long, device=boxes.device)]
 
 
 if _ext.has_ext():
 
     def _nms_fake_impl(boxes, scores):
-        torch._check(boxes.shape[0] == scores.shape[0], lambda: "nms: boxes and scores must have the same length")
+        torch._check(
+            boxes.shape[0] == scores.shape[0],
+            lambda: "nms: boxes and scores must have the same length",
+        )
         n = torch.library.get_ctx().new_dynamic_size()
         return boxes.new_empty((n,), dtype=torch.long)
 

@@ -1,5 +1,6 @@
 """RoIAlign (Mask R-CNN): bilinear samples of each output bin, averaged (torchvision's roi_align) or maxed (mmcv's
 "max" pool mode, the gradient going to the arg-max sample)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,8 +17,17 @@ torch.fx.wrap("roi_align")
 _MODES = ("avg", "max")
 
 
-def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0, sampling_ratio: int = -1,
-              aligned: bool = False, mode: str = "avg", *, validate: Optional[bool] = None) -> torch.Tensor:
+def roi_align(
+    input: torch.Tensor,
+    rois: Rois,
+    output_size,
+    spatial_scale: float = 1.0,
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+    mode: str = "avg",
+    *,
+    validate: Optional[bool] = None,
+) -> torch.Tensor:
     """Pools each roi of `input` (N x C x H x W) to K x C x PH x PW.
 
     rois: K x 5 (batch index, x1, y1, x2, y2) in input-image coordinates, or a list of L_i x 4 boxes per image.
@@ -44,11 +54,22 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
     sampling_ratio = _roi.check_sampling_ratio(sampling_ratio, "roi_align")
     rois = _roi.roi_tensor(rois, input, "roi_align")
     if _ext.use_reference("roi_align"):
-        return roi_align_reference(input, rois, output_size, spatial_scale, sampling_ratio, aligned, mode)
+        return roi_align_reference(
+            input, rois, output_size, spatial_scale, sampling_ratio, aligned, mode
+        )
     _ext.check_device("roi_align", input, rois)
     check = _roi.should_validate(validate, input)
-    output, _, bad_rois = torch.ops.lss.roi_align(input, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio,
-                                                  bool(aligned), mode == "max", check)
+    output, _, bad_rois = torch.ops.lss.roi_align(
+        input,
+        rois,
+        spatial_scale,
+        pooled_h,
+        pooled_w,
+        sampling_ratio,
+        bool(aligned),
+        mode == "max",
+        check,
+    )
     if check:
         _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_align")
     return output
@@ -57,8 +78,15 @@ def roi_align(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float
 class RoIAlign(nn.Module):
     """Module form of roi_align; forward(input N x C x H x W, rois) -> K x C x PH x PW."""
 
-    def __init__(self, output_size, spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False,
-                 mode: str = "avg", validate: Optional[bool] = None):
+    def __init__(
+        self,
+        output_size,
+        spatial_scale: float = 1.0,
+        sampling_ratio: int = -1,
+        aligned: bool = False,
+        mode: str = "avg",
+        validate: Optional[bool] = None,
+    ):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"RoIAlign: mode must be one of {_MODES}, got {mode!r}")
@@ -70,13 +98,23 @@ class RoIAlign(nn.Module):
         self.validate = validate if validate is None else bool(validate)
 
     def forward(self, input: torch.Tensor, rois: Rois) -> torch.Tensor:
-        return roi_align(input, rois, self.output_size, self.spatial_scale, self.sampling_ratio, self.aligned,
-                         self.mode, validate=self.validate)
+        return roi_align(
+            input,
+            rois,
+            self.output_size,
+            self.spatial_scale,
+            self.sampling_ratio,
+            self.aligned,
+            self.mode,
+            validate=self.validate,
+        )
 
     def extra_repr(self) -> str:
-        return (f"output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
-                f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned}, mode={self.mode!r}, "
-                f"validate={self.validate}")
+        return (
+            f"output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
+            f"sampling_ratio={self.sampling_ratio}, aligned={self.aligned}, mode={self.mode!r}, "
+            f"validate={self.validate}"
+        )
 
 
 def _bilinear_axis(coord: torch.Tensor, size: int):
@@ -93,8 +131,15 @@ def _bilinear_axis(coord: torch.Tensor, size: int):
     return low, high, frac, 1 - frac, inside
 
 
-def roi_align_reference(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0,
-                        sampling_ratio: int = -1, aligned: bool = False, mode: str = "avg") -> torch.Tensor:
+def roi_align_reference(
+    input: torch.Tensor,
+    rois: Rois,
+    output_size,
+    spatial_scale: float = 1.0,
+    sampling_ratio: int = -1,
+    aligned: bool = False,
+    mode: str = "avg",
+) -> torch.Tensor:
     """Pure-PyTorch roi_align (test oracle and fallback): every sample of every bin gathered at once, so it needs
     K x PH x PW x samples x C memory. Differentiable through autograd."""
     _roi.check_input(input, "roi_align")
@@ -133,7 +178,11 @@ def roi_align_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sc
         b = torch.arange(bins, dtype=acc, device=x.device)[None, :, None]
         s = torch.arange(samples, dtype=acc, device=x.device)[None, None, :]
         g = grid.to(acc).clamp(min=1)[:, None, None]
-        pos = start[:, None, None] + b * bin_size[:, None, None] + (s + 0.5) * bin_size[:, None, None] / g
+        pos = (
+            start[:, None, None]
+            + b * bin_size[:, None, None]
+            + (s + 0.5) * bin_size[:, None, None] / g
+        )
         in_grid = (s < grid[:, None, None].to(acc)).expand_as(pos)
         return torch.where(in_grid, pos, torch.zeros_like(pos)), in_grid
 
@@ -150,10 +199,12 @@ def roi_align_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sc
 
     feats = x.permute(0, 2, 3, 1)  # N x H x W x C
     b = rois[:, 0].long()[:, None, None, None, None]
-    val = ((Y(hy) * X(hx))[..., None] * feats[b, Y(y_lo), X(x_lo)]
-           + (Y(hy) * X(lx))[..., None] * feats[b, Y(y_lo), X(x_hi)]
-           + (Y(ly) * X(hx))[..., None] * feats[b, Y(y_hi), X(x_lo)]
-           + (Y(ly) * X(lx))[..., None] * feats[b, Y(y_hi), X(x_hi)])  # K x PH x GH x PW x GW x C
+    val = (
+        (Y(hy) * X(hx))[..., None] * feats[b, Y(y_lo), X(x_lo)]
+        + (Y(hy) * X(lx))[..., None] * feats[b, Y(y_lo), X(x_hi)]
+        + (Y(ly) * X(hx))[..., None] * feats[b, Y(y_hi), X(x_lo)]
+        + (Y(ly) * X(lx))[..., None] * feats[b, Y(y_hi), X(x_hi)]
+    )  # K x PH x GH x PW x GW x C
     in_grid = (Y(in_grid_y) & X(in_grid_x))[..., None]
     inside = (Y(in_y) & X(in_x))[..., None]
     val = torch.where(in_grid & inside, val, torch.zeros_like(val))
@@ -161,7 +212,9 @@ def roi_align_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sc
         out = val.sum(dim=(2, 4)) / count[:, None, None, None]
     else:
         val = torch.where(in_grid, val, torch.full_like(val, float("-inf")))
-        val = val.permute(0, 1, 3, 2, 4, 5).flatten(3, 4)  # K x PH x PW x GH*GW x C, samples row-major
+        val = val.permute(0, 1, 3, 2, 4, 5).flatten(
+            3, 4
+        )  # K x PH x PW x GH*GW x C, samples row-major
         out = val.max(dim=3).values
         empty = (grid_h * grid_w == 0)[:, None, None, None]
         out = torch.where(empty, torch.zeros_like(out), out)
@@ -171,16 +224,44 @@ def roi_align_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sc
 if _ext.has_ext():
 
     @torch.library.register_fake("lss::roi_align")
-    def _roi_align_fake(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, max_mode,
-                        record_bad_rois=True):
-        torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be K x 5")
+    def _roi_align_fake(
+        input,
+        rois,
+        spatial_scale,
+        pooled_height,
+        pooled_width,
+        sampling_ratio,
+        aligned,
+        max_mode,
+        record_bad_rois=True,
+    ):
+        torch._check(
+            rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_align: rois must be K x 5"
+        )
         shape = (rois.shape[0], input.shape[1], pooled_height, pooled_width)
         argmax = input.new_empty(shape if max_mode else (0,), dtype=torch.int32)
-        return input.new_empty(shape), argmax, input.new_empty((2 if record_bad_rois else 0,), dtype=torch.int64)
+        return (
+            input.new_empty(shape),
+            argmax,
+            input.new_empty((2 if record_bad_rois else 0,), dtype=torch.int64),
+        )
 
     @torch.library.register_fake("lss::_roi_align_backward")
-    def _roi_align_backward_fake(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size,
-                                 channels, height, width, sampling_ratio, aligned, max_mode):
+    def _roi_align_backward_fake(
+        grad,
+        rois,
+        argmax,
+        spatial_scale,
+        pooled_height,
+        pooled_width,
+        batch_size,
+        channels,
+        height,
+        width,
+        sampling_ratio,
+        aligned,
+        max_mode,
+    ):
         return grad.new_empty((batch_size, channels, height, width))
 
     # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an eager call.

@@ -1,4 +1,5 @@
 """RoIPool (Fast R-CNN): max over the integer pixel window of each output bin, as torchvision.ops.roi_pool."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,8 +14,14 @@ from lss.ops._roi import Rois
 torch.fx.wrap("roi_pool")
 
 
-def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0, *,
-             validate: Optional[bool] = None) -> torch.Tensor:
+def roi_pool(
+    input: torch.Tensor,
+    rois: Rois,
+    output_size,
+    spatial_scale: float = 1.0,
+    *,
+    validate: Optional[bool] = None,
+) -> torch.Tensor:
     """Max-pools each roi of `input` (N x C x H x W) to K x C x PH x PW.
 
     rois: K x 5 (batch index, x1, y1, x2, y2) or a list of L_i x 4 boxes per image; coordinates are scaled by
@@ -34,7 +41,9 @@ def roi_pool(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float 
         return roi_pool_reference(input, rois, output_size, spatial_scale)
     _ext.check_device("roi_pool", input, rois)
     check = _roi.should_validate(validate, input)
-    output, _, bad_rois = torch.ops.lss.roi_pool(input, rois, spatial_scale, pooled_h, pooled_w, check)
+    output, _, bad_rois = torch.ops.lss.roi_pool(
+        input, rois, spatial_scale, pooled_h, pooled_w, check
+    )
     if check:
         _roi.raise_on_bad_rois(bad_rois, rois, input.shape[0], "roi_pool")
     return output
@@ -56,7 +65,9 @@ class RoIPool(nn.Module):
         return f"output_size={self.output_size}, spatial_scale={self.spatial_scale}, validate={self.validate}"
 
 
-def roi_pool_reference(input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0) -> torch.Tensor:
+def roi_pool_reference(
+    input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0
+) -> torch.Tensor:
     """Pure-PyTorch roi_pool (test oracle and fallback): a loop over rois, each bin a masked max over the roi's
     window. Differentiable through autograd."""
     _roi.check_input(input, "roi_pool")
@@ -68,7 +79,9 @@ def roi_pool_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sca
     N, C, H, W = input.shape
     x = input.to(acc)
     scaled = (rois[:, 1:] * spatial_scale).double()
-    start_w, start_h, end_w, end_h = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).long().unbind(1)
+    start_w, start_h, end_w, end_h = (
+        (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).long().unbind(1)
+    )
     roi_w = (end_w - start_w + 1).clamp(min=1)
     roi_h = (end_h - start_h + 1).clamp(min=1)
     bin_h = roi_h.to(acc) / PH
@@ -107,15 +120,30 @@ def roi_pool_reference(input: torch.Tensor, rois: Rois, output_size, spatial_sca
 if _ext.has_ext():
 
     @torch.library.register_fake("lss::roi_pool")
-    def _roi_pool_fake(input, rois, spatial_scale, pooled_height, pooled_width, record_bad_rois=True):
+    def _roi_pool_fake(
+        input, rois, spatial_scale, pooled_height, pooled_width, record_bad_rois=True
+    ):
         torch._check(rois.dim() == 2 and rois.shape[1] == 5, lambda: "roi_pool: rois must be K x 5")
         shape = (rois.shape[0], input.shape[1], pooled_height, pooled_width)
-        return (input.new_empty(shape), input.new_empty(shape, dtype=torch.int32),
-                input.new_empty((2 if record_bad_rois else 0,), dtype=torch.int64))
+        return (
+            input.new_empty(shape),
+            input.new_empty(shape, dtype=torch.int32),
+            input.new_empty((2 if record_bad_rois else 0,), dtype=torch.int64),
+        )
 
     @torch.library.register_fake("lss::_roi_pool_backward")
-    def _roi_pool_backward_fake(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size,
-                                channels, height, width):
+    def _roi_pool_backward_fake(
+        grad,
+        rois,
+        argmax,
+        spatial_scale,
+        pooled_height,
+        pooled_width,
+        batch_size,
+        channels,
+        height,
+        width,
+    ):
         return grad.new_empty((batch_size, channels, height, width))
 
     # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an eager call.

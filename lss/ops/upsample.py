@@ -13,6 +13,7 @@ The step s is 1 / scale_factor when the output size comes from `scale_factor` (a
 recompute_scale_factor, and in ONNX Resize given `scales`), else in / out (ONNX Resize given `sizes`). The value is
 (1 - f) * x[floor(x)] + f * x[min(floor(x) + 1, in - 1)] with f = x - floor(x), per axis.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,9 @@ _Scale = Union[float, Sequence[float]]
 def _pair(value, name: str) -> tuple:
     if isinstance(value, (list, tuple)):
         if len(value) != 2:
-            raise ValueError(f"upsample_bilinear: {name} must be one value or a pair (H, W), got {value!r}")
+            raise ValueError(
+                f"upsample_bilinear: {name} must be one value or a pair (H, W), got {value!r}"
+            )
         return tuple(value)
     return (value, value)
 
@@ -49,37 +52,62 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if _wants_channels_last(x) else torch.contiguous_format
 
 
-def resolve_output(input: torch.Tensor, size: Optional[_Size], scale_factor: Optional[_Scale], mode: str):
+def resolve_output(
+    input: torch.Tensor, size: Optional[_Size], scale_factor: Optional[_Scale], mode: str
+):
     """Validates the arguments. Returns ((out_h, out_w), (scale_h, scale_w)); the scales are None with `size`."""
     if not isinstance(input, torch.Tensor):
-        raise TypeError(f"upsample_bilinear: input must be a torch.Tensor, got {type(input).__name__}")
+        raise TypeError(
+            f"upsample_bilinear: input must be a torch.Tensor, got {type(input).__name__}"
+        )
     if input.dim() != 4:
-        raise ValueError(f"upsample_bilinear: input must be 4-D (N x C x H x W), got shape {tuple(input.shape)}; "
-                         "add a batch dimension with input[None] for a single C x H x W map")
+        raise ValueError(
+            f"upsample_bilinear: input must be 4-D (N x C x H x W), got shape {tuple(input.shape)}; "
+            "add a batch dimension with input[None] for a single C x H x W map"
+        )
     if not input.is_floating_point():
-        raise TypeError(f"upsample_bilinear: input must be float32, float16, bfloat16 or float64, got {input.dtype}; "
-                        "convert it with input.float()")
+        raise TypeError(
+            f"upsample_bilinear: input must be float32, float16, bfloat16 or float64, got {input.dtype}; "
+            "convert it with input.float()"
+        )
     if mode not in MODES:
-        raise ValueError(f"upsample_bilinear: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        raise ValueError(
+            f"upsample_bilinear: unknown mode {mode!r}; expected one of {', '.join(MODES)}"
+        )
     if (size is None) == (scale_factor is None):
-        raise ValueError("upsample_bilinear: give exactly one of size and scale_factor, got "
-                         f"size={size!r}, scale_factor={scale_factor!r}")
+        raise ValueError(
+            "upsample_bilinear: give exactly one of size and scale_factor, got "
+            f"size={size!r}, scale_factor={scale_factor!r}"
+        )
     in_h, in_w = input.shape[2], input.shape[3]
     if in_h == 0 or in_w == 0:
-        raise ValueError(f"upsample_bilinear: input height and width must be positive, got shape {tuple(input.shape)}")
+        raise ValueError(
+            f"upsample_bilinear: input height and width must be positive, got shape {tuple(input.shape)}"
+        )
     if size is not None:
         out = _pair(size, "size")
-        if not all(isinstance(s, (int, torch.SymInt)) and not isinstance(s, bool) for s in out) or any(s <= 0 for s in out):
-            raise ValueError(f"upsample_bilinear: size must be positive integers (H, W), got {size!r}")
+        if not all(
+            isinstance(s, (int, torch.SymInt)) and not isinstance(s, bool) for s in out
+        ) or any(s <= 0 for s in out):
+            raise ValueError(
+                f"upsample_bilinear: size must be positive integers (H, W), got {size!r}"
+            )
         return (out[0], out[1]), (None, None)
     scales = _pair(scale_factor, "scale_factor")
-    if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0 for s in scales):
-        raise ValueError(f"upsample_bilinear: scale_factor must be positive finite numbers, got {scale_factor!r}")
+    if not all(
+        isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0
+        for s in scales
+    ):
+        raise ValueError(
+            f"upsample_bilinear: scale_factor must be positive finite numbers, got {scale_factor!r}"
+        )
     scales = (float(scales[0]), float(scales[1]))
     out = tuple(math.floor(float(n) * s) for n, s in zip((in_h, in_w), scales))
     if out[0] <= 0 or out[1] <= 0:
-        raise ValueError(f"upsample_bilinear: scale_factor={scale_factor!r} turns the input of spatial size "
-                         f"{(in_h, in_w)} into {out}; every output size must be at least 1")
+        raise ValueError(
+            f"upsample_bilinear: scale_factor={scale_factor!r} turns the input of spatial size "
+            f"{(in_h, in_w)} into {out}; every output size must be at least 1"
+        )
     return out, scales
 
 
@@ -106,8 +134,12 @@ def _axis_taps(n_in: int, n_out: int, scale: Optional[float], mode: str, device,
     return i0, i1, 1 - w1, w1
 
 
-def upsample_bilinear_reference(input: torch.Tensor, size: Optional[_Size] = None,
-                                scale_factor: Optional[_Scale] = None, mode: str = "pytorch_half_pixel") -> torch.Tensor:
+def upsample_bilinear_reference(
+    input: torch.Tensor,
+    size: Optional[_Size] = None,
+    scale_factor: Optional[_Scale] = None,
+    mode: str = "pytorch_half_pixel",
+) -> torch.Tensor:
     """Pure-PyTorch bilinear resize (gathers along H, then W; differentiable). Same contract as upsample_bilinear."""
     (out_h, out_w), (scale_h, scale_w) = resolve_output(input, size, scale_factor, mode)
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
@@ -119,8 +151,12 @@ def upsample_bilinear_reference(input: torch.Tensor, size: Optional[_Size] = Non
     return out.to(input.dtype).contiguous(memory_format=_memory_format(input))
 
 
-def upsample_bilinear(input: torch.Tensor, size: Optional[_Size] = None, scale_factor: Optional[_Scale] = None,
-                      mode: str = "pytorch_half_pixel") -> torch.Tensor:
+def upsample_bilinear(
+    input: torch.Tensor,
+    size: Optional[_Size] = None,
+    scale_factor: Optional[_Scale] = None,
+    mode: str = "pytorch_half_pixel",
+) -> torch.Tensor:
     """Bilinear resize of `input` (N x C x H x W, float32/float16/bfloat16/float64, CPU or CUDA).
 
     Give exactly one of `size` (int or (H, W)) and `scale_factor` (float or (sh, sw); the output size is
@@ -141,14 +177,22 @@ def upsample_bilinear(input: torch.Tensor, size: Optional[_Size] = None, scale_f
 class UpsampleBilinear(nn.Module):
     """Module form of upsample_bilinear, e.g. UpsampleBilinear(scale_factor=2, mode="align_corners")."""
 
-    def __init__(self, size: Optional[_Size] = None, scale_factor: Optional[_Scale] = None,
-                 mode: str = "pytorch_half_pixel"):
+    def __init__(
+        self,
+        size: Optional[_Size] = None,
+        scale_factor: Optional[_Scale] = None,
+        mode: str = "pytorch_half_pixel",
+    ):
         super().__init__()
         if (size is None) == (scale_factor is None):
-            raise ValueError("UpsampleBilinear: give exactly one of size and scale_factor, got "
-                             f"size={size!r}, scale_factor={scale_factor!r}")
+            raise ValueError(
+                "UpsampleBilinear: give exactly one of size and scale_factor, got "
+                f"size={size!r}, scale_factor={scale_factor!r}"
+            )
         if mode not in MODES:
-            raise ValueError(f"UpsampleBilinear: unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+            raise ValueError(
+                f"UpsampleBilinear: unknown mode {mode!r}; expected one of {', '.join(MODES)}"
+            )
         self.size = size
         self.scale_factor = scale_factor
         self.mode = mode
@@ -157,13 +201,18 @@ class UpsampleBilinear(nn.Module):
         return upsample_bilinear(input, self.size, self.scale_factor, self.mode)
 
     def extra_repr(self) -> str:
-        what = f"size={self.size!r}" if self.size is not None else f"scale_factor={self.scale_factor!r}"
+        what = (
+            f"size={self.size!r}"
+            if self.size is not None
+            else f"scale_factor={self.scale_factor!r}"
+        )
         return f"{what}, mode={self.mode!r}"
 
 
 def _backward(ctx, grad_output: torch.Tensor):
-    grad_input = torch.ops.lss._upsample_bilinear_backward(grad_output, ctx.input_size, ctx.scale_h, ctx.scale_w,
-                                                           ctx.mode)
+    grad_input = torch.ops.lss._upsample_bilinear_backward(
+        grad_output, ctx.input_size, ctx.scale_h, ctx.scale_w, ctx.mode
+    )
     return grad_input, None, None, None, None
 
 
@@ -175,7 +224,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_backward(ctx, grad_grad_input: torch.Tensor):
     # The backward is linear in grad_output, and its adjoint is the forward resize.
-    grad = torch.ops.lss.upsample_bilinear(grad_grad_input, ctx.output_size, ctx.scale_h, ctx.scale_w, ctx.mode)
+    grad = torch.ops.lss.upsample_bilinear(
+        grad_grad_input, ctx.output_size, ctx.scale_h, ctx.scale_w, ctx.mode
+    )
     return grad, None, None, None, None
 
 
@@ -189,14 +240,24 @@ if _ext.has_ext():
 
     @torch.library.register_fake("lss::upsample_bilinear")
     def _upsample_bilinear_fake(input, output_size, scales_h, scales_w, mode):
-        torch._check(input.dim() == 4, lambda: f"upsample_bilinear: input must be 4-D, got {tuple(input.shape)}")
+        torch._check(
+            input.dim() == 4,
+            lambda: f"upsample_bilinear: input must be 4-D, got {tuple(input.shape)}",
+        )
         shape = (input.shape[0], input.shape[1], output_size[0], output_size[1])
         return input.new_empty(shape).contiguous(memory_format=_memory_format(input))
 
     @torch.library.register_fake("lss::_upsample_bilinear_backward")
     def _upsample_bilinear_backward_fake(grad_output, input_size, scales_h, scales_w, mode):
-        return grad_output.new_empty(tuple(input_size)).contiguous(memory_format=_memory_format(grad_output))
+        return grad_output.new_empty(tuple(input_size)).contiguous(
+            memory_format=_memory_format(grad_output)
+        )
 
-    torch.library.register_autograd("lss::upsample_bilinear", _backward, setup_context=_setup_context)
-    torch.library.register_autograd("lss::_upsample_bilinear_backward", _backward_backward,
-                                    setup_context=_setup_backward_context)
+    torch.library.register_autograd(
+        "lss::upsample_bilinear", _backward, setup_context=_setup_context
+    )
+    torch.library.register_autograd(
+        "lss::_upsample_bilinear_backward",
+        _backward_backward,
+        setup_context=_setup_backward_context,
+    )

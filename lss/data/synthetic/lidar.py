@@ -3,14 +3,32 @@
 Points are written as nuScenes does (samples/LIDAR_TOP/*.pcd.bin): float32 x, y, z (sensor frame), intensity,
 ring index.
 """
+
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from .render import (ASPHALT, BARRIER, BICYCLE, BUILDING, BUS, CAR, CONE, CURB, MOTORCYCLE, PEDESTRIAN, SIDEWALK,
-                     TRUCK, VERGE, WHITE, YELLOW, BoxSet, GroundTexture)
+from .render import (
+    ASPHALT,
+    BARRIER,
+    BICYCLE,
+    BUILDING,
+    BUS,
+    CAR,
+    CONE,
+    CURB,
+    MOTORCYCLE,
+    PEDESTRIAN,
+    SIDEWALK,
+    TRUCK,
+    VERGE,
+    WHITE,
+    YELLOW,
+    BoxSet,
+    GroundTexture,
+)
 
 BEAMS = 32
 ELEVATION_DEG = np.linspace(-30.67, 10.67, BEAMS)
@@ -19,10 +37,26 @@ MAX_RANGE = 100.0
 MIN_RANGE = 1.0
 # Mean reflectivity by ground class and by box kind (indexed by the constants of render.py).
 GROUND_INTENSITY = np.zeros(6)
-GROUND_INTENSITY[[VERGE, SIDEWALK, CURB, ASPHALT, WHITE, YELLOW]] = (8.0, 22.0, 30.0, 6.0, 70.0, 55.0)
+GROUND_INTENSITY[[VERGE, SIDEWALK, CURB, ASPHALT, WHITE, YELLOW]] = (
+    8.0,
+    22.0,
+    30.0,
+    6.0,
+    70.0,
+    55.0,
+)
 BOX_INTENSITY = np.zeros(9)
 BOX_INTENSITY[[CAR, TRUCK, BUS, MOTORCYCLE, BICYCLE, PEDESTRIAN, CONE, BARRIER, BUILDING]] = (
-    35.0, 30.0, 30.0, 25.0, 20.0, 12.0, 60.0, 45.0, 18.0)
+    35.0,
+    30.0,
+    30.0,
+    25.0,
+    20.0,
+    12.0,
+    60.0,
+    45.0,
+    18.0,
+)
 
 
 def beam_directions() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -30,13 +64,24 @@ def beam_directions() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     column) and ring indices (per row)."""
     el = np.radians(ELEVATION_DEG)[:, None]
     az = np.linspace(-math.pi, math.pi, AZIMUTH_STEPS, endpoint=False)[None, :]
-    d = np.stack([np.cos(el) * np.cos(az), np.cos(el) * np.sin(az),
-                  np.broadcast_to(np.sin(el), (BEAMS, AZIMUTH_STEPS))], -1)
+    d = np.stack(
+        [
+            np.cos(el) * np.cos(az),
+            np.cos(el) * np.sin(az),
+            np.broadcast_to(np.sin(el), (BEAMS, AZIMUTH_STEPS)),
+        ],
+        -1,
+    )
     return d, az[0], np.arange(BEAMS)
 
 
-def sweep(rot: np.ndarray, pos: np.ndarray, boxes: BoxSet, texture: GroundTexture,
-          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def sweep(
+    rot: np.ndarray,
+    pos: np.ndarray,
+    boxes: BoxSet,
+    texture: GroundTexture,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
     """Cast one sweep from a lidar whose frame maps to global by (rot, pos).
 
     Returns (points P x 5 float32 [x, y, z, intensity, ring] in the lidar frame, box index per point P (-1 for
@@ -93,8 +138,12 @@ def sweep(rot: np.ndarray, pos: np.ndarray, boxes: BoxSet, texture: GroundTextur
     world = pos + (d[keep] * r[:, None])
     intensity = np.empty(len(r))
     on_ground = ids < 0
-    intensity[on_ground] = GROUND_INTENSITY[texture.class_at(world[on_ground, 0], world[on_ground, 1])]
+    intensity[on_ground] = GROUND_INTENSITY[
+        texture.class_at(world[on_ground, 0], world[on_ground, 1])
+    ]
     intensity[~on_ground] = BOX_INTENSITY[boxes.kind[ids[~on_ground]]]
-    intensity = np.clip(intensity * rng.uniform(0.7, 1.3, size=len(r)) / np.maximum(r / 20.0, 1.0) ** 0.5, 0, 255)
+    intensity = np.clip(
+        intensity * rng.uniform(0.7, 1.3, size=len(r)) / np.maximum(r / 20.0, 1.0) ** 0.5, 0, 255
+    )
     out = np.concatenate([pts, intensity[:, None], ring[:, None]], axis=1).astype(np.float32)
     return out, ids

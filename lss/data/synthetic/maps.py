@@ -3,6 +3,7 @@ nuscenes.map_expansion.map_api.NuScenesMap) and the semantic-prior PNG named by 
 
 The same geometry drives the ground texture the cameras see (render.py), so what the map says is what is drawn.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,15 +64,21 @@ def location_geometry(location: Location) -> LocationGeometry:
     rects = [_rect(r, 0.0, r.length, -r.half_width, r.half_width) for r in location.roads]
     drivable = unary_union(rects)
     xmin, ymin, xmax, ymax = location.bounds
-    walk = drivable.buffer(SIDEWALK_WIDTH, join_style=2).difference(drivable).intersection(
-        box(xmin, ymin, xmax, ymax))
+    walk = (
+        drivable.buffer(SIDEWALK_WIDTH, join_style=2)
+        .difference(drivable)
+        .intersection(box(xmin, ymin, xmax, ymax))
+    )
     walkway = list(walk.geoms) if hasattr(walk, "geoms") else [walk]
     walkway = [p for p in walkway if isinstance(p, Polygon) and p.area > 1.0]
 
     x_roads = [r for r in location.roads if r.name.startswith("x")]
     y_roads = [r for r in location.roads if r.name.startswith("y")]
-    segments = [(rects[location.roads.index(a)].intersection(rects[location.roads.index(b)]), True)
-                for a in x_roads for b in y_roads]
+    segments = [
+        (rects[location.roads.index(a)].intersection(rects[location.roads.index(b)]), True)
+        for a in x_roads
+        for b in y_roads
+    ]
     lanes, road_dividers, lane_dividers, crossings, stop_lines, markings = [], [], [], [], [], []
     zone = CROSSING_GAP + CROSSING_DEPTH
     centre_color = "yellow" if side > 0 else "white"
@@ -98,19 +105,41 @@ def location_geometry(location: Location) -> LocationGeometry:
                     a, b = (s0, s1) if d > 0 else (s1, s0)
                     start, end = r.point(a, c), r.point(b, c)
                     half = r.lane_width / 2
-                    lanes.append({
-                        "polygon": poly,
-                        "from_edge": LineString([tuple(r.point(a, c - half)), tuple(r.point(a, c + half))]),
-                        "to_edge": LineString([tuple(r.point(b, c - half)), tuple(r.point(b, c + half))]),
-                        # Divider nodes on the lane's left and right edges (seen in its direction of travel).
-                        "left": [tuple(r.point(a, c + d * half)), tuple(r.point(b, c + d * half))],
-                        "right": [tuple(r.point(a, c - d * half)), tuple(r.point(b, c - d * half))],
-                        "start_pose": (float(start[0]), float(start[1]), r.heading if d > 0 else
-                                       math.atan2(-r.direction[1], -r.direction[0])),
-                        "end_pose": (float(end[0]), float(end[1]), r.heading if d > 0 else
-                                     math.atan2(-r.direction[1], -r.direction[0])),
-                        "length": abs(b - a),
-                    })
+                    lanes.append(
+                        {
+                            "polygon": poly,
+                            "from_edge": LineString(
+                                [tuple(r.point(a, c - half)), tuple(r.point(a, c + half))]
+                            ),
+                            "to_edge": LineString(
+                                [tuple(r.point(b, c - half)), tuple(r.point(b, c + half))]
+                            ),
+                            # Divider nodes on the lane's left and right edges (seen in its direction of travel).
+                            "left": [
+                                tuple(r.point(a, c + d * half)),
+                                tuple(r.point(b, c + d * half)),
+                            ],
+                            "right": [
+                                tuple(r.point(a, c - d * half)),
+                                tuple(r.point(b, c - d * half)),
+                            ],
+                            "start_pose": (
+                                float(start[0]),
+                                float(start[1]),
+                                r.heading
+                                if d > 0
+                                else math.atan2(-r.direction[1], -r.direction[0]),
+                            ),
+                            "end_pose": (
+                                float(end[0]),
+                                float(end[1]),
+                                r.heading
+                                if d > 0
+                                else math.atan2(-r.direction[1], -r.direction[0]),
+                            ),
+                            "length": abs(b - a),
+                        }
+                    )
             if r.parking > 0:
                 for lat in (-r.lane_half_width, r.lane_half_width):
                     markings.append(Marking(np.array(_line(r, m0, m1, lat).coords), 0.15, "white"))
@@ -123,17 +152,38 @@ def location_geometry(location: Location) -> LocationGeometry:
                 n = int(2 * r.half_width // 1.0)
                 for i in range(n):
                     lat = -r.half_width + 0.5 + i * 1.0 + 0.25
-                    markings.append(Marking(np.array(_line(r, c0 + 0.2, c1 - 0.2, lat).coords), 0.5, "white"))
+                    markings.append(
+                        Marking(np.array(_line(r, c0 + 0.2, c1 - 0.2, lat).coords), 0.5, "white")
+                    )
                 # The stop line spans the carriageway arriving at the crossing (direction -sign along s).
                 stop_s = s_edge + sign * (zone + STOP_LINE_GAP)
                 s_a, s_b = sorted((stop_s, stop_s + sign * 0.4))
                 arriving = -sign  # direction of the traffic that reaches this crossing
                 l0, l1 = sorted((0.0, -side * arriving * r.lane_half_width))
                 stop_lines.append((_rect(r, s_a, s_b, l0, l1), len(crossings) - 1))
-                markings.append(Marking(np.array([tuple(r.point(stop_s + sign * 0.2, l0)),
-                                                 tuple(r.point(stop_s + sign * 0.2, l1))]), 0.4, "white"))
-    return LocationGeometry(drivable, walkway, segments, lanes, road_dividers, lane_dividers, crossings, stop_lines,
-                            markings)
+                markings.append(
+                    Marking(
+                        np.array(
+                            [
+                                tuple(r.point(stop_s + sign * 0.2, l0)),
+                                tuple(r.point(stop_s + sign * 0.2, l1)),
+                            ]
+                        ),
+                        0.4,
+                        "white",
+                    )
+                )
+    return LocationGeometry(
+        drivable,
+        walkway,
+        segments,
+        lanes,
+        road_dividers,
+        lane_dividers,
+        crossings,
+        stop_lines,
+        markings,
+    )
 
 
 class _Tokens:
@@ -166,8 +216,13 @@ def map_expansion(location: Location, geometry: LocationGeometry, seed: int) -> 
 
     def polygon(p: Polygon) -> str:
         t = token()
-        polygons.append({"token": t, "exterior_node_tokens": ring(p.exterior.coords),
-                         "holes": [{"node_tokens": ring(h.coords)} for h in p.interiors]})
+        polygons.append(
+            {
+                "token": t,
+                "exterior_node_tokens": ring(p.exterior.coords),
+                "holes": [{"node_tokens": ring(h.coords)} for h in p.interiors],
+            }
+        )
         return t
 
     def line(ls: LineString) -> str:
@@ -175,51 +230,114 @@ def map_expansion(location: Location, geometry: LocationGeometry, seed: int) -> 
         lines.append({"token": t, "node_tokens": [node(x, y) for x, y in ls.coords]})
         return t
 
-    drivable_parts = list(geometry.drivable.geoms) if hasattr(geometry.drivable, "geoms") else [geometry.drivable]
+    drivable_parts = (
+        list(geometry.drivable.geoms)
+        if hasattr(geometry.drivable, "geoms")
+        else [geometry.drivable]
+    )
     drivable_token = token()
-    drivable_area = [{"token": drivable_token, "polygon_tokens": [polygon(p) for p in drivable_parts]}]
-    road_segment = [{"token": token(), "polygon_token": polygon(p), "is_intersection": inter,
-                     "drivable_area_token": drivable_token} for p, inter in geometry.road_segments]
+    drivable_area = [
+        {"token": drivable_token, "polygon_tokens": [polygon(p) for p in drivable_parts]}
+    ]
+    road_segment = [
+        {
+            "token": token(),
+            "polygon_token": polygon(p),
+            "is_intersection": inter,
+            "drivable_area_token": drivable_token,
+        }
+        for p, inter in geometry.road_segments
+    ]
     lane, arcline, connectivity = [], {}, {}
     for ln in geometry.lanes:
         t = token()
-        lane.append({
-            "token": t, "polygon_token": polygon(ln["polygon"]), "lane_type": "CAR",
-            "from_edge_line_token": line(ln["from_edge"]), "to_edge_line_token": line(ln["to_edge"]),
-            "left_lane_divider_segments": [{"node_token": node(*p), "segment_type": "DOUBLE_DASHED_WHITE"}
-                                           for p in ln["left"]],
-            "right_lane_divider_segments": [{"node_token": node(*p), "segment_type": "DOUBLE_DASHED_WHITE"}
-                                            for p in ln["right"]],
-        })
+        lane.append(
+            {
+                "token": t,
+                "polygon_token": polygon(ln["polygon"]),
+                "lane_type": "CAR",
+                "from_edge_line_token": line(ln["from_edge"]),
+                "to_edge_line_token": line(ln["to_edge"]),
+                "left_lane_divider_segments": [
+                    {"node_token": node(*p), "segment_type": "DOUBLE_DASHED_WHITE"}
+                    for p in ln["left"]
+                ],
+                "right_lane_divider_segments": [
+                    {"node_token": node(*p), "segment_type": "DOUBLE_DASHED_WHITE"}
+                    for p in ln["right"]
+                ],
+            }
+        )
         # A straight lane as one arcline path whose two arcs have zero length.
-        arcline[t] = [{"start_pose": list(ln["start_pose"]), "end_pose": list(ln["end_pose"]), "shape": "LSR",
-                       "radius": 999.0, "segment_length": [0.0, float(ln["length"]), 0.0]}]
+        arcline[t] = [
+            {
+                "start_pose": list(ln["start_pose"]),
+                "end_pose": list(ln["end_pose"]),
+                "shape": "LSR",
+                "radius": 999.0,
+                "segment_length": [0.0, float(ln["length"]), 0.0],
+            }
+        ]
         connectivity[t] = {"incoming": [], "outgoing": []}
-    ped_crossing = [{"token": token(), "polygon_token": polygon(p), "road_segment_token": ""}
-                    for p in geometry.ped_crossings]
-    stop_line = [{"token": token(), "polygon_token": polygon(p), "stop_line_type": "PED_CROSSING",
-                  "ped_crossing_tokens": [ped_crossing[i]["token"]], "traffic_light_tokens": [],
-                  "road_block_token": ""} for p, i in geometry.stop_lines]
+    ped_crossing = [
+        {"token": token(), "polygon_token": polygon(p), "road_segment_token": ""}
+        for p in geometry.ped_crossings
+    ]
+    stop_line = [
+        {
+            "token": token(),
+            "polygon_token": polygon(p),
+            "stop_line_type": "PED_CROSSING",
+            "ped_crossing_tokens": [ped_crossing[i]["token"]],
+            "traffic_light_tokens": [],
+            "road_block_token": "",
+        }
+        for p, i in geometry.stop_lines
+    ]
     walkway = [{"token": token(), "polygon_token": polygon(p)} for p in geometry.walkway]
-    road_divider = [{"token": token(), "line_token": line(ls), "road_segment_token": ""}
-                    for ls in geometry.road_dividers]
+    road_divider = [
+        {"token": token(), "line_token": line(ls), "road_segment_token": ""}
+        for ls in geometry.road_dividers
+    ]
     lane_divider = []
     for ls in geometry.lane_dividers:
         lt = line(ls)
-        lane_divider.append({"token": token(), "line_token": lt, "lane_divider_segments": [
-            {"node_token": nt, "segment_type": "SINGLE_DASHED_WHITE"} for nt in lines[-1]["node_tokens"]]})
+        lane_divider.append(
+            {
+                "token": token(),
+                "line_token": lt,
+                "lane_divider_segments": [
+                    {"node_token": nt, "segment_type": "SINGLE_DASHED_WHITE"}
+                    for nt in lines[-1]["node_tokens"]
+                ],
+            }
+        )
     return {
         "version": MAP_VERSION,
         "canvas_edge": list(location.canvas_edge),
-        "polygon": polygons, "line": lines, "node": nodes,
-        "drivable_area": drivable_area, "road_segment": road_segment, "road_block": [], "lane": lane,
-        "ped_crossing": ped_crossing, "walkway": walkway, "stop_line": stop_line, "carpark_area": [],
-        "road_divider": road_divider, "lane_divider": lane_divider, "traffic_light": [],
-        "lane_connector": [], "arcline_path_3": arcline, "connectivity": connectivity,
+        "polygon": polygons,
+        "line": lines,
+        "node": nodes,
+        "drivable_area": drivable_area,
+        "road_segment": road_segment,
+        "road_block": [],
+        "lane": lane,
+        "ped_crossing": ped_crossing,
+        "walkway": walkway,
+        "stop_line": stop_line,
+        "carpark_area": [],
+        "road_divider": road_divider,
+        "lane_divider": lane_divider,
+        "traffic_light": [],
+        "lane_connector": [],
+        "arcline_path_3": arcline,
+        "connectivity": connectivity,
     }
 
 
-def write_map_expansion(dataroot: Path, location: Location, geometry: LocationGeometry, seed: int) -> Path:
+def write_map_expansion(
+    dataroot: Path, location: Location, geometry: LocationGeometry, seed: int
+) -> Path:
     path = Path(dataroot) / "maps" / "expansion" / f"{location.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
@@ -241,7 +359,11 @@ def write_semantic_prior(path: Path, location: Location, geometry: LocationGeome
             px = np.stack([xy[:, 0] / res, height - xy[:, 1] / res], axis=1)
             cv2.fillPoly(mask, [np.round(px).astype(np.int32)], v)
 
-    parts = list(geometry.drivable.geoms) if hasattr(geometry.drivable, "geoms") else [geometry.drivable]
+    parts = (
+        list(geometry.drivable.geoms)
+        if hasattr(geometry.drivable, "geoms")
+        else [geometry.drivable]
+    )
     for p in parts + geometry.walkway:
         fill(p, 255)
     path = Path(path)

@@ -1,4 +1,5 @@
 """`generate`: write a synthetic dataset in the nuScenes on-disk format (tables, images, lidar, maps)."""
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,18 @@ def scene_names(version: str, scenes: int) -> list[str]:
     (mini_val / val) and the rest in the training split (mini_train / train); at least one of each from 2 on."""
     from nuscenes.utils import splits
 
-    train, val = (splits.mini_train, splits.mini_val) if version == "v1.0-mini" else (splits.train, splits.val)
+    train, val = (
+        (splits.mini_train, splits.mini_val)
+        if version == "v1.0-mini"
+        else (splits.train, splits.val)
+    )
     limit = len(train) + len(val)
     if scenes > limit:
-        raise ArgumentError(f"{scenes} scenes requested for {version}, but its official split lists name only "
-                         f"{limit} ({len(train)} train + {len(val)} val): pass --scenes {limit} or fewer, or use "
-                         f"{'v1.0-trainval' if version == 'v1.0-mini' else 'fewer scenes'}")
+        raise ArgumentError(
+            f"{scenes} scenes requested for {version}, but its official split lists name only "
+            f"{limit} ({len(train)} train + {len(val)} val): pass --scenes {limit} or fewer, or use "
+            f"{'v1.0-trainval' if version == 'v1.0-mini' else 'fewer scenes'}"
+        )
     n_val = 0 if scenes < 2 else max(1, round(scenes * len(val) / limit))
     n_val = min(n_val, len(val))
     n_train = scenes - n_val
@@ -52,56 +59,85 @@ def scene_location(version: str, name: str, index: int) -> str:
 
 def _written_files(out: Path, version: str) -> list[Path]:
     """Every file under the folders that generate writes (the tables of `version`, samples/, sweeps/, maps/)."""
-    return sorted(f for sub in (version,) + OUTPUTS if (out / sub).is_dir() for f in (out / sub).rglob("*")
-                  if not f.is_dir())
+    return sorted(
+        f
+        for sub in (version,) + OUTPUTS
+        if (out / sub).is_dir()
+        for f in (out / sub).rglob("*")
+        if not f.is_dir()
+    )
 
 
 def remove_previous_output(out: Path, version: str) -> None:
     """Delete what an earlier generate wrote into `out` (listed in its MANIFEST); refuse, deleting nothing, when
     the folders generate writes hold any other file."""
     manifest = out / MANIFEST
-    owned = {out / name for name in json.loads(manifest.read_text())["files"]} if manifest.is_file() else set()
+    owned = (
+        {out / name for name in json.loads(manifest.read_text())["files"]}
+        if manifest.is_file()
+        else set()
+    )
     foreign = [f for f in _written_files(out, version) if f not in owned]
     if foreign:
-        raise FileExistsError(f"--force: {foreign[0]} (and {len(foreign) - 1} more file(s)) was not written by "
-                              f"`lss make-synthetic` (not listed in {manifest}); --force only replaces a synthetic "
-                              "set: move those files away or choose another directory")
+        raise FileExistsError(
+            f"--force: {foreign[0]} (and {len(foreign) - 1} more file(s)) was not written by "
+            f"`lss make-synthetic` (not listed in {manifest}); --force only replaces a synthetic "
+            "set: move those files away or choose another directory"
+        )
     for f in owned:
         f.unlink(missing_ok=True)
     manifest.unlink(missing_ok=True)
-    for folder in sorted({d for f in owned for d in f.parents if out in d.parents}, key=lambda d: -len(d.parts)):
+    for folder in sorted(
+        {d for f in owned for d in f.parents if out in d.parents}, key=lambda d: -len(d.parts)
+    ):
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
 
 
-def _check_args(out_dir, version, scenes, samples_per_scene, image_size, force) -> tuple[Path, tuple[int, int]]:
+def _check_args(
+    out_dir, version, scenes, samples_per_scene, image_size, force
+) -> tuple[Path, tuple[int, int]]:
     if version not in VERSIONS:
         raise ArgumentError(f"unknown version {version!r}: expected one of {', '.join(VERSIONS)}")
     if not isinstance(scenes, int) or scenes < MIN_SCENES:
-        raise ArgumentError(f"scenes must be an integer of at least {MIN_SCENES} (one training and one validation "
-                            f"scene), got {scenes!r}: pass --scenes {MIN_SCENES} or more")
+        raise ArgumentError(
+            f"scenes must be an integer of at least {MIN_SCENES} (one training and one validation "
+            f"scene), got {scenes!r}: pass --scenes {MIN_SCENES} or more"
+        )
     if not isinstance(samples_per_scene, int) or samples_per_scene < 1:
-        raise ArgumentError(f"samples_per_scene must be a positive integer, got {samples_per_scene!r}")
+        raise ArgumentError(
+            f"samples_per_scene must be a positive integer, got {samples_per_scene!r}"
+        )
     try:
         w, h = (int(v) for v in image_size)
     except (TypeError, ValueError):
-        raise ArgumentError(f"image_size must be (width, height), e.g. (1600, 900), got {image_size!r}") from None
+        raise ArgumentError(
+            f"image_size must be (width, height), e.g. (1600, 900), got {image_size!r}"
+        ) from None
     if w < 32 or h < 18:
-        raise ArgumentError(f"image_size {w}x{h} is too small: expected at least 32x18 (nuScenes is 1600x900)")
+        raise ArgumentError(
+            f"image_size {w}x{h} is too small: expected at least 32x18 (nuScenes is 1600x900)"
+        )
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"output path {out} exists and is not a directory: choose a directory")
+        raise NotADirectoryError(
+            f"output path {out} exists and is not a directory: choose a directory"
+        )
     if out.exists() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"output directory {out} is not empty: choose an empty or new directory, or pass "
-                              "force=True (--force) to overwrite the synthetic dataset in it")
+        raise FileExistsError(
+            f"output directory {out} is not empty: choose an empty or new directory, or pass "
+            "force=True (--force) to overwrite the synthetic dataset in it"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".lss-write-test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise PermissionError(f"cannot write to output directory {out} ({e.strerror or e}): choose a writable "
-                              "directory") from None
+        raise PermissionError(
+            f"cannot write to output directory {out} ({e.strerror or e}): choose a writable "
+            "directory"
+        ) from None
     return out, (w, h)
 
 
@@ -127,7 +163,9 @@ def _scene_assets(scene_index: int):
     loc, geom = cache["locations"][scene.location]
     if cache.get("texture_scene") != scene_index:
         cache["texture"] = None  # free the previous texture first
-        cache["texture"] = build_ground_texture(scene, geom, stable_seed("texture", seed, scene.name))
+        cache["texture"] = build_ground_texture(
+            scene, geom, stable_seed("texture", seed, scene.name)
+        )
         cache["texture_scene"] = scene_index
     if "cameras" not in cache:
         cache["cameras"] = {ch: CameraModel(_STATE["rig"][ch]) for ch in CAMERAS}
@@ -161,8 +199,16 @@ def render_sample(task: tuple[int, int]) -> tuple[tuple[int, int], dict]:
     return (scene_index, k), {"visible": visible, "projected": projected, "lidar": lidar_pts}
 
 
-def generate(out_dir, version: str = "v1.0-mini", scenes: int = 10, samples_per_scene: int = 40,
-             image_size=(1600, 900), seed: int = 0, workers: int | None = None, force: bool = False) -> Path:
+def generate(
+    out_dir,
+    version: str = "v1.0-mini",
+    scenes: int = 10,
+    samples_per_scene: int = 40,
+    image_size=(1600, 900),
+    seed: int = 0,
+    workers: int | None = None,
+    force: bool = False,
+) -> Path:
     """Write a synthetic nuScenes-format dataset into `out_dir` and return the dataroot (= out_dir).
 
     Tables go to out_dir/<version>/, key-frame images and lidar sweeps to out_dir/samples/, maps to
@@ -191,8 +237,10 @@ def generate(out_dir, version: str = "v1.0-mini", scenes: int = 10, samples_per_
         write_map_expansion(out, loc, geom, seed)
         map_tokens[name] = tok("map", name)
         write_semantic_prior(out / "maps" / f"{map_tokens[name]}.png", loc, geom)
-    scene_list = [build_scene(i, n, locations[scene_locations[i]], samples_per_scene, seed)
-                  for i, n in enumerate(names)]
+    scene_list = [
+        build_scene(i, n, locations[scene_locations[i]], samples_per_scene, seed)
+        for i, n in enumerate(names)
+    ]
 
     state = {"scenes": scene_list, "rig": rig, "root": out, "seed": seed}
     tasks = [(i, k) for i in range(len(scene_list)) for k in range(samples_per_scene)]

@@ -6,6 +6,7 @@ are lit 3-D boxes (per-face shading by the sun, a colour per instance, windows, 
 face into a depth buffer, so occlusion is exact; an object-id buffer gives each annotation's visible fraction.
 Shadows of the boxes darken the ground.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,19 +22,36 @@ from .world import SIDEWALK_WIDTH, Location, Scene
 # Object kinds: how a box is painted (and what the lidar intensity looks like).
 CAR, TRUCK, BUS, MOTORCYCLE, BICYCLE, PEDESTRIAN, CONE, BARRIER, BUILDING = range(9)
 KIND_OF_CATEGORY = {
-    "vehicle.car": CAR, "vehicle.truck": TRUCK, "vehicle.bus.rigid": BUS, "vehicle.motorcycle": MOTORCYCLE,
-    "vehicle.bicycle": BICYCLE, "human.pedestrian.adult": PEDESTRIAN, "human.pedestrian.child": PEDESTRIAN,
-    "movable_object.trafficcone": CONE, "movable_object.barrier": BARRIER,
+    "vehicle.car": CAR,
+    "vehicle.truck": TRUCK,
+    "vehicle.bus.rigid": BUS,
+    "vehicle.motorcycle": MOTORCYCLE,
+    "vehicle.bicycle": BICYCLE,
+    "human.pedestrian.adult": PEDESTRIAN,
+    "human.pedestrian.child": PEDESTRIAN,
+    "movable_object.trafficcone": CONE,
+    "movable_object.barrier": BARRIER,
 }
 
 # Ground texture classes (also used for lidar intensity).
 VERGE, SIDEWALK, CURB, ASPHALT, WHITE, YELLOW = range(6)
-GROUND_RGB = np.array([(92, 112, 70), (168, 165, 158), (205, 205, 200), (80, 82, 86), (228, 228, 222),
-                       (232, 180, 45)], np.float32)
+GROUND_RGB = np.array(
+    [
+        (92, 112, 70),
+        (168, 165, 158),
+        (205, 205, 200),
+        (80, 82, 86),
+        (228, 228, 222),
+        (232, 180, 45),
+    ],
+    np.float32,
+)
 SKY_HORIZON = np.array([205, 218, 232], np.float32)
 SKY_ZENITH = np.array([105, 145, 205], np.float32)
 TEXTURE_RESOLUTION = 0.06  # metres per texel
-TEXTURE_MARGIN = 120.0  # metres of ground around the route that are textured; fog hides what lies beyond
+TEXTURE_MARGIN = (
+    120.0  # metres of ground around the route that are textured; fog hides what lies beyond
+)
 FOG_DISTANCE = 220.0
 NEAR_PLANE = 0.1
 
@@ -41,14 +59,17 @@ NEAR_PLANE = 0.1
 # corners that the face coordinates s (across) and t (up) reach at 1. On the sides s runs from back to front; on
 # the ends and sides t is the height fraction. Bottoms are never seen from above the ground.
 FRONT, BACK, LEFT, RIGHT, TOP = range(5)
-_FACES = np.array([
-    # normal          origin          s = 1           t = 1
-    [(1, 0, 0), (1, -1, -1), (1, 1, -1), (1, -1, 1)],
-    [(-1, 0, 0), (-1, 1, -1), (-1, -1, -1), (-1, 1, 1)],
-    [(0, 1, 0), (-1, 1, -1), (1, 1, -1), (-1, 1, 1)],
-    [(0, -1, 0), (-1, -1, -1), (1, -1, -1), (-1, -1, 1)],
-    [(0, 0, 1), (-1, -1, 1), (1, -1, 1), (-1, 1, 1)],
-], np.float64)
+_FACES = np.array(
+    [
+        # normal          origin          s = 1           t = 1
+        [(1, 0, 0), (1, -1, -1), (1, 1, -1), (1, -1, 1)],
+        [(-1, 0, 0), (-1, 1, -1), (-1, -1, -1), (-1, 1, 1)],
+        [(0, 1, 0), (-1, 1, -1), (1, 1, -1), (-1, 1, 1)],
+        [(0, -1, 0), (-1, -1, -1), (1, -1, -1), (-1, -1, 1)],
+        [(0, 0, 1), (-1, -1, 1), (1, -1, 1), (-1, 1, 1)],
+    ],
+    np.float64,
+)
 
 
 @dataclass
@@ -73,16 +94,30 @@ def scene_boxes(scene: Scene, location: Location, k: int, radius: float = 160.0)
     ex, ey = scene.ego_x[k], scene.ego_y[k]
     for i in scene.visible_agents(k):
         a = scene.agents[i]
-        rows.append(((a.x[k], a.y[k], a.z), a.size, a.yaw[k], a.color, KIND_OF_CATEGORY[a.category], i))
+        rows.append(
+            ((a.x[k], a.y[k], a.z), a.size, a.yaw[k], a.color, KIND_OF_CATEGORY[a.category], i)
+        )
     for b in location.buildings:
         if math.hypot(b.x - ex, b.y - ey) - max(b.size) / 2 <= radius:
             rows.append(((b.x, b.y, b.size[2] / 2), b.size, b.yaw, b.color, BUILDING, -1))
     if not rows:
-        return BoxSet(np.zeros((0, 3)), np.zeros((0, 3)), np.zeros(0), np.zeros((0, 3)), np.zeros(0, int),
-                      np.zeros(0, int))
+        return BoxSet(
+            np.zeros((0, 3)),
+            np.zeros((0, 3)),
+            np.zeros(0),
+            np.zeros((0, 3)),
+            np.zeros(0, int),
+            np.zeros(0, int),
+        )
     center, size, yaw, color, kind, agent = zip(*rows)
-    return BoxSet(np.array(center, float), np.array(size, float), np.array(yaw, float), np.array(color, float),
-                  np.array(kind, int), np.array(agent, int))
+    return BoxSet(
+        np.array(center, float),
+        np.array(size, float),
+        np.array(yaw, float),
+        np.array(color, float),
+        np.array(kind, int),
+        np.array(agent, int),
+    )
 
 
 def yaw_matrix(yaw: float) -> np.ndarray:
@@ -122,8 +157,9 @@ class GroundTexture:
         return self.classes[row, col]
 
 
-def build_ground_texture(scene: Scene, geometry: LocationGeometry, seed: int,
-                         resolution: float = TEXTURE_RESOLUTION) -> GroundTexture:
+def build_ground_texture(
+    scene: Scene, geometry: LocationGeometry, seed: int, resolution: float = TEXTURE_RESOLUTION
+) -> GroundTexture:
     """Rasterize the map geometry around the scene's route into a textured ground image."""
     rng = np.random.default_rng(seed)
     xmin = float(min(scene.ego_x.min(), scene.ego_x.max())) - TEXTURE_MARGIN
@@ -136,8 +172,10 @@ def build_ground_texture(scene: Scene, geometry: LocationGeometry, seed: int,
 
     def px(coords) -> np.ndarray:
         xy = np.asarray(coords, np.float64)[:, :2]
-        return np.round(np.stack([(xy[:, 0] - xmin) / resolution, (ymax - xy[:, 1]) / resolution], 1)
-                        * (1 << shift)).astype(np.int32)
+        return np.round(
+            np.stack([(xy[:, 0] - xmin) / resolution, (ymax - xy[:, 1]) / resolution], 1)
+            * (1 << shift)
+        ).astype(np.int32)
 
     def fill(poly, value):
         cv2.fillPoly(classes, [px(poly.exterior.coords)], value, cv2.LINE_8, shift)
@@ -146,7 +184,11 @@ def build_ground_texture(scene: Scene, geometry: LocationGeometry, seed: int,
 
     for p in geometry.walkway:
         fill(p, SIDEWALK)
-    drivable = list(geometry.drivable.geoms) if hasattr(geometry.drivable, "geoms") else [geometry.drivable]
+    drivable = (
+        list(geometry.drivable.geoms)
+        if hasattr(geometry.drivable, "geoms")
+        else [geometry.drivable]
+    )
     curb = max(1, int(round(0.25 / resolution)))
     for p in drivable:
         fill(p, ASPHALT)
@@ -167,15 +209,25 @@ def build_ground_texture(scene: Scene, geometry: LocationGeometry, seed: int,
             s = 0.0
             while s < length:
                 e = min(s + on, length)
-                cv2.polylines(classes, [px(np.stack([a + s * u, a + e * u]))], False, value, thickness,
-                              cv2.LINE_8, shift)
+                cv2.polylines(
+                    classes,
+                    [px(np.stack([a + s * u, a + e * u]))],
+                    False,
+                    value,
+                    thickness,
+                    cv2.LINE_8,
+                    shift,
+                )
                 s = e + off
     # Grain from a tiled noise patch, large blotches, and seams between sidewalk slabs (integer maths: the
     # texture has tens of millions of texels).
     tile = rng.normal(0.0, 5.0, size=(256, 256)).astype(np.int16)
     grain = np.tile(tile, (h // 256 + 1, w // 256 + 1))[:h, :w]
-    blotch = cv2.resize(rng.normal(0.0, 6.0, size=(max(2, h // 60), max(2, w // 60))).astype(np.float32), (w, h),
-                        interpolation=cv2.INTER_CUBIC).astype(np.int16)
+    blotch = cv2.resize(
+        rng.normal(0.0, 6.0, size=(max(2, h // 60), max(2, w // 60))).astype(np.float32),
+        (w, h),
+        interpolation=cv2.INTER_CUBIC,
+    ).astype(np.int16)
     slab = max(1, int(round(1.5 / resolution)))
     seam = np.zeros((h, w), bool)
     seam[:, ::slab] = True
@@ -221,7 +273,9 @@ class CameraModel:
         self.u = np.arange(w, dtype=np.float64)  # pixel centres at integer coordinates
         self.v = np.arange(h, dtype=np.float64)
         uu, vv = np.meshgrid(self.u, self.v)
-        rays = np.stack([uu, vv, np.ones_like(uu)], -1) @ np.linalg.inv(self.k).T  # camera frame, z = 1
+        rays = (
+            np.stack([uu, vv, np.ones_like(uu)], -1) @ np.linalg.inv(self.k).T
+        )  # camera frame, z = 1
         d_ego = rays @ sensor.rotation_matrix.T
         height = sensor.translation[2]
         self.ground = d_ego[..., 2] < -1e-6
@@ -237,7 +291,9 @@ class CameraModel:
         self.w_far = np.repeat(blend * (1 - fog), 3, axis=2).astype(np.float32)
         elevation = np.clip(d_ego[..., 2] / norm, 0.0, 1.0)[..., None]
         sky = SKY_HORIZON + (SKY_ZENITH - SKY_HORIZON) * np.sqrt(elevation)
-        self.background = np.where(self.ground[..., None], fog * SKY_HORIZON, sky).astype(np.float32)
+        self.background = np.where(self.ground[..., None], fog * SKY_HORIZON, sky).astype(
+            np.float32
+        )
 
 
 # Window bands (fraction of the height) of the vehicle kinds.
@@ -247,7 +303,9 @@ _GLASS_LOW[[CAR, TRUCK, BUS]] = (0.62, 0.65, 0.45)
 _GLASS_HIGH[[CAR, TRUCK, BUS]] = (0.9, 0.9, 0.85)
 
 
-def render_camera(cam: CameraModel, ego: tuple[float, float, float], boxes: BoxSet, texture: GroundTexture, sun):
+def render_camera(
+    cam: CameraModel, ego: tuple[float, float, float], boxes: BoxSet, texture: GroundTexture, sun
+):
     """Render one camera for the ego pose (x, y, yaw) on the ground plane.
 
     Returns (image H x W x 3 uint8 RGB, ids H x W int32 (box index or -1), visible pixels per box N,
@@ -265,10 +323,24 @@ def render_camera(cam: CameraModel, ego: tuple[float, float, float], boxes: BoxS
     row = row.astype(np.float32, copy=False)
     col[~cam.ground] = -10.0
     border = tuple(float(v) for v in GROUND_RGB[VERGE])
-    near = cv2.remap(texture.rgb, col, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=border)
-    far = cv2.remap(texture.rgb_far, col, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=border)
-    img = cv2.add(cv2.add(cv2.multiply(near, cam.w_near, dtype=cv2.CV_32F),
-                          cv2.multiply(far, cam.w_far, dtype=cv2.CV_32F)), cam.background)
+    near = cv2.remap(
+        texture.rgb, col, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=border
+    )
+    far = cv2.remap(
+        texture.rgb_far,
+        col,
+        row,
+        cv2.INTER_LINEAR,
+        borderMode=cv2.BORDER_CONSTANT,
+        borderValue=border,
+    )
+    img = cv2.add(
+        cv2.add(
+            cv2.multiply(near, cam.w_near, dtype=cv2.CV_32F),
+            cv2.multiply(far, cam.w_far, dtype=cv2.CV_32F),
+        ),
+        cam.background,
+    )
 
     rot = yaw_matrix(eyaw) @ cam.sensor.rotation_matrix  # camera -> global
     pos = yaw_matrix(eyaw) @ np.asarray(cam.sensor.translation) + np.array([ex, ey, 0.0])
@@ -312,13 +384,19 @@ def _shadow_mask(boxes: BoxSet, rot, pos, k, w, h, sun) -> np.ndarray:
         uv = _project(cam, k)
         if uv[:, 0].max() < 0 or uv[:, 1].max() < 0 or uv[:, 0].min() >= w or uv[:, 1].min() >= h:
             continue
-        cv2.fillConvexPoly(mask, np.round(np.clip(uv, -1e5, 1e5) * (1 << shift)).astype(np.int32), 1, cv2.LINE_8,
-                           shift)
+        cv2.fillConvexPoly(
+            mask,
+            np.round(np.clip(uv, -1e5, 1e5) * (1 << shift)).astype(np.int32),
+            1,
+            cv2.LINE_8,
+            shift,
+        )
     return mask.astype(bool)
 
 
-def _rasterize_faces(boxes: BoxSet, rot, pos, cam: CameraModel, sun, inv_depth, face_id, face_st,
-                     projected) -> dict:
+def _rasterize_faces(
+    boxes: BoxSet, rot, pos, cam: CameraModel, sun, inv_depth, face_id, face_st, projected
+) -> dict:
     """Depth-test every camera-facing box face into (inv_depth, face_id) and record the face coordinates (s, t)
     of the pixels it wins in face_st. A planar face's inverse depth is affine in the pixel coordinates and its
     face coordinates are a homography of them, so each face costs a few operations on its bounding rectangle.
@@ -355,7 +433,9 @@ def _rasterize_faces(boxes: BoxSet, rot, pos, cam: CameraModel, sun, inv_depth, 
                 continue
             mask = np.zeros((y1 - y0 + 1, x1 - x0 + 1), np.uint8)
             local = np.clip(uv - (x0, y0), -1e5, 1e5)
-            cv2.fillConvexPoly(mask, np.round(local * (1 << shift)).astype(np.int32), 1, cv2.LINE_8, shift)
+            cv2.fillConvexPoly(
+                mask, np.round(local * (1 << shift)).astype(np.int32), 1, cv2.LINE_8, shift
+            )
             inside = mask.view(bool)
             count = int(np.count_nonzero(inside))
             if count == 0:
@@ -365,20 +445,24 @@ def _rasterize_faces(boxes: BoxSet, rot, pos, cam: CameraModel, sun, inv_depth, 
             n_c = rot.T @ normal_g
             d = float(n_c @ ((origin_g - pos) @ rot))
             a, b, c0 = (n_c @ k_inv) / d
-            inv_z = (a * cam.u[x0:x1 + 1])[None, :] + (b * cam.v[y0:y1 + 1] + c0)[:, None]
-            sub = inv_depth[y0:y1 + 1, x0:x1 + 1]
+            inv_z = (a * cam.u[x0 : x1 + 1])[None, :] + (b * cam.v[y0 : y1 + 1] + c0)[:, None]
+            sub = inv_depth[y0 : y1 + 1, x0 : x1 + 1]
             win = inside & (inv_z > sub)
             if not win.any():
                 continue
             fidx = len(recs["box"])
             np.copyto(sub, inv_z, where=win)
-            np.copyto(face_id[y0:y1 + 1, x0:x1 + 1], fidx, where=win)
+            np.copyto(face_id[y0 : y1 + 1, x0 : x1 + 1], fidx, where=win)
             # [u, v, 1] ~ K [e_s, e_t, origin] [s, t, 1] (camera frame), so [s, t, 1] ~ M^-1 [u, v, 1].
             hinv = _inverse3(k @ np.stack([e_s @ rot, e_t @ rot, (origin_g - pos) @ rot], 1))
-            uu, vv = cam.u[x0:x1 + 1][None, :], cam.v[y0:y1 + 1][:, None]
+            uu, vv = cam.u[x0 : x1 + 1][None, :], cam.v[y0 : y1 + 1][:, None]
             q = [hinv[r, 0] * uu + (hinv[r, 1] * vv + hinv[r, 2]) for r in range(3)]
-            np.copyto(face_st[0, y0:y1 + 1, x0:x1 + 1], q[0] / q[2], where=win, casting="unsafe")
-            np.copyto(face_st[1, y0:y1 + 1, x0:x1 + 1], q[1] / q[2], where=win, casting="unsafe")
+            np.copyto(
+                face_st[0, y0 : y1 + 1, x0 : x1 + 1], q[0] / q[2], where=win, casting="unsafe"
+            )
+            np.copyto(
+                face_st[1, y0 : y1 + 1, x0 : x1 + 1], q[1] / q[2], where=win, casting="unsafe"
+            )
             recs["box"].append(i)
             recs["kind"].append(boxes.kind[i])
             recs["type"].append(f)
@@ -406,20 +490,33 @@ def _paint_pixels(faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray) ->
     rgb = faces["color"][fid].astype(np.float32)
     for group in np.flatnonzero(np.bincount(kind, minlength=BUILDING + 1)):
         sel = np.flatnonzero(kind == group)
-        rgb[sel] = _paint_kind(int(group), ftype[sel], s[sel], t[sel], rgb[sel], faces["extent"][fid[sel]])
+        rgb[sel] = _paint_kind(
+            int(group), ftype[sel], s[sel], t[sel], rgb[sel], faces["extent"][fid[sel]]
+        )
     return rgb * faces["shade"][fid].astype(np.float32)[:, None]
 
 
-def _paint_kind(kind: int, ftype: np.ndarray, s: np.ndarray, t: np.ndarray, rgb: np.ndarray,
-                extent: np.ndarray) -> np.ndarray:
+def _paint_kind(
+    kind: int, ftype: np.ndarray, s: np.ndarray, t: np.ndarray, rgb: np.ndarray, extent: np.ndarray
+) -> np.ndarray:
     side = (ftype == LEFT) | (ftype == RIGHT)
     ends = (ftype == FRONT) | (ftype == BACK)
     if kind in (CAR, TRUCK, BUS):
-        glass = (ftype != TOP) & (t > _GLASS_LOW[kind]) & (t < _GLASS_HIGH[kind]) & (s > 0.06) & (s < 0.94)
+        glass = (
+            (ftype != TOP)
+            & (t > _GLASS_LOW[kind])
+            & (t < _GLASS_HIGH[kind])
+            & (s > 0.06)
+            & (s < 0.94)
+        )
         if kind == TRUCK:
             glass &= ~(side & (s < 0.75))  # a truck's box has no side windows, its cab does
         rgb[glass] = np.float32((45, 55, 68)) + 0.15 * rgb[glass]
-        rgb[side & (t < 0.3) & ((np.abs(s - 0.18) < 0.08) | (np.abs(s - 0.82) < 0.08))] = (22, 22, 24)
+        rgb[side & (t < 0.3) & ((np.abs(s - 0.18) < 0.08) | (np.abs(s - 0.82) < 0.08))] = (
+            22,
+            22,
+            24,
+        )
         if kind != BUS:
             lamp = ends & (t > 0.3) & (t < 0.42) & ((s < 0.18) | (s > 0.82))
             rgb[lamp & (ftype == FRONT)] = (250, 245, 215)
@@ -438,7 +535,14 @@ def _paint_kind(kind: int, ftype: np.ndarray, s: np.ndarray, t: np.ndarray, rgb:
         up_m = t * extent[:, 1]
         floor_m = up_m % 3.2
         bay_m = (s * extent[:, 0]) % 3.0
-        window = (ftype != TOP) & (floor_m > 1.0) & (floor_m < 2.4) & (bay_m > 0.6) & (bay_m < 2.2) & (up_m > 0.5)
+        window = (
+            (ftype != TOP)
+            & (floor_m > 1.0)
+            & (floor_m < 2.4)
+            & (bay_m > 0.6)
+            & (bay_m < 2.2)
+            & (up_m > 0.5)
+        )
         rgb[window] = (62, 74, 92)
         rgb[ftype == TOP] *= 0.7
     return rgb

@@ -1,4 +1,5 @@
 """The sensor rig: the real nuScenes cameras (lss/data/nuscenes_rig.json) and a LIDAR_TOP on the roof."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,24 @@ from pathlib import Path
 import numpy as np
 from pyquaternion import Quaternion
 
-CAMERAS = ("CAM_FRONT", "CAM_FRONT_RIGHT", "CAM_BACK_RIGHT", "CAM_BACK", "CAM_BACK_LEFT", "CAM_FRONT_LEFT")
+CAMERAS = (
+    "CAM_FRONT",
+    "CAM_FRONT_RIGHT",
+    "CAM_BACK_RIGHT",
+    "CAM_BACK",
+    "CAM_BACK_LEFT",
+    "CAM_FRONT_LEFT",
+)
 LIDAR = "LIDAR_TOP"
 NATIVE_SIZE = (1600, 900)  # width, height of the nuScenes images the intrinsics belong to
 # The nuScenes LIDAR_TOP extrinsics (sensor -> ego): on the roof, x axis pointing to the ego's right.
 LIDAR_TRANSLATION = (0.943713, 0.0, 1.84023)
-LIDAR_ROTATION = (0.7077955119163518, -0.006492242056004365, 0.010646214713995808, -0.7063073142877817)
+LIDAR_ROTATION = (
+    0.7077955119163518,
+    -0.006492242056004365,
+    0.010646214713995808,
+    -0.7063073142877817,
+)
 RIG_FILE = Path(__file__).resolve().parent.parent / "nuscenes_rig.json"
 
 
@@ -46,20 +59,29 @@ def scaled_intrinsic(k: np.ndarray, image_size: tuple[int, int]) -> np.ndarray:
 def load_rig(image_size: tuple[int, int] = NATIVE_SIZE) -> dict[str, Sensor]:
     """The six cameras (for images of `image_size`) and LIDAR_TOP, by channel."""
     if not RIG_FILE.exists():
-        raise FileNotFoundError(f"camera rig file {RIG_FILE} is missing: it ships with lss (lss/data/); "
-                                "reinstall or restore it from the repository")
+        raise FileNotFoundError(
+            f"camera rig file {RIG_FILE} is missing: it ships with lss (lss/data/); "
+            "reinstall or restore it from the repository"
+        )
     with open(RIG_FILE) as f:
         rig = json.load(f)
     out = {}
     for ch in CAMERAS:
         rec = rig[ch]
-        out[ch] = Sensor(ch, tuple(rec["translation"]), tuple(rec["rotation"]),
-                         scaled_intrinsic(np.array(rec["camera_intrinsic"]), image_size), tuple(image_size))
+        out[ch] = Sensor(
+            ch,
+            tuple(rec["translation"]),
+            tuple(rec["rotation"]),
+            scaled_intrinsic(np.array(rec["camera_intrinsic"]), image_size),
+            tuple(image_size),
+        )
     out[LIDAR] = Sensor(LIDAR, LIDAR_TRANSLATION, LIDAR_ROTATION)
     return out
 
 
-def sensor_pose(sensor: Sensor, ego_x: float, ego_y: float, ego_yaw: float) -> tuple[np.ndarray, np.ndarray]:
+def sensor_pose(
+    sensor: Sensor, ego_x: float, ego_y: float, ego_yaw: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Sensor -> global rotation (3 x 3) and sensor position (3,) for an ego pose on the ground plane."""
     c, s = np.cos(ego_yaw), np.sin(ego_yaw)
     ego_rot = np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])

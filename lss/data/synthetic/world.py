@@ -5,6 +5,7 @@ nuScenes. A location is a grid of straight two-way roads with lanes, optional pa
 buildings; a scene is the ego driving along one lane of one road, with moving, stopped and parked vehicles,
 walking pedestrians, parked bicycles and traffic cones / barriers around it.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,13 +14,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-LOCATIONS = ("singapore-onenorth", "singapore-hollandvillage", "singapore-queenstown", "boston-seaport")
+LOCATIONS = (
+    "singapore-onenorth",
+    "singapore-hollandvillage",
+    "singapore-queenstown",
+    "boston-seaport",
+)
 # Singapore drives on the left, Boston on the right.
-DRIVE_SIDE = {"singapore-onenorth": -1, "singapore-hollandvillage": -1, "singapore-queenstown": -1,
-              "boston-seaport": 1}
+DRIVE_SIDE = {
+    "singapore-onenorth": -1,
+    "singapore-hollandvillage": -1,
+    "singapore-queenstown": -1,
+    "boston-seaport": 1,
+}
 # Extent of the real nuScenes maps (metres); our roads lie well inside them.
-CANVAS_EDGE = {"singapore-onenorth": (1585.6, 2025.0), "singapore-hollandvillage": (2808.3, 2922.9),
-               "singapore-queenstown": (3228.6, 3687.1), "boston-seaport": (2979.5, 2118.1)}
+CANVAS_EDGE = {
+    "singapore-onenorth": (1585.6, 2025.0),
+    "singapore-hollandvillage": (2808.3, 2922.9),
+    "singapore-queenstown": (3228.6, 3687.1),
+    "boston-seaport": (2979.5, 2118.1),
+}
 
 SAMPLE_PERIOD = 0.5  # key frames at 2 Hz
 ANNOTATION_RANGE = 80.0  # objects closer than this to the ego are annotated (and rendered)
@@ -157,8 +171,16 @@ def _place_buildings(rng, x_roads, y_roads, bounds) -> list[Building]:
     ys = [ymin - 40.0] + [r.start[1] for r in x_roads] + [ymax + 40.0]
     hw_x = [0.0] + [r.half_width for r in y_roads] + [0.0]
     hw_y = [0.0] + [r.half_width for r in x_roads] + [0.0]
-    palette = [(150, 145, 140), (175, 160, 135), (120, 125, 135), (190, 185, 175), (140, 110, 95),
-               (105, 115, 110), (200, 195, 185), (160, 150, 165)]
+    palette = [
+        (150, 145, 140),
+        (175, 160, 135),
+        (120, 125, 135),
+        (190, 185, 175),
+        (140, 110, 95),
+        (105, 115, 110),
+        (200, 195, 185),
+        (160, 150, 165),
+    ]
     out = []
     for i in range(len(xs) - 1):
         for j in range(len(ys) - 1):
@@ -188,22 +210,51 @@ def _place_buildings(rng, x_roads, y_roads, bounds) -> list[Building]:
                     color = palette[int(rng.integers(len(palette)))]
                     mid = a + front / 2
                     if edge == 0:
-                        out.append(Building(mid, by0 + depth / 2, 0.0, (depth, front, height), color))
+                        out.append(
+                            Building(mid, by0 + depth / 2, 0.0, (depth, front, height), color)
+                        )
                     elif edge == 1:
-                        out.append(Building(mid, by1 - depth / 2, 0.0, (depth, front, height), color))
+                        out.append(
+                            Building(mid, by1 - depth / 2, 0.0, (depth, front, height), color)
+                        )
                     elif edge == 2:
-                        out.append(Building(bx0 + depth / 2, mid, math.pi / 2, (depth, front, height), color))
+                        out.append(
+                            Building(
+                                bx0 + depth / 2, mid, math.pi / 2, (depth, front, height), color
+                            )
+                        )
                     else:
-                        out.append(Building(bx1 - depth / 2, mid, math.pi / 2, (depth, front, height), color))
+                        out.append(
+                            Building(
+                                bx1 - depth / 2, mid, math.pi / 2, (depth, front, height), color
+                            )
+                        )
                     a += front + rng.uniform(0.0, 8.0)
     return out
 
 
 # Categories: sizes (w, l, h) ranges and colour palettes (RGB) of the instances we place.
-VEHICLE_COLORS = [(200, 30, 30), (30, 60, 190), (235, 235, 235), (170, 175, 180), (60, 62, 68), (230, 190, 20),
-                  (30, 140, 60), (120, 30, 140), (20, 160, 190), (240, 120, 20)]
-SHIRT_COLORS = [(220, 40, 40), (40, 90, 220), (240, 200, 30), (40, 170, 80), (240, 240, 240), (200, 60, 170),
-                (250, 130, 30)]
+VEHICLE_COLORS = [
+    (200, 30, 30),
+    (30, 60, 190),
+    (235, 235, 235),
+    (170, 175, 180),
+    (60, 62, 68),
+    (230, 190, 20),
+    (30, 140, 60),
+    (120, 30, 140),
+    (20, 160, 190),
+    (240, 120, 20),
+]
+SHIRT_COLORS = [
+    (220, 40, 40),
+    (40, 90, 220),
+    (240, 200, 30),
+    (40, 170, 80),
+    (240, 240, 240),
+    (200, 60, 170),
+    (250, 130, 30),
+]
 SIZES = {
     "vehicle.car": ((1.7, 2.0), (4.0, 4.9), (1.45, 1.75)),
     "vehicle.truck": ((2.3, 2.6), (6.0, 9.0), (2.6, 3.4)),
@@ -296,18 +347,37 @@ def build_scene(index: int, name: str, location: Location, num_samples: int, see
             # nuScenes gives cycles the rider attribute, never vehicle.moving/stopped (the detection metric's AAE)
             attrs = ["cycle.with_rider"] * len(attrs)
         xy = rd.point(s, lat)
-        agents.append(Agent(category, size, color, xy[..., 0], xy[..., 1], np.broadcast_to(yaw, t.shape).copy(),
-                            attrs))
+        agents.append(
+            Agent(
+                category,
+                size,
+                color,
+                xy[..., 0],
+                xy[..., 1],
+                np.broadcast_to(yaw, t.shape).copy(),
+                attrs,
+            )
+        )
 
     def vehicle_category():
-        return str(rng.choice(["vehicle.car"] * 14 + ["vehicle.truck"] * 2 + ["vehicle.bus.rigid", "vehicle.motorcycle"]))
+        return str(
+            rng.choice(
+                ["vehicle.car"] * 14
+                + ["vehicle.truck"] * 2
+                + ["vehicle.bus.rigid", "vehicle.motorcycle"]
+            )
+        )
 
     # Moving traffic on the ego road, one speed per lane so that no vehicle runs into another.
     for d in (-1, 1):
         for ln in range(road.lanes):
             lat = road.lane_offset(d, ln, side)
             ego_lane = d == direction and ln == lane
-            v = speed if ego_lane else (speed * rng.uniform(0.7, 1.3) if d == direction else rng.uniform(5.0, 12.0))
+            v = (
+                speed
+                if ego_lane
+                else (speed * rng.uniform(0.7, 1.3) if d == direction else rng.uniform(5.0, 12.0))
+            )
             # Positions at t = 0 covering whatever comes within range during the scene.
             reach = ANNOTATION_RANGE + v * duration + 20.0
             s = s_lo - reach - 20.0 if d > 0 else s_hi + reach + 20.0
@@ -325,8 +395,16 @@ def build_scene(index: int, name: str, location: Location, num_samples: int, see
                 if np.any((track < 0) | (track > road.length)):
                     continue
                 color = VEHICLE_COLORS[int(rng.integers(len(VEHICLE_COLORS)))]
-                add_track(cat, size, color, track, np.full_like(track, lat), road, yaw_of[d],
-                          ["vehicle.moving"] * num_samples)
+                add_track(
+                    cat,
+                    size,
+                    color,
+                    track,
+                    np.full_like(track, lat),
+                    road,
+                    yaw_of[d],
+                    ["vehicle.moving"] * num_samples,
+                )
 
     # Roads of the location near the route: crossing roads get queues and parked cars, all get parking.
     route_xy = np.stack([ego_xy[0], ego_xy[-1]])
@@ -366,13 +444,22 @@ def build_scene(index: int, name: str, location: Location, num_samples: int, see
                             size = _size(rng, cat)
                             s -= d * size[1] / 2
                             color = VEHICLE_COLORS[int(rng.integers(len(VEHICLE_COLORS)))]
-                            add_track(cat, size, color, np.full(t.shape, s),
-                                      np.full(t.shape, rd.lane_offset(d, ln, side)), rd, yaw_of_road(rd, d),
-                                      ["vehicle.stopped"] * num_samples)
+                            add_track(
+                                cat,
+                                size,
+                                color,
+                                np.full(t.shape, s),
+                                np.full(t.shape, rd.lane_offset(d, ln, side)),
+                                rd,
+                                yaw_of_road(rd, d),
+                                ["vehicle.stopped"] * num_samples,
+                            )
                             s -= d * (size[1] / 2 + rng.uniform(1.5, 3.0))
         _place_roadside(rng, rd, window, t, side, agents, num_samples)
 
-    _place_pedestrians(rng, location, road, window_of=s_window, t=t, agents=agents, num_samples=num_samples)
+    _place_pedestrians(
+        rng, location, road, window_of=s_window, t=t, agents=agents, num_samples=num_samples
+    )
 
     # Keep only agents that come within range of the ego at some key frame.
     keep = []
@@ -415,8 +502,18 @@ def _place_roadside(rng, rd: Road, window, t, side, agents, num_samples):
                         if s + size[1] > hi:
                             break
                         color = VEHICLE_COLORS[int(rng.integers(len(VEHICLE_COLORS)))]
-                        _add_static(agents, rd, s + size[1] / 2, lat + rng.uniform(-0.15, 0.15), yaw_of_road(rd, d),
-                                    "vehicle.car", size, color, "vehicle.parked", t)
+                        _add_static(
+                            agents,
+                            rd,
+                            s + size[1] / 2,
+                            lat + rng.uniform(-0.15, 0.15),
+                            yaw_of_road(rd, d),
+                            "vehicle.car",
+                            size,
+                            color,
+                            "vehicle.parked",
+                            t,
+                        )
                         s += size[1] + rng.uniform(1.0, 4.0)
                     elif kind < 0.8:  # a row of traffic cones, or of barriers along the shoulder
                         cones = kind < 0.72
@@ -426,9 +523,18 @@ def _place_roadside(rng, rd: Road, window, t, side, agents, num_samples):
                         if s + spacing * n > hi:
                             break
                         for c in range(n):
-                            _add_static(agents, rd, s + spacing * (c + 0.5), lat + (lat_sign * 0.3 if cones else 0.0),
-                                        0.0 if cones else yaw_of_road(rd, 1), cat, _size(rng, cat),
-                                        (250, 110, 20) if cones else (235, 235, 225), None, t)
+                            _add_static(
+                                agents,
+                                rd,
+                                s + spacing * (c + 0.5),
+                                lat + (lat_sign * 0.3 if cones else 0.0),
+                                0.0 if cones else yaw_of_road(rd, 1),
+                                cat,
+                                _size(rng, cat),
+                                (250, 110, 20) if cones else (235, 235, 225),
+                                None,
+                                t,
+                            )
                         s += spacing * n + 1.0
                     else:
                         s += rng.uniform(4.0, 15.0)
@@ -438,14 +544,33 @@ def _place_roadside(rng, rd: Road, window, t, side, agents, num_samples):
             for _ in range(int(rng.poisson((hi - lo) / 60.0))):
                 size = _size(rng, "vehicle.bicycle")
                 color = VEHICLE_COLORS[int(rng.integers(len(VEHICLE_COLORS)))]
-                _add_static(agents, rd, rng.uniform(lo, hi), lat, yaw_of_road(rd, 1) + math.pi / 2,
-                            "vehicle.bicycle", size, color, "cycle.without_rider", t)
+                _add_static(
+                    agents,
+                    rd,
+                    rng.uniform(lo, hi),
+                    lat,
+                    yaw_of_road(rd, 1) + math.pi / 2,
+                    "vehicle.bicycle",
+                    size,
+                    color,
+                    "cycle.without_rider",
+                    t,
+                )
 
 
 def _add_static(agents, rd, s, lat, yaw, category, size, color, attribute, t):
     xy = rd.point(s, lat)
-    agents.append(Agent(category, size, color, np.full(t.shape, xy[0]), np.full(t.shape, xy[1]),
-                        np.full(t.shape, yaw), [attribute] * len(t)))
+    agents.append(
+        Agent(
+            category,
+            size,
+            color,
+            np.full(t.shape, xy[0]),
+            np.full(t.shape, xy[1]),
+            np.full(t.shape, yaw),
+            [attribute] * len(t),
+        )
+    )
 
 
 def _place_pedestrians(rng, location: Location, ego_road: Road, window_of, t, agents, num_samples):
@@ -479,8 +604,17 @@ def _place_pedestrians(rng, location: Location, ego_road: Road, window_of, t, ag
                     continue
                 color = SHIRT_COLORS[int(rng.integers(len(SHIRT_COLORS)))]
                 xy = rd.point(s, np.full_like(s, lat))
-                agents.append(Agent(cat, size, color, xy[:, 0], xy[:, 1], np.full(t.shape, yaw),
-                                    [attr] * num_samples))
+                agents.append(
+                    Agent(
+                        cat,
+                        size,
+                        color,
+                        xy[:, 0],
+                        xy[:, 1],
+                        np.full(t.shape, yaw),
+                        [attr] * num_samples,
+                    )
+                )
 
 
 def _crosses_station(rd: Road, s: np.ndarray, lat: float) -> bool:

@@ -1,6 +1,7 @@
 """3D object detection on the BEV features: CenterPoint-style centre heatmaps and box regression, decoding by top-K
 heatmap peaks and batched NMS, and a second stage that pools the BEV features around each proposal with RoIAlign and
 refines its score and box with a small MLP. Boxes and their coding: lss.boxes."""
+
 from __future__ import annotations
 
 import math
@@ -10,13 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lss.boxes import (BOX_DIM, REGRESSION_CHANNELS, Proposals, apply_residuals, bev_envelopes,
-                       regression_to_boxes)
+from lss.boxes import (
+    BOX_DIM,
+    REGRESSION_CHANNELS,
+    Proposals,
+    apply_residuals,
+    bev_envelopes,
+    regression_to_boxes,
+)
 from lss.config import DETECTION_CLASSES, Config, DetectionConfig
 from lss.geometry import BevGrid
 from lss.models.blocks import conv_bn_relu
 from lss.ops import batched_nms, roi_align
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -24,18 +30,26 @@ from lss.ops import batched_nms, roi_align
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def decode_peaks(heatmap_logits: torch.Tensor, regression: torch.Tensor, grid: BevGrid,
-                 top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_peaks(
+    heatmap_logits: torch.Tensor, regression: torch.Tensor, grid: BevGrid, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top_k local maxima (3 x 3) over all classes of each sample's heatmap.
 
     heatmap_logits B x K x H x W, regression B x 10 x H x W on the H x W map of `grid`. Returns boxes B x k x 9
     (ego frame), scores B x k (sigmoid probabilities, descending), labels B x k (int64), with k = min(top_k, K H W).
     """
-    if heatmap_logits.dim() != 4 or regression.dim() != 4 or regression.shape[1] != len(REGRESSION_CHANNELS) \
-            or heatmap_logits.shape[0] != regression.shape[0] or heatmap_logits.shape[2:] != regression.shape[2:]:
-        raise ValueError(f"decode_peaks: expected heatmap B x K x H x W and regression B x "
-                         f"{len(REGRESSION_CHANNELS)} x H x W, got {tuple(heatmap_logits.shape)} and "
-                         f"{tuple(regression.shape)}")
+    if (
+        heatmap_logits.dim() != 4
+        or regression.dim() != 4
+        or regression.shape[1] != len(REGRESSION_CHANNELS)
+        or heatmap_logits.shape[0] != regression.shape[0]
+        or heatmap_logits.shape[2:] != regression.shape[2:]
+    ):
+        raise ValueError(
+            f"decode_peaks: expected heatmap B x K x H x W and regression B x "
+            f"{len(REGRESSION_CHANNELS)} x H x W, got {tuple(heatmap_logits.shape)} and "
+            f"{tuple(regression.shape)}"
+        )
     B, K, H, W = heatmap_logits.shape
     heat = torch.sigmoid(heatmap_logits.float())
     peaks = heat * (heat == F.max_pool2d(heat, 3, stride=1, padding=1))
@@ -45,12 +59,15 @@ def decode_peaks(heatmap_logits: torch.Tensor, regression: torch.Tensor, grid: B
     cell = index % (H * W)
     row, col = cell // W, cell % W
     values = regression.float().reshape(B, len(REGRESSION_CHANNELS), H * W)
-    values = values.gather(2, cell.unsqueeze(1).expand(-1, len(REGRESSION_CHANNELS), -1)).transpose(1, 2)
+    values = values.gather(2, cell.unsqueeze(1).expand(-1, len(REGRESSION_CHANNELS), -1)).transpose(
+        1, 2
+    )
     return regression_to_boxes(values, row, col, grid), scores, labels
 
 
-def _pad_per_sample(batch_index: torch.Tensor, order_key: torch.Tensor, batch: int,
-                    limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pad_per_sample(
+    batch_index: torch.Tensor, order_key: torch.Tensor, batch: int, limit: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slots for items grouped by sample and ranked by descending `order_key`: returns (item, sample, slot) for
     the first `limit` items of each sample."""
     order = torch.argsort(order_key, descending=True)
@@ -63,8 +80,13 @@ def _pad_per_sample(batch_index: torch.Tensor, order_key: torch.Tensor, batch: i
     return order[keep], sample[keep], slot[keep]
 
 
-def propose(heatmap_logits: torch.Tensor, regression: torch.Tensor, grid: BevGrid, cfg: DetectionConfig,
-            max_per_sample: int) -> Proposals:
+def propose(
+    heatmap_logits: torch.Tensor,
+    regression: torch.Tensor,
+    grid: BevGrid,
+    cfg: DetectionConfig,
+    max_per_sample: int,
+) -> Proposals:
     """First-stage detections: top-K peaks, score threshold, per-class batched NMS on the BEV envelopes (ego
     metres, negative coordinates included), then the best `max_per_sample` of each sample."""
     B = heatmap_logits.shape[0]
@@ -74,8 +96,15 @@ def propose(heatmap_logits: torch.Tensor, regression: torch.Tensor, grid: BevGri
     keep = scores > cfg.score_threshold
     boxes, scores, labels, batch_index = boxes[keep], scores[keep], labels[keep], batch_index[keep]
     if cfg.nms_iou > 0 and len(scores):
-        kept = batched_nms(bev_envelopes(boxes), scores, batch_index * num_classes + labels, cfg.nms_iou)
-        boxes, scores, labels, batch_index = boxes[kept], scores[kept], labels[kept], batch_index[kept]
+        kept = batched_nms(
+            bev_envelopes(boxes), scores, batch_index * num_classes + labels, cfg.nms_iou
+        )
+        boxes, scores, labels, batch_index = (
+            boxes[kept],
+            scores[kept],
+            labels[kept],
+            batch_index[kept],
+        )
     item, sample, slot = _pad_per_sample(batch_index, scores, B, max_per_sample)
     P = int(slot.max()) + 1 if len(slot) else 0
     out = Proposals.zeros(B, P, boxes.device)
@@ -86,7 +115,9 @@ def propose(heatmap_logits: torch.Tensor, regression: torch.Tensor, grid: BevGri
     return out
 
 
-def score_by_heatmap(proposals: Proposals, heatmap_logits: torch.Tensor, grid: BevGrid) -> Proposals:
+def score_by_heatmap(
+    proposals: Proposals, heatmap_logits: torch.Tensor, grid: BevGrid
+) -> Proposals:
     """The proposals with the first-stage score (sigmoid of the heatmap B x K x H x W at their class and centre
     cell) as their score; each valid proposal's centre must lie on the grid's H x W map."""
     sample, slot = torch.nonzero(proposals.valid, as_tuple=True)
@@ -114,15 +145,30 @@ def decode_detections(outputs: dict, config: Config) -> list[dict]:
         labels = proposals.labels
     else:
         grid = BevGrid.from_config(config.grid).with_shape(outputs["det_heatmap"].shape[-2:])
-        proposals = propose(outputs["det_heatmap"].detach(), outputs["det_regression"].detach(), grid, cfg,
-                            cfg.max_detections)
-        boxes, scores, valid, labels = proposals.boxes, proposals.scores, proposals.valid, proposals.labels
+        proposals = propose(
+            outputs["det_heatmap"].detach(),
+            outputs["det_regression"].detach(),
+            grid,
+            cfg,
+            cfg.max_detections,
+        )
+        boxes, scores, valid, labels = (
+            proposals.boxes,
+            proposals.scores,
+            proposals.valid,
+            proposals.labels,
+        )
     detections = []
     for b in range(valid.shape[0]):
         keep = valid[b]
-        order = torch.argsort(scores[b][keep], descending=True)[:cfg.max_detections]
-        detections.append({"boxes": boxes[b][keep][order], "scores": scores[b][keep][order],
-                           "labels": labels[b][keep][order]})
+        order = torch.argsort(scores[b][keep], descending=True)[: cfg.max_detections]
+        detections.append(
+            {
+                "boxes": boxes[b][keep][order],
+                "scores": scores[b][keep][order],
+                "labels": labels[b][keep][order],
+            }
+        )
     return detections
 
 
@@ -131,8 +177,9 @@ def decode_detections(outputs: dict, config: Config) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def proposal_rois(proposals: Proposals, grid: BevGrid, enlarge: float,
-                  min_cells: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+def proposal_rois(
+    proposals: Proposals, grid: BevGrid, enlarge: float, min_cells: float = 2.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoIAlign boxes R x 5 [batch, x1, y1, x2, y2] for the valid proposals, in the cell units of the grid's map
     with RoIAlign's x along the columns (ego y) and y along the rows (ego x); each the proposal's axis-aligned
     envelope scaled by `enlarge` and at least `min_cells` wide. Also returns the (sample, slot) index of each row."""
@@ -142,7 +189,9 @@ def proposal_rois(proposals: Proposals, grid: BevGrid, enlarge: float,
     half_rows = torch.clamp((env[:, 2] - env[:, 0]) / (2 * grid.cell_size[0]), min=min_cells / 2)
     half_cols = torch.clamp((env[:, 3] - env[:, 1]) / (2 * grid.cell_size[1]), min=min_cells / 2)
     u, v = grid.xy_to_cells(centre_x, centre_y)
-    rois = torch.stack([sample.float(), v - half_cols, u - half_rows, v + half_cols, u + half_rows], dim=1)
+    rois = torch.stack(
+        [sample.float(), v - half_cols, u - half_rows, v + half_cols, u + half_rows], dim=1
+    )
     return rois, torch.stack([sample, slot])
 
 
@@ -150,16 +199,26 @@ class BoxRefiner(nn.Module):
     """Second stage: RoIAlign pools the BEV features over each proposal's envelope; an MLP on the pooled features,
     the class and the proposal's own geometry predicts a score logit and box residuals (lss.boxes.box_residuals)."""
 
-    def __init__(self, in_channels: int, num_classes: int, roi_size: int = 7, hidden: int = 256,
-                 enlarge: float = 1.5):
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        roi_size: int = 7,
+        hidden: int = 256,
+        enlarge: float = 1.5,
+    ):
         super().__init__()
         self.num_classes = num_classes
         self.roi_size = roi_size
         self.enlarge = enlarge
-        geometry = num_classes + 9  # one-hot class, sin/cos yaw, log size, z, velocity, first-stage score
+        geometry = (
+            num_classes + 9
+        )  # one-hot class, sin/cos yaw, log size, z, velocity, first-stage score
         self.mlp = nn.Sequential(
-            nn.Linear(in_channels * roi_size * roi_size + geometry, hidden), nn.ReLU(inplace=True),
-            nn.Linear(hidden, hidden), nn.ReLU(inplace=True),
+            nn.Linear(in_channels * roi_size * roi_size + geometry, hidden),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(inplace=True),
         )
         self.score = nn.Linear(hidden, 1)
         self.residual = nn.Linear(hidden, BOX_DIM)
@@ -167,8 +226,9 @@ class BoxRefiner(nn.Module):
         nn.init.zeros_(self.residual.weight)
         nn.init.zeros_(self.residual.bias)
 
-    def forward(self, bev_features: torch.Tensor, proposals: Proposals,
-                grid: BevGrid) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, bev_features: torch.Tensor, proposals: Proposals, grid: BevGrid
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """bev_features B x C x H x W (the H x W map of `grid`). Returns score logits B x P and residuals B x P x 9
         (zero where invalid)."""
         B, P = proposals.valid.shape
@@ -182,14 +242,28 @@ class BoxRefiner(nn.Module):
         # float32: in bf16 a roi corner near cell 200 would be off by a whole cell. validate=False skips a host
         # sync: the rois are our own decoding (batch indices from nonzero(), boxes finite unless the network's
         # outputs are not, and then the loss stops training anyway).
-        pooled = roi_align(bev_features.float(), rois, (self.roi_size, self.roi_size), spatial_scale=1.0,
-                           sampling_ratio=2, aligned=True, validate=False)
+        pooled = roi_align(
+            bev_features.float(),
+            rois,
+            (self.roi_size, self.roi_size),
+            spatial_scale=1.0,
+            sampling_ratio=2,
+            aligned=True,
+            validate=False,
+        )
         boxes = proposals.boxes[sample, slot]
-        geometry = torch.cat([
-            F.one_hot(proposals.labels[sample, slot], self.num_classes).float(),
-            torch.sin(boxes[:, 6:7]), torch.cos(boxes[:, 6:7]), torch.log(boxes[:, 3:6].clamp(min=1e-3)),
-            boxes[:, 2:3], boxes[:, 7:9], proposals.scores[sample, slot].unsqueeze(1),
-        ], dim=1)
+        geometry = torch.cat(
+            [
+                F.one_hot(proposals.labels[sample, slot], self.num_classes).float(),
+                torch.sin(boxes[:, 6:7]),
+                torch.cos(boxes[:, 6:7]),
+                torch.log(boxes[:, 3:6].clamp(min=1e-3)),
+                boxes[:, 2:3],
+                boxes[:, 7:9],
+                proposals.scores[sample, slot].unsqueeze(1),
+            ],
+            dim=1,
+        )
         hidden = self.mlp(torch.cat([pooled.flatten(1), geometry.to(pooled.dtype)], dim=1))
         score_logits = score_logits.index_put((sample, slot), self.score(hidden).squeeze(1).float())
         residuals = residuals.index_put((sample, slot), self.residual(hidden).float())
@@ -219,15 +293,26 @@ class DetectionHead(nn.Module):
         hc = self.cfg.head_channels
         self.shared = nn.Sequential(*conv_bn_relu(in_channels, hc))
         self.heatmap = nn.Sequential(*conv_bn_relu(hc, hc), nn.Conv2d(hc, num_classes, 1))
-        self.regression = nn.Sequential(*conv_bn_relu(hc, hc), nn.Conv2d(hc, len(REGRESSION_CHANNELS), 1))
+        self.regression = nn.Sequential(
+            *conv_bn_relu(hc, hc), nn.Conv2d(hc, len(REGRESSION_CHANNELS), 1)
+        )
         # Heatmap prior 0.1 (focal-loss practice): the loss starts small on the mostly empty map.
         nn.init.constant_(self.heatmap[-1].bias, -math.log((1 - 0.1) / 0.1))
-        self.refiner = BoxRefiner(hc, num_classes, self.cfg.roi_size, self.cfg.refine_hidden, self.cfg.roi_enlarge) \
-            if self.cfg.refine else None
+        self.refiner = (
+            BoxRefiner(
+                hc, num_classes, self.cfg.roi_size, self.cfg.refine_hidden, self.cfg.roi_enlarge
+            )
+            if self.cfg.refine
+            else None
+        )
 
-    def forward(self, bev_features: torch.Tensor, extra_proposals: Optional[Proposals] = None) -> dict:
+    def forward(
+        self, bev_features: torch.Tensor, extra_proposals: Optional[Proposals] = None
+    ) -> dict:
         if bev_features.dim() != 4:
-            raise ValueError(f"DetectionHead: expected BEV features B x C x H x W, got {tuple(bev_features.shape)}")
+            raise ValueError(
+                f"DetectionHead: expected BEV features B x C x H x W, got {tuple(bev_features.shape)}"
+            )
         features = self.shared(bev_features)
         out = {"det_heatmap": self.heatmap(features), "det_regression": self.regression(features)}
         if self.refiner is None:
@@ -237,7 +322,11 @@ class DetectionHead(nn.Module):
         with torch.no_grad():
             proposals = propose(out["det_heatmap"], out["det_regression"], grid, self.cfg, limit)
             if extra_proposals is not None:
-                proposals = proposals.cat(score_by_heatmap(extra_proposals, out["det_heatmap"], grid))
+                proposals = proposals.cat(
+                    score_by_heatmap(extra_proposals, out["det_heatmap"], grid)
+                )
         out["det_proposals"] = proposals
-        out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(features, proposals, grid)
+        out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(
+            features, proposals, grid
+        )
         return out

@@ -1,4 +1,5 @@
 """BEV segmentation head: one logit map per class of data.classes from the BEV encoder's features."""
+
 from __future__ import annotations
 
 import torch
