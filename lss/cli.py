@@ -39,6 +39,21 @@ def _image_size(text: str) -> tuple[int, int]:
     return w, h
 
 
+# Options whose value argparse would take for an option when it starts with "-" (--image-size -5x5).
+_DASH_VALUE_OPTIONS = ("--image-size",)
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    """`--image-size -5x5` as `--image-size=-5x5`, so that the value reaches its check."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in _DASH_VALUE_OPTIONS and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def _sample_count(text: str) -> int:
     try:
         count: int | None = int(text)
@@ -133,14 +148,14 @@ def cmd_train(args) -> int:
             cfg
         )  # before the trainer's imports and the model: they overlap it
     from lss.engine.train import train
-    from lss.viz import bev_grid_image
+    from lss.viz import render_batch
 
     train(
         cfg,
         out_dir=args.out,
         resume=args.resume,
         overwrite=args.overwrite,
-        render_fn=bev_grid_image,
+        render_fn=render_batch,
     )
     return 0
 
@@ -160,7 +175,7 @@ def cmd_viz(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from lss.engine.demo import demo
+    from lss.demo import demo
 
     demo(config=args.config, overrides=args.overrides, out_dir=args.out)
     return 0
@@ -263,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("viz", help="render camera + BEV pictures of a checkpoint's predictions")
     _add_config_args(p)
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--out", default=None, help="default: viz.out_dir, else viz/ in the checkpoint's run directory"
+    )
     p.add_argument(
         "--num", type=_sample_count, default=None, help="number of samples (default: viz.num)"
     )
@@ -349,7 +366,7 @@ def main(argv=None) -> int:
     line (for `lss train`: the last checkpoint and how to resume) and returns 130."""
     from lss.errors import LssError
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_dash_values(sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except KeyboardInterrupt as e:

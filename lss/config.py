@@ -18,22 +18,9 @@ import yaml
 
 from lss.config_io import parse_override, read_number, read_yaml_file
 from lss.errors import ConfigError
-from lss.boxes import REGRESSION_CHANNELS
-from lss.geometry import NUSCENES_CAMERAS, BevGrid, depth_bins
-
-# The nuScenes detection benchmark's classes, in label order (the detection head's heatmap channels).
-DETECTION_CLASSES = (
-    "car",
-    "truck",
-    "bus",
-    "trailer",
-    "construction_vehicle",
-    "pedestrian",
-    "motorcycle",
-    "bicycle",
-    "traffic_cone",
-    "barrier",
-)
+from lss.boxes import DETECTION_CLASSES, REGRESSION_CHANNELS
+from lss.geometry import NUSCENES_CAMERAS, BevGrid, depth_bin_count
+from lss.memory_estimate import check_config_memory
 
 
 @dataclass
@@ -72,7 +59,9 @@ class DataConfig:
     min_lidar_pts: int = 0
     divider_width: int = 2  # lane/road dividers are drawn this many BEV cells wide
     visibility_mask: bool = False
-    detection_targets: bool = False
+    # derived from model.heads (the dataset yields detection targets for the detection head); a
+    # config that sets it must agree
+    detection_targets: Optional[bool] = None
     depth_targets: bool = False  # per camera feature cell: depth bin of the nearest LIDAR_TOP return (docs/training.md)
     # keep camera images decoded on disk after their first decode (lss.data.decoded_cache; about 1.6 MB per sample at
     # 1600x900 -> 128x352): later epochs skip the JPEG decode, the batches stay the same
@@ -84,6 +73,15 @@ class DataConfig:
     worker_niceness: int = 0
     image_mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     image_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    # the original LSS code's conventions, for ablations (lss.data.original_conventions,
+    # docs/accuracy.md). Images: "fast" (JPEG DCT-domain downscale, area resize, one bilinear warp)
+    # or "pil" (full PIL decode, bicubic resize, nearest-neighbour rotation)
+    image_resize: Literal["fast", "pil"] = "fast"
+    # post_rot/post_trans: "exact" (the pixels' affine) or "original" (its approximate composition)
+    post_matrices: Literal["exact", "original"] = "exact"
+    # object footprints, every split: "exact" (sub-cell, centred) or "original" (corners rounded to
+    # whole cells: half a cell off)
+    target_raster: Literal["exact", "original"] = "exact"
 
 
 @dataclass
@@ -99,7 +97,9 @@ class GridConfig:
 @dataclass
 class ModelConfig:
     backbone: Literal["efficientnet-b0"] = "efficientnet-b0"
-    pretrained: Optional[str] = None  # local path to ImageNet weights for the camera backbone
+    # ImageNet weights for the camera backbone: "imagenet" (efficientnet-pytorch's, through
+    # torch.hub's download cache), a local state-dict path, or null (random initialisation)
+    pretrained: Optional[str] = None
     downsample: int = 16  # the EfficientNet camera encoder's output stride: 16 only
     context_channels: int = 64
     splat: Literal["bev_pool", "reference"] = "bev_pool"  # our op, or pure PyTorch (for comparison)
@@ -111,6 +111,13 @@ class ModelConfig:
     upsample_mode: Literal["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric"] = (
         "pytorch_half_pixel"
     )
+    # frustum (u, v): the feature cells' centres, or "linspace": first to last pixel (original LSS)
+    frustum_pixels: Literal["centres", "linspace"] = "centres"
+    # frustum point -> BEV cell: floor, or "trunc" toward zero (original LSS: keeps points up to a
+    # cell below the grid)
+    splat_binning: Literal["floor", "trunc"] = "floor"
+    # the BEV ResNet-18's last BatchNorm of every residual branch starts at 0 (original LSS: true)
+    bev_zero_init_residual: bool = False
 
 
 @dataclass
@@ -147,7 +154,8 @@ class TrainConfig:
     grad_accum: int = 1
     amp: Literal["bf16", "fp16", "none"] = "bf16"  # autocast applies on CUDA only
     # channels_last memory format for the convolutions: true (whole model), "camera" (camera encoder), "bev" (BEV
-    # encoder and heads) or false; step time and first-step cost of each: docs/benchmarks.md, training loop
+    # encoder and heads) or false; step time and first-step cost of each:
+    # docs/benchmarks.md#training-step
     channels_last: Union[bool, Literal["camera", "bev"]] = False
     compile: bool = (
         False  # torch.compile; compile_mode "reduce-overhead" replays CUDA graphs per module
@@ -164,8 +172,8 @@ class TrainConfig:
     cuda_graph: Union[bool, Literal["auto"]] = False
     seed: int = 0
     deterministic: bool = False
-    # cuDNN autotuning: tries the convolution algorithms of every new shape (30 s more in the first step on an H100,
-    # for the same captured step time); false: cuDNN's heuristics pick them (docs/benchmarks.md, training loop)
+    # cuDNN autotuning: tries the convolution algorithms of every new shape (a slower first step for the same
+    # captured step time, docs/training.md); false: cuDNN's heuristics pick them
     cudnn_benchmark: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     out_dir: str = "runs/lss"
@@ -188,6 +196,8 @@ class VizConfig:
     num: int = 8
     gif: bool = False
     out_dir: Optional[str] = None  # default: RUN_DIR/viz
+    # the prediction panel: probabilities as opacity, or the cells above eval.threshold (what the IoU counts)
+    mode: Literal["probability", "threshold"] = "probability"
 
 
 @dataclass
@@ -368,33 +378,6 @@ def _at_least(section: Any, prefix: str, keys: typing.Sequence[str], low: float)
         _check(value >= low, f"{prefix}.{key}={value}: expected >= {low}")
 
 
-def cuda_graph_refusal(problems: list[str]) -> str:
-    """The ConfigError message of train.cuda_graph: true where `problems` hold (cuda_graph_problems, the device's)."""
-    return f"train.cuda_graph: true cannot be used here: {'; '.join(problems)}. Set train.cuda_graph: false (or auto)"
-
-
-def cuda_graph_problems(cfg: Config) -> list[str]:
-    """Why the config's step cannot be one CUDA graph (train.cuda_graph); device rules: graph_step.decide_cuda_graph."""
-    t, problems = cfg.train, []
-    if t.grad_accum != 1:
-        problems.append(f"it needs train.grad_accum: 1 (got {t.grad_accum})")
-    if t.amp == "fp16":
-        problems.append("it needs train.amp: bf16 or none (fp16 needs a loss scaler)")
-    if t.compile and t.compile_mode == "reduce-overhead":
-        problems.append(
-            "train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or the other"
-        )
-    if "detection" in cfg.model.heads and cfg.detection.refine:
-        problems.append(
-            "the detection head's second stage (detection.refine) decodes data-dependent proposals"
-        )
-    if "detection" in cfg.model.heads and not cfg.data.detection_targets:
-        problems.append(
-            "the detection head needs the dataset's fixed-shape targets (data.detection_targets: true)"
-        )
-    return problems
-
-
 def validate(cfg: Config) -> Config:
     """Check ranges and cross-field rules of a merged config (enumerations are checked as it merges); returns it.
 
@@ -458,6 +441,11 @@ def validate(cfg: Config) -> Config:
     )
     _at_least(data, "data", ("divider_width",), 1)
     _check(
+        not (data.decoded_cache and data.image_resize == "pil"),
+        "data.decoded_cache keeps the fast path's reduced JPEG decodes, but data.image_resize=pil "
+        "decodes every image in full: set data.decoded_cache: false, or data.image_resize: fast",
+    )
+    _check(
         all(s > 0 for s in data.image_std),
         f"data.image_std={list(data.image_std)}: expected values > 0",
     )
@@ -470,7 +458,7 @@ def validate(cfg: Config) -> Config:
 
     try:
         bev = BevGrid.from_config(grid)
-        depth_bins(grid.dbound)
+        depth_bin_count(grid.dbound)
     except ValueError as e:
         raise ConfigError(f"grid.{str(e).removeprefix('BevGrid: ')}") from None
     _check(
@@ -489,6 +477,15 @@ def validate(cfg: Config) -> Config:
         "(evaluation and checkpoint selection use its IoU)",
     )
     _at_least(model, "model", ("context_channels",), 1)
+    detecting = "detection" in model.heads
+    _check(
+        data.detection_targets in (None, detecting),
+        f"data.detection_targets={data.detection_targets} contradicts model.heads="
+        f"{list(model.heads)}: the dataset yields the detection head's fixed-shape targets exactly "
+        "when model.heads has detection; remove data.detection_targets (it follows from "
+        "model.heads)",
+    )
+    data.detection_targets = detecting
 
     for key in ("class_weights", "class_pos_weights"):
         values = getattr(loss, key)
@@ -534,9 +531,6 @@ def validate(cfg: Config) -> Config:
         "the compiler's default partition keeps)",
     )
     _at_least(t, "train", ("log_every", "eval_every", "ckpt_every", "viz_every"), 0)
-    if t.cuda_graph is True:
-        problems = cuda_graph_problems(cfg)
-        _check(not problems, cuda_graph_refusal(problems))
 
     e = cfg.eval
     for threshold in (e.threshold, *e.sweep):
@@ -587,6 +581,7 @@ def validate(cfg: Config) -> Config:
         "detection: match_distance and roi_enlarge must be "
         f"positive; got {d.match_distance}, {d.roi_enlarge}",
     )
+    check_config_memory(cfg)  # last: it reads the sizes checked above
     return cfg
 
 

@@ -1,8 +1,10 @@
-"""Reading config sources: YAML files and `--set section.key=value` pairs, and numbers written as text.
+"""Reading config sources: YAML files and `--set section.key=value` pairs, and numbers written as
+text.
 
-PyYAML follows YAML 1.1, which reads `1.0e-7` and `.inf` as floats but `1e-7`, `1E3` and `inf` as strings; the
-config's typed fields therefore read numbers with Python's own `int()` / `float()` (`read_number`). A key given
-twice in one mapping is an error (PyYAML would keep the last one silently).
+PyYAML follows YAML 1.1, which reads `1.0e-7` and `.inf` as floats but `1e-7`, `1E3` and `inf` as
+strings; the config's typed fields therefore read numbers with Python's own `int()` / `float()`
+(`read_number`). A key given twice in one mapping is an error (PyYAML would keep the last one
+silently).
 """
 
 from __future__ import annotations
@@ -52,21 +54,34 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def read_yaml_file(path: Union[str, Path]) -> dict:
-    """The top-level mapping of the YAML file at `path`; ConfigError if it is missing, empty, not YAML or has a key
-    given twice."""
+    """The top-level mapping of the YAML file at `path`; ConfigError if it is missing, empty, not
+    YAML or has a key given twice."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"config path {path} is a directory: pass a YAML file (e.g. one of configs/*.yaml)"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (see configs/ for the shipped ones)")
     try:
-        values = yaml.load(path.read_text(), Loader=_StrictLoader)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+            f"{e.start}): save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+    try:
+        values = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     if values is None:
         raise ConfigError(
-            f"config file {path} is empty: expected a mapping of sections, e.g. 'train: {{max_steps: "
-            "100}'; write {} to keep every default"
+            f"config file {path} is empty: expected a mapping of sections, e.g. "
+            "'train: {max_steps: 100}'; write {} to keep every default"
         )
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
@@ -95,8 +110,8 @@ def parse_override(item: str) -> dict:
 
 
 def read_number(value: Any) -> Optional[Union[int, float]]:
-    """`value` as an int or float: YAML numbers as they are, text as Python's int() or float() reads it (`1e-7`,
-    `1E3`, `inf`, `1_000`); None when it is not a number (booleans are not numbers)."""
+    """`value` as an int or float: YAML numbers as they are, text as Python's int() or float() reads
+    it (`1e-7`, `1E3`, `inf`, `1_000`); None when it is not a number (booleans are not numbers)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):

@@ -1,6 +1,8 @@
-"""User errors: what the user asked for or supplied cannot work, and the message says what to change.
+"""User errors: what the user asked for or supplied cannot work, and the message says what to
+change.
 
-The command line prints these in one line (exit code 2); any other exception is a bug and keeps its traceback.
+The command line prints these in one line (exit code 2); any other exception is a bug and keeps its
+traceback.
 """
 
 
@@ -9,7 +11,8 @@ class LssError(Exception):
 
 
 class ConfigError(LssError, ValueError):
-    """A configuration value or key is not valid; the message names the key, the value and what is allowed."""
+    """A configuration value or key is not valid; the message names the key, the value and what is
+    allowed."""
 
 
 class ArgumentError(LssError, ValueError):
@@ -22,3 +25,16 @@ class DatasetError(LssError):
 
 class CheckpointError(LssError, RuntimeError):
     """A checkpoint file is missing, unreadable or does not fit the model."""
+
+
+class RunDirInUseError(LssError):
+    """Another live process trains into the run directory (it holds the directory's lock)."""
+
+
+class ResourceError(LssError):
+    """The machine lacks what the run needs (device memory); the message says what to lower."""
+
+
+class ProcessGroupError(LssError, RuntimeError):
+    """Another process of a torchrun run ended or cannot be reached; the message says where the
+    run stopped and which checkpoint to resume from."""

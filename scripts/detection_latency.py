@@ -22,8 +22,9 @@ sys.path.insert(0, str(REPO))
 
 from lss.config import load_config  # noqa: E402
 from lss.data import collate  # noqa: E402
-from lss.engine.build import (build_autocast, build_dataset, build_model, load_for_inference, select_device,  # noqa: E402
+from lss.engine.build import (build_autocast, build_dataset, build_model, select_device,  # noqa: E402
                               to_device)
+from lss.engine.checkpoint import load_for_inference  # noqa: E402
 from lss.models.heads.detection import decode_detections, propose  # noqa: E402
 
 CONFIG = "configs/synthetic_detection.yaml"

@@ -26,9 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lss.benchmarks._runs import (SyntheticSet, child_env, ensure_synthetic_set, lss_command,  # noqa: E402
+from benchmarks._runs import (SyntheticSet, child_env, ensure_synthetic_set, lss_command,  # noqa: E402
                                   log_tail, read_jsonl, stop)
-from lss.benchmarks.accuracy import BENCHMARK_SET, QUICK_OVERRIDES, mean_std  # noqa: E402
+from benchmarks.accuracy import BENCHMARK_SET, QUICK_OVERRIDES, mean_std  # noqa: E402
 
 CONFIG = "configs/synthetic_detection.yaml"
 QUICK_SET = SyntheticSet("v1.0-trainval", scenes=2, samples_per_scene=4, image_size=(400, 225), seed=0)

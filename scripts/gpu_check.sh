@@ -40,7 +40,7 @@ has profile && step profile profile.log timeout 120 python3 scripts/profile_bev_
 export LSS_TRAIN_STEP_IMPLS=${LSS_TRAIN_STEP_IMPLS:-lss_cuda_graph,lss,lss_fp32,reference_splat_fp32}
 bench_suites() {  # one process and time limit per suite; bench.md collects every suite's table, bench.jsonl its JSON (a line per suite)
   local rc=0 suite
-  for suite in ${BENCH_SUITES:-$(python3 -c "from lss.bench import available_suites as a; print(*a())")}; do
+  for suite in ${BENCH_SUITES:-$(python3 -c "from benchmarks import available_suites as a; print(*a())")}; do
     timeout ${BENCH_SECONDS:-300} python3 -m lss bench --suite "$suite" --out "$OUT/bench_$suite" ${LSS_BENCH_ARGS:-} \
       || { rc=1; echo "SUITE FAILED: $suite"; }
     cat "$OUT/bench_$suite/bench.md" >> "$OUT/bench.md" 2>/dev/null

@@ -1,24 +1,36 @@
 #!/usr/bin/env bash
-# Multi-GPU check on a 2-GPU machine (device kind nvidia-h200-x2): train the same steps on 1 GPU with batch 4 and
-# with torchrun on 2 GPUs with batch 2 per process (same global batch), augmentation off, and compare the loss
-# curves (scripts/compare_losses.py). Logs under $OUT.
+# Multi-GPU scaling in one call on a machine of 2 or more GPUs (device kind nvidia-h100-x2, carry .whl), within
+# BUDGET seconds (default 570): builds the ops, runs the CUDA tests of the captured DDP step (tests/test_ddp_step.py:
+# 2 processes over NCCL against one process; DDP_TESTS=0 skips them), then `lss bench --suite ddp`
+# (benchmarks/ddp.py): the synthetic set made once, `lss train` on 1 GPU and under torchrun on 2 (4, 8 where the
+# machine has them) at batch 4 per GPU, eager DDP steps on 2 GPUs as the peer, and the 1 vs 2 GPU loss curves at
+# equal global batch. Writes $OUT/ddp/bench.{json,md} (the summary), $OUT/ddp.log, every run's log and metrics under
+# $OUT/ddp_runs/, and prints the table last. DDP_STEPS, DDP_GPUS (e.g. 1,2) and DDP_TOL pass on to the suite.
 set -uo pipefail
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 source "$(dirname "$0")/gpu_env.sh"
-ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -n 30 "$OUT/build.log"; exit 1; }
-SET=(--set data.synthetic.scenes=4 --set data.synthetic.samples_per_scene=10 --set data.synthetic.image_size=[800,450]
-     --set data.dataroot=data/synthetic-ddp --set "data.resize_lim=[0.4,0.4]" --set "data.rot_lim=[0.0,0.0]"
-     --set data.rand_flip=false --set "data.bot_pct_lim=[0.0,0.0]" --set data.workers=4 --set train.compile=false
-     --set train.max_steps=${DDP_STEPS:-40} --set train.log_every=2 --set train.eval_every=${DDP_STEPS:-40}
-     --set train.ckpt_every=100000 --set train.viz_every=100000 --set optim.schedule=constant --set optim.lr=0.0005)
-python3 -m lss make-synthetic data/synthetic-ddp --scenes 4 --samples-per-scene 10 --image-size 800x450 \
-  --workers 16 > "$OUT/ddp_gen.log" 2>&1 || { tail -n 20 "$OUT/ddp_gen.log"; exit 1; }
 t0=$SECONDS
-python3 -m lss train --config configs/synthetic.yaml --out runs/gpu1 --set train.batch_size=4 "${SET[@]}" \
-  > "$OUT/ddp_1gpu.log" 2>&1
-echo "1 GPU, batch 4: rc=$? in $((SECONDS - t0)) s"; t0=$SECONDS
-torchrun --standalone --nproc_per_node=2 -m lss train --config configs/synthetic.yaml --out runs/gpu2 \
-  --set train.batch_size=2 "${SET[@]}" > "$OUT/ddp_2gpu.log" 2>&1
-echo "2 GPUs (torchrun), batch 2 per process: rc=$? in $((SECONDS - t0)) s"
-cp runs/gpu1/metrics.jsonl "$OUT/metrics_1gpu.jsonl"; cp runs/gpu2/metrics.jsonl "$OUT/metrics_2gpu.jsonl"
-python3 scripts/compare_losses.py runs/gpu1 runs/gpu2 --tol ${DDP_TOL:-0.05}
-grep -h "IoU\|vehicle" "$OUT/ddp_1gpu.log" "$OUT/ddp_2gpu.log" | tail -n 12
+budget=${BUDGET:-570}
+build_ops || exit 1
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+nvidia-smi topo -m > "$OUT/gpu_topology.txt" 2>&1
+if [ "${DDP_TESTS:-1}" != 0 ]; then
+  timeout 150 python3 -m pytest -q -m cuda tests/test_ddp_step.py > "$OUT/ddp_tests.log" 2>&1
+  echo "== CUDA tests of the captured DDP step: rc=$? at $((SECONDS - t0)) s"; tail -n 3 "$OUT/ddp_tests.log"
+fi
+export LSS_DDP_OUT=/tmp/lss-ddp LSS_DDP_DATA=/tmp/lss-ddp-data LSS_DDP_STEPS=${DDP_STEPS:-600}
+[ -n "${DDP_GPUS:-}" ] && export LSS_DDP_GPUS=$DDP_GPUS
+[ -n "${DDP_TOL:-}" ] && export LSS_DDP_TOL=$DDP_TOL
+left=$((budget - (SECONDS - t0)))
+timeout $left python3 -m lss bench --suite ddp --out "$OUT/ddp" > "$OUT/ddp.log" 2>&1
+rc=$?
+mkdir -p "$OUT/ddp_runs"
+for run in "$LSS_DDP_OUT"/run_* "$LSS_DDP_OUT"/curve_*; do  # the log and metrics of every run
+  [ -d "$run" ] || continue
+  name=$(basename "$run")
+  cp "$run/train.log" "$OUT/ddp_runs/$name.log" 2> /dev/null
+  cp "$run/metrics.jsonl" "$OUT/ddp_runs/$name.metrics.jsonl" 2> /dev/null
+done
+echo "== lss bench --suite ddp: rc=$rc (124: past the ${left} s left), $((SECONDS - t0)) s in all (build included)"
+[ $rc -eq 0 ] || tail -n 30 "$OUT/ddp.log"
+if [ -f "$OUT/ddp/bench.md" ]; then cat "$OUT/ddp/bench.md"; else grep '^{' "$OUT/ddp.log"; fi  # rows done so far

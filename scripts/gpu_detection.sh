@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Detection recipe runs for docs/detection.md (at most about 9 minutes: 7 for the runs, 1.5 for the latency):
+# Detection recipe runs for docs/detection.md, within one 10-minute call:
 # configs/synthetic_detection.yaml trained on the accuracy benchmark set (data/benchmark_accuracy: v1.0-trainval,
 # 40 scenes x 40 samples, 1600x900, seed 11) as parallel processes with the same steps and seed: the RoIAlign
 # refinement on, off, and the segmentation head alone. Each evaluates every DET_EVAL_EVERY steps (nuScenes
 # DetectionEval: mAP, NDS, AP per class; BEV IoU). Writes $OUT/detection_runs.json, $OUT/detection_curve.png,
 # $OUT/det_runs.tgz (metrics.jsonl, final.json, train.log of each run), $OUT/detection_latency.json (batch-1
 # inference latency with and without the head) and prints the summary. Expects lss._C built and the set generated
-# (scripts/gpu_accuracy.sh start does both); generates the set when it is missing (about 6.5 min on 16 cores).
+# (scripts/gpu_accuracy.sh start does both); generates the set when it is missing.
 #   device run: bash scripts/gpu_detection.sh
 #   CPU check of the same path (tiny set and model, a few steps): DET_QUICK=1 bash scripts/gpu_detection.sh
 set -uo pipefail

@@ -11,17 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 T0 = time.perf_counter()
 
 import torch  # noqa: E402
 
-from lss.benchmarks.train_step import make_train_step, random_batches  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
+from benchmarks.train_step import make_train_step, random_batches  # noqa: E402
 from lss.config import load_config  # noqa: E402
-from lss.engine.build import apply_channels_last, build_optimizer, compile_encoders  # noqa: E402
-from lss.engine.graph_step import GraphedTrainStep  # noqa: E402
-from lss.engine.losses import TotalLoss  # noqa: E402
+from lss.engine.build import apply_channels_last, build_optimizer  # noqa: E402
+from lss.engine.step import GraphedTrainStep, compile_encoders  # noqa: E402
+from lss.models.losses import TotalLoss  # noqa: E402
 from lss.models import LiftSplatShoot  # noqa: E402
 
 
@@ -33,12 +36,12 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--inductor-defaults", action="store_true",
-                   help="with --compile: Inductor's own settings, not lss.engine.build.fast_start_compiler's")
+                   help="with --compile: Inductor's own settings, not lss.engine.step.compiled.fast_start_compiler's")
     a = p.parse_args()
     if a.inductor_defaults:
-        import lss.engine.build as build
+        import lss.engine.step.compiled as compiled
 
-        build.fast_start_compiler = lambda start_workers: []
+        compiled.fast_start_compiler = lambda start_workers: []
     imports_s = time.perf_counter() - T0
     hybrid = a.layout == "hybrid"
     cfg = load_config("configs/synthetic.yaml", [f"train.channels_last={'true' if hybrid else a.layout}", *a.set])

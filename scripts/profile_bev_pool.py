@@ -8,11 +8,14 @@ time that the op costs without the host-side launch overhead."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from lss.bench import kernel_table
-from lss.benchmarks.bev_pool import CASES, camera_feature_map, camera_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
+from benchmarks import kernel_table
+from benchmarks.bev_pool import CASES, camera_feature_map, camera_inputs
 from lss.geometry import FrustumLUT, frustum_to_ego
 from lss.ops import bev_pool
 

@@ -2,7 +2,7 @@
 
     python scripts/profile_focal_loss.py [--shape 16 10 512 512] [--iters 50]
 
-Prints, for float32 and bfloat16 logits (float32 targets, reduction "mean", as in lss/benchmarks/focal_loss.py),
+Prints, for float32 and bfloat16 logits (float32 targets, reduction "mean", as in benchmarks/focal_loss.py),
 every CUDA kernel launched by one fwd+bwd with its mean device time and the total, then the step time measured the
 way the benchmark does (CUDA events around one synchronized step): the difference is host-side overhead. Each dtype
 runs twice: the loss itself (grad_output 1, nothing left for the backward to scale) and the loss times 2 (the
@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from lss.bench import kernel_table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
+from benchmarks import kernel_table
 from lss.ops import sigmoid_focal_loss
 from profile_bev_pool import print_kernel_table
 

@@ -8,12 +8,15 @@ the one-block reduction, the score sort and the gathers), their sum and the eage
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torchvision
 from profile_roi import report
 
-from lss.benchmarks.roi import _boxes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
+from benchmarks.roi import _boxes
 from lss.ops import batched_nms, nms
 
 

@@ -9,12 +9,15 @@ it. eager - busy is what host work (launches, syncs, Python) adds on the GPU's t
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torchvision
 
-from lss.bench import kernel_table
-from lss.benchmarks.roi import _fwd_bwd, _roi_cases, _rois
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
+from benchmarks import kernel_table
+from benchmarks.roi import _fwd_bwd, _roi_cases, _rois
 from lss.ops import roi_align, roi_pool
 
 

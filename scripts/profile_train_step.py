@@ -8,12 +8,15 @@ and the top host operators by self CPU time."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lss.benchmarks.train_step import IMPLS, LSS_CONFIG, _build, make_train_step, random_batches
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
+from benchmarks.train_step import IMPLS, LSS_CONFIG, _build, make_train_step, random_batches
 from lss.config import load_config
 
 

@@ -12,9 +12,11 @@ from torch import nn
 
 from lss.config import ConfigError
 from lss.data import collate
-from lss.engine import background_compile
-from lss.engine.build import uncompiled
+from lss.engine.distributed import DistInfo
 from lss.engine.hooks import Hook
+from lss.engine.step import BackgroundCompileHook, uncompiled
+from lss.engine.step import background as background_compile
+from lss.engine.step.factory import compile_start
 from lss.engine.train import train
 from test_engine import CLASSES, FakeBEVDataset, FakeModel, fake_cfg, losses_of
 
@@ -55,10 +57,11 @@ class Watch(Hook):
 
     def after_step(self, trainer, logs):
         self.compiled.append(trainer.model.conv._compiled_call_impl is not None)
-        if trainer.step == 1 and trainer.background is not None:
-            self.process = trainer.background.process
+        compiling = [h.child for h in trainer.hooks if isinstance(h, BackgroundCompileHook) and h.child]
+        if trainer.step == 1 and compiling:
+            self.process = compiling[0].process
             if self.wait:
-                self.waited = trainer.background.wait(300)
+                self.waited = compiling[0].wait(300)
                 self.entries = cache_entries()
 
 
@@ -149,18 +152,17 @@ def test_a_model_function_that_cannot_be_sent_compiles_before_the_first_step(tmp
 
 
 def test_compile_start_picks_the_process_that_compiles(tmp_path):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cpu, cuda, one, two = torch.device("cpu"), torch.device("cuda"), DistInfo(), DistInfo(world_size=2)
     auto = fake_cfg(tmp_path, "train.compile=true")
-    assert background_compile.wanted(auto, cuda, False) and not background_compile.wanted(auto, cpu, False)
-    assert not background_compile.wanted(auto, cuda, True)  # DDP: every process compiles before its first step
-    assert not background_compile.wanted(fake_cfg(tmp_path), cuda, False)  # compile off
-    assert not background_compile.wanted(fake_cfg(tmp_path, "train.compile=true", "train.compile_start=now"), cuda,
-                                         False)
+    assert compile_start(auto, cuda, one) == "background" and compile_start(auto, cpu, one) == "now"
+    assert compile_start(auto, cuda, two) == "now"  # DDP: every process compiles before its first step
+    assert compile_start(fake_cfg(tmp_path), cuda, one) == "off"
+    assert compile_start(fake_cfg(tmp_path, "train.compile=true", "train.compile_start=now"), cuda, one) == "now"
     background = bg_cfg(tmp_path)
-    assert background_compile.wanted(background, cpu, False)
+    assert compile_start(background, cpu, one) == "background"
     with pytest.raises(ConfigError, match="train.compile_start: background needs a run of one process.*"
                                           "set train.compile_start: now"):
-        background_compile.wanted(background, cuda, True)
+        compile_start(background, cuda, two)
     with pytest.raises(ConfigError, match="train.compile_start"):
         fake_cfg(tmp_path, "train.compile_start=later")
 
@@ -170,12 +172,13 @@ def test_uncompiled_runs_the_eager_code_inside_and_restores_the_compiled_calls(f
     model.conv.compile()
     compiled_call = model.conv._compiled_call_impl
     batch = {"images": torch.randn(2, 6, 3, 8, 8)}
-    with pytest.raises(KeyError), uncompiled(model):
-        assert model.conv._compiled_call_impl is None
+    with pytest.raises(KeyError), uncompiled():
         model.eval()(batch)
         raise KeyError("restored on the way out")
     assert model.conv._compiled_call_impl is compiled_call
     assert not cache_entries()  # the eager call compiled nothing
+    model(batch)
+    assert cache_entries()  # outside, the module compiles again
 
 
 @pytest.mark.cuda

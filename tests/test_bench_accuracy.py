@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from lss.benchmarks import accuracy
-from lss.benchmarks.accuracy import best_thresholds, mean_std, parse_recipe, summarize
+from benchmarks import accuracy
+from benchmarks.accuracy import best_thresholds, mean_std, parse_recipe, summarize
 
 
 def test_mean_std_matches_numpy():
@@ -95,7 +95,7 @@ def test_quick_benchmark_writes_table_json_and_plot(tmp_path):
 
 
 def test_loop_rates_prefer_elapsed_and_fall_back_to_the_wrapper_clock():
-    from lss.benchmarks.train_loop import loop_rates
+    from benchmarks.train_loop import loop_rates
 
     seen = {s: 10.0 + 0.5 * s for s in range(1, 11)}
     records = [{"kind": "train", "step": s, "elapsed": 4.0 + 0.25 * (s - 1)} for s in range(1, 11)]
@@ -113,8 +113,8 @@ def test_loop_rates_prefer_elapsed_and_fall_back_to_the_wrapper_clock():
 def test_train_loop_suite_quick(tmp_path, monkeypatch):
     import torch
 
-    from lss.bench import BenchContext
-    from lss.benchmarks import train_loop
+    from benchmarks import BenchContext
+    from benchmarks import train_loop
 
     monkeypatch.setenv("LSS_LOOP_OUT", str(tmp_path))
     rows = train_loop.run(BenchContext(torch.device("cpu"), quick=True))
@@ -138,7 +138,7 @@ def test_train_loop_suite_quick(tmp_path, monkeypatch):
 
 
 def test_train_loop_children_write_bytecode_outside_the_packages(monkeypatch, tmp_path):
-    from lss.benchmarks.train_loop import child_env_with_stacks
+    from benchmarks.train_loop import child_env_with_stacks
 
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)

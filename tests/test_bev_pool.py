@@ -337,7 +337,7 @@ def test_cuda_channels_last_misaligned_feat_and_int64_lut():
     out = bev_pool(depth, shifted, lut)
     assert out.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    lut64 = FrustumLUT(**{k: (v.long() if isinstance(v, torch.Tensor) else v) for k, v in vars(lut).items()})
+    lut64 = lut_with(lut, **{k: getattr(lut, k).long() for k in ("point_cell", "sorted_points", "cell_start")})
     torch.testing.assert_close(bev_pool(depth, channels_last_feat(feat), lut64), out, atol=1e-6, rtol=1e-6)
 
 
@@ -357,7 +357,7 @@ def test_cuda_large_channels_and_int64_indices():
     feat.requires_grad_()
     out = bev_pool(depth, feat, lut)
     torch.testing.assert_close(out.double(), float64_reference(depth, feat, lut), atol=1e-5, rtol=1e-5)
-    lut64 = FrustumLUT(**{k: (v.long() if isinstance(v, torch.Tensor) else v) for k, v in vars(lut).items()})
+    lut64 = lut_with(lut, **{k: getattr(lut, k).long() for k in ("point_cell", "sorted_points", "cell_start")})
     torch.testing.assert_close(bev_pool(depth, feat, lut64), out, rtol=0, atol=0)
     grads = torch.autograd.grad(out, (depth, feat), torch.ones_like(out))
     grads64 = torch.autograd.grad(bev_pool(depth, feat, lut64), (depth, feat), torch.ones_like(out))

@@ -1,11 +1,12 @@
 """Box coding (lss.boxes) and the grid methods it uses: regression and residual round trips, centre cells, the
-jittered ground-truth proposals."""
+jittered ground-truth proposals, box corners."""
 import math
 
+import numpy as np
 import torch
 
-from lss.boxes import (REGRESSION_CHANNELS, boxes_to_regression, centre_cells, ground_truth_proposals,
-                       regression_to_boxes)
+from lss.boxes import (REGRESSION_CHANNELS, box_corners, box_footprints, boxes_to_regression, centre_cells,
+                       ground_truth_proposals, regression_to_boxes)
 from lss.geometry import BevGrid
 
 GRID = BevGrid((-50.0, 50.0, 0.5), (-40.0, 40.0, 0.5), (-10.0, 10.0, 20.0))
@@ -67,3 +68,19 @@ def test_ground_truth_proposals_jitter_only_boxes_that_stay_on_the_map():
     assert (shift > 0).all() and (shift < 3.0).all()
     torch.testing.assert_close(a.boxes[0, 1:, 7:9], boxes[0][1:, 7:9])
     assert (a.boxes[0, :, 3:6] / boxes[0][:, 3:6]).sub(1).abs().max() < 0.6
+
+
+def test_box_corners_are_the_devkit_corners_bottom_face_first_front_left_first():
+    from nuscenes.utils.data_classes import Box
+    from pyquaternion import Quaternion
+
+    rng = np.random.default_rng(0)
+    boxes = np.concatenate([rng.uniform(-30, 30, (20, 3)), rng.uniform(0.5, 8, (20, 3)),
+                            rng.uniform(-math.pi, math.pi, (20, 1)), rng.normal(size=(20, 2))], 1)
+    corners = box_corners(boxes)
+    assert corners.shape == (20, 8, 3) and box_corners(np.zeros((0, 9))).shape == (0, 8, 3)
+    for box, ours in zip(boxes, corners):
+        devkit = Box(box[:3], box[3:6], Quaternion(axis=[0, 0, 1], angle=box[6])).corners().T
+        # the devkit lists front-left-top, front-right-top, front-right-bottom, front-left-bottom, then the rear
+        np.testing.assert_allclose(ours, devkit[[3, 7, 6, 2, 0, 4, 5, 1]], atol=1e-9)
+    np.testing.assert_allclose(box_footprints(boxes[:, :2], boxes[:, 3:5], boxes[:, 6]), corners[:, :4, :2])

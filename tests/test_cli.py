@@ -111,3 +111,14 @@ def test_a_bug_prints_its_traceback_from_the_command_line():
     assert out.returncode == 1
     assert "Traceback (most recent call last)" in out.stderr and "in bug" in out.stderr
     assert out.stderr.rstrip().endswith("ValueError: expected 3 channels, got 4")
+
+
+@pytest.mark.parametrize("value, says", [("-5x5", "width and height must be positive"),
+                                         ("-1600x900", "width and height must be positive"),
+                                         ("big", "expected WIDTHxHEIGHT")])
+def test_image_size_values_reach_their_check(tmp_path, capsys, value, says):
+    with pytest.raises(SystemExit) as info:
+        main(["make-synthetic", str(tmp_path / "set"), "--image-size", value])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"--image-size {value!r}: {says}" in err
+    assert not (tmp_path / "set").exists()

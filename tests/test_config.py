@@ -30,7 +30,7 @@ def test_yaml_overrides_defaults_and_set_overrides_yaml(tmp_path):
     assert cfg.optim.lr == 0.01
     assert cfg.grid.xbound == (-8.0, 8.0, 1.0)
     assert cfg.model.pretrained is None
-    assert cfg.data == Config().data
+    assert cfg.data == validate(Config()).data
 
 
 def test_unknown_key_names_key_file_and_allowed_keys(tmp_path):
@@ -79,7 +79,7 @@ def test_dump_round_trips(tmp_path):
 def test_shipped_configs_load_and_build_a_model(path):
     from lss.models import LiftSplatShoot
 
-    cfg = load_config(path)
+    cfg = load_config(path, ["model.pretrained=null"])  # no ImageNet download (tests/test_ablation_switches.py)
     LiftSplatShoot(cfg)  # final_dim / grid divisibility and heads are validated at construction
 
 
@@ -89,7 +89,7 @@ def test_expected_configs_are_shipped():
 
 
 def test_demo_config_is_embedded_identically():
-    from lss.engine.demo import DEMO_CONFIG_YAML, demo_config
+    from lss.demo import DEMO_CONFIG_YAML, demo_config
 
     assert (ROOT / "configs" / "synthetic_demo.yaml").read_text() == DEMO_CONFIG_YAML
     assert config_to_dict(demo_config()) == config_to_dict(load_config(ROOT / "configs" / "synthetic_demo.yaml"))
@@ -145,12 +145,10 @@ def test_a_bad_enumerated_value_names_key_value_and_allowed_values(tmp_path, key
     (["loss.class_weights=[1.0]"], r"loss.class_weights has 1 values but data.classes has 4"),
     (["train.grad_accum=0"], "train.batch_size, train.grad_accum and train.max_steps must be >= 1, got 4, 0"),
     (["train.compile_memory_budget=1.5"], r"train.compile_memory_budget=1.5: expected a fraction in \(0, 1\]"),
-    (["train.cuda_graph=true", "train.grad_accum=2"], "cuda_graph: true cannot be used.*train.grad_accum: 1"),
-    (["train.cuda_graph=true", "train.amp=fp16"], "cuda_graph: true cannot be used.*bf16 or none"),
-    (["train.cuda_graph=true", "train.compile=true", "train.compile_mode=reduce-overhead"],
-     "cuda_graph: true cannot be used.*one or the other.*cuda_graph: false"),
-    (["train.cuda_graph=true", "model.heads=[segmentation, detection]"],
-     "cuda_graph: true cannot be used.*detection head"),
+    (["model.heads=[segmentation, detection]", "data.detection_targets=false"],
+     r"data.detection_targets=False contradicts model.heads=\['segmentation', 'detection'\].*remove "
+     "data.detection_targets"),
+    (["data.detection_targets=true"], "data.detection_targets=True contradicts model.heads"),
     (["train.cuda_graph=maybe"], "train.cuda_graph.*auto"),
     (["data.num_train_cameras=7"], r"data.num_train_cameras must be in \[1, 6\]"),
     (["data.cameras=[CAM_FRONT, CAM_FRONT]"], "data.cameras must be distinct"),
@@ -173,7 +171,9 @@ def test_range_and_cross_field_rules(overrides, message):
 
 
 def test_cross_field_rules_see_every_source_and_the_defaults_pass(tmp_path):
-    assert validate(Config()) == Config()
+    defaults = Config()
+    defaults.data.detection_targets = False  # derived from model.heads by validate, the one change it makes
+    assert validate(Config()) == defaults
     path = write(tmp_path, "data:\n  depth_targets: true\n")
     assert load_config(path, ["loss.depth_weight=1.0"]).loss.depth_weight == 1.0  # YAML + --set together
     with pytest.raises(ConfigError, match="needs lidar depth targets"):
@@ -275,7 +275,7 @@ def test_an_empty_config_file_is_an_error(tmp_path):
         path = write(tmp_path, text)
         with pytest.raises(ConfigError, match=rf"config file {path} is empty.*{{}}"):
             load_config(path)
-    assert load_config(write(tmp_path, "{}\n")) == Config()
+    assert load_config(write(tmp_path, "{}\n")) == validate(Config())
 
 
 def test_a_key_given_twice_names_the_key_lines_and_file(tmp_path):
@@ -314,3 +314,20 @@ def test_auto_loader_workers_follow_the_cpus_and_ranks(monkeypatch):
     assert build.loader_workers(cfg) == 1  # never none: a 2-core machine still loads in a worker
     with pytest.raises(ConfigError, match=r"data.workers='many': expected int or 'auto'"):
         load_config(None, ["data.workers=many"])
+
+
+def test_a_config_file_that_is_not_utf8_names_the_file_and_the_byte(tmp_path, capsys):
+    from lss.cli import main
+
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train:\n  out_dir: runs/caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"config file {path} is not UTF-8 text \(byte 0xe9 at offset 26\): "
+                                          "save it as UTF-8"):
+        load_config(path)
+    assert main(["config", "show", "--config", str(path)]) == 2
+    assert f"config file {path} is not UTF-8" in capsys.readouterr().err
+
+
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=rf"config path {tmp_path} is a directory: pass a YAML file"):
+        load_config(tmp_path)

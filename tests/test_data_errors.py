@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +104,48 @@ def test_dataset_not_found_suggests_a_real_command(tmp_path):
     assert command.startswith("lss make-synthetic ")
     args = build_parser().parse_args(command.split()[1:])
     assert args.out_dir == str(tmp_path / "nowhere") and args.version == VERSION
+
+
+def test_empty_sample_table_is_named(root):
+    path = root / VERSION / "sample.json"
+    path.write_text("[]")
+    with pytest.raises(DatasetError, match=rf"{re.escape(str(path))} holds no records, but scene scene-\d+ "
+                                           r"refers to one \(its first_sample_token \w+; \d+ other record"):
+        dataset(root)
+
+
+def test_scene_without_samples_is_named(root):
+    path = root / VERSION / "sample.json"
+    scene = json.loads((root / VERSION / "scene.json").read_text())[0]
+    samples = json.loads(path.read_text())
+    path.write_text(json.dumps([s for s in samples if s["scene_token"] != scene["token"]]))
+    with pytest.raises(DatasetError, match=rf"scene {scene['name']} in .*scene.json has no samples: "
+                                           rf"{re.escape(str(path))} holds no record {scene['first_sample_token']}"):
+        dataset(root)
+
+
+def test_split_whose_scenes_have_no_samples_is_refused(root, tmp_path, monkeypatch):
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
+    for table in ("sample", "sample_data", "sample_annotation"):
+        (root / VERSION / f"{table}.json").write_text("[]")
+    with pytest.raises(DatasetError, match=r"split 'train' \(mini_train\): its 1 scene\(s\) \(scene-\d+\) have no "
+                                           r"samples in .*sample.json"):
+        dataset(root)
+
+
+@pytest.mark.parametrize("content", [b"\x80\x05K\x03.", b"\x80\x05}\x94.", b"\x80\x05\x95\x10"])
+def test_index_cache_of_another_shape_is_rebuilt(root, tmp_path, monkeypatch, content):
+    """An int, an empty dict, a truncated pickle in place of the cached index: built again, the same."""
+    from lss.data.nuscenes import INDEX_FIELDS
+
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
+    first = dataset(root)
+    (cached,) = (tmp_path / "cache" / "index").glob("*.pkl")
+    cached.write_bytes(content)
+    again = dataset(root)
+    for name in INDEX_FIELDS:
+        a, b = getattr(first, name), getattr(again, name)
+        assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, name
+    assert len(cached.read_bytes()) > 100  # rewritten whole
+    from_cache = dataset(root)
+    assert sorted(vars(from_cache)) == sorted(vars(first))  # INDEX_FIELDS is all the index sets

@@ -1,5 +1,8 @@
 """data.decoded_cache: camera images kept decoded on disk give the same samples as decoding, and later epochs do not
 decode."""
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -39,6 +42,13 @@ def cached_files(root):
     return sorted(p for p in root.rglob("*.npy"))
 
 
+def entry_image(file):
+    """The image array of a cache entry (after its one-line source header)."""
+    with open(file, "rb") as f:
+        f.readline()
+        return np.load(f)
+
+
 @pytest.fixture
 def cache_root(tmp_path, monkeypatch):
     monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
@@ -52,7 +62,7 @@ def test_same_samples_and_no_decode_after_the_first_epoch(synthetic_root, cache_
     assert_same(plain, first)
     files = cached_files(cache_root)
     assert len(files) == len(ds) * len(ds.cameras)
-    image = np.load(files[0])
+    image = entry_image(files[0])
     assert image.dtype == np.uint8 and image.shape == (57, 100, 3)  # ceil(225 / 4), 400 / 4
 
     def no_decode(*args, **kwargs):
@@ -67,10 +77,14 @@ def test_unreadable_entries_are_decoded_again_and_rewritten(synthetic_root, cach
     _, plain = samples(synthetic_root, True)
     files = cached_files(cache_root)
     files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
-    np.save(files[1], np.zeros((3, 3, 3), np.uint8))  # wrong shape
+    np.save(files[1], np.zeros((3, 3, 3), np.uint8))  # no header
+    header = files[2].read_bytes().split(b"\n", 1)[0] + b"\n"
+    with open(files[2], "wb") as f:  # the right header, a wrong shape
+        f.write(header)
+        np.save(f, np.zeros((3, 3, 3), np.uint8))
     _, again = samples(synthetic_root, True)
     assert_same(plain, again)
-    assert np.load(files[0]).shape == np.load(files[1]).shape == (57, 100, 3)
+    assert all(entry_image(f).shape == (57, 100, 3) for f in files[:3])
 
 
 def test_a_changed_image_is_decoded_again(synthetic_root, cache_root, tmp_path):
@@ -83,6 +97,29 @@ def test_a_changed_image_is_decoded_again(synthetic_root, cache_root, tmp_path):
     image.write_bytes(b"second, longer")
     assert cache.load(str(image), 4, (2, 2, 3)) is None
     assert cache.load(str(tmp_path / "missing.jpg"), 4, (2, 2, 3)) is None
+
+
+def test_an_image_rewritten_with_its_old_size_and_time_is_decoded_again(cache_root, tmp_path):
+    cache = DecodedImages()
+    image = tmp_path / "cam.jpg"
+    image.write_bytes(b"first")
+    before = image.stat()
+    cache.store(str(image), np.full((2, 2, 3), 7, np.uint8), 4)
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    image.write_bytes(b"other")  # same size
+    os.utime(image, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the old modification time
+    assert image.stat().st_size == before.st_size and image.stat().st_mtime_ns == before.st_mtime_ns
+    assert cache.load(str(image), 4, (2, 2, 3)) is None
+
+
+def test_an_entry_replaced_by_another_images_is_decoded_again(synthetic_root, cache_root):
+    _, plain = samples(synthetic_root, True)
+    files = cached_files(cache_root)
+    assert not np.array_equal(entry_image(files[0]), entry_image(files[1]))
+    files[0].write_bytes(files[1].read_bytes())  # same shape, another image
+    _, again = samples(synthetic_root, True)
+    assert_same(plain, again)
+    assert not np.array_equal(entry_image(files[0]), entry_image(files[1]))  # rewritten
 
 
 def test_an_unwritable_cache_folder_only_means_no_cache(synthetic_root, tmp_path, monkeypatch):
@@ -110,7 +147,7 @@ def test_an_image_whose_suffix_hides_its_format_is_found(synthetic_root, cache_r
     ds, first = samples(root, True)
     assert_same(plain, first)
     files = cached_files(cache_root)
-    assert len(files) == len(ds) * len(ds.cameras) and np.load(files[0]).shape == (225, 400, 3)
+    assert len(files) == len(ds) * len(ds.cameras) and entry_image(files[0]).shape == (225, 400, 3)
 
     def no_decode(*args, **kwargs):
         raise AssertionError("decoded although the image is in the cache")

@@ -7,14 +7,26 @@ import pytest
 import torch
 from conftest import devices
 
-from lss.boxes import Proposals, apply_residuals, bev_envelopes, box_residuals, ground_truth_proposals
-from lss.config import DETECTION_CLASSES, Config, ConfigError, validate
-from lss.data.detection_targets import encode_targets
-from lss.engine.detection_loss import detection_loss
+from lss.boxes import (DETECTION_CLASSES, Proposals, apply_residuals, bev_envelopes, box_residuals, encode_targets,
+                       ground_truth_proposals)
+from lss.config import Config, ConfigError, validate
 from lss.geometry import BevGrid
 from lss.models.heads.detection import BoxRefiner, DetectionHead, decode_detections, decode_peaks, propose
+from lss.models.heads.detection_loss import detection_loss
 
 GRID = BevGrid.from_config(Config().grid).with_shape((200, 200))
+
+
+def detection_head(in_channels: int, config: Config) -> DetectionHead:
+    return DetectionHead(in_channels, config.detection, BevGrid.from_config(config.grid))
+
+
+def refining_config() -> Config:
+    """The head with its second stage on a 64 x 64 map of 0.5 m cells."""
+    config = Config()
+    config.detection.refine = True
+    config.grid.xbound, config.grid.ybound = (-16.0, 16.0, 0.5), (-16.0, 16.0, 0.5)
+    return config
 
 
 def random_boxes(n: int, generator: torch.Generator, spacing: float = 8.0) -> torch.Tensor:
@@ -163,10 +175,8 @@ def test_second_stage_gradients_reach_bev_features_through_roi_align(device):
 
 def test_head_losses_train_end_to_end():
     torch.manual_seed(0)
-    config = Config()
-    config.detection.refine = True
-    config.grid.xbound, config.grid.ybound = (-16.0, 16.0, 0.5), (-16.0, 16.0, 0.5)
-    head = DetectionHead(16, config)
+    config = refining_config()
+    head = detection_head(16, config)
     features = torch.randn(2, 16, 64, 64, requires_grad=True)
     boxes = [torch.tensor([[3.0, -4.0, 0.2, 1.9, 4.4, 1.6, 0.4, 2.0, 0.5]]),
              torch.tensor([[-8.0, 6.0, 0.0, 0.7, 0.7, 1.8, -1.2, float("nan"), float("nan")],
@@ -193,10 +203,8 @@ def test_head_losses_train_end_to_end():
 
 def test_head_forward_sees_features_only_and_scores_extra_proposals_by_its_heatmap():
     torch.manual_seed(0)
-    config = Config()
-    config.detection.refine = True
-    config.grid.xbound, config.grid.ybound = (-16.0, 16.0, 0.5), (-16.0, 16.0, 0.5)
-    head = DetectionHead(16, config).train()
+    config = refining_config()
+    head = detection_head(16, config).train()
     features = torch.randn(2, 16, 64, 64)
     out = head(features)  # training mode, no labels anywhere
     grid = BevGrid.from_config(config.grid)
@@ -217,6 +225,29 @@ def test_head_forward_sees_features_only_and_scores_extra_proposals_by_its_heatm
     assert proposals.scores[1, P] == 0
 
 
+def test_head_jitters_the_ground_truth_it_is_given_into_proposals_only_while_training():
+    torch.manual_seed(0)
+    config = refining_config()
+    head = detection_head(16, config).train()
+    features = torch.randn(2, 16, 64, 64)
+    boxes = [torch.tensor([[3.0, -4.0, 0.2, 1.9, 4.4, 1.6, 0.4, 2.0, 0.5]]), torch.zeros(0, 9)]
+    labels = [torch.tensor([2]), torch.zeros(0, dtype=torch.long)]
+    torch.manual_seed(7)
+    given = head(features, gt_boxes=boxes, gt_labels=labels)["det_proposals"]
+    torch.manual_seed(7)
+    extra = ground_truth_proposals(boxes, labels, BevGrid.from_config(config.grid), head.num_classes, features.device)
+    want = head(features, extra)["det_proposals"]
+    assert torch.equal(given.boxes, want.boxes) and torch.equal(given.valid, want.valid)
+    assert torch.equal(given.scores, want.scores) and given.valid.shape[1] == head(features)["det_proposals"].valid.shape[1] + 1
+    config.detection.refine_gt_proposals = False
+    assert torch.equal(head(features, gt_boxes=boxes, gt_labels=labels)["det_proposals"].valid,
+                       head(features)["det_proposals"].valid)
+    config.detection.refine_gt_proposals = True
+    head.eval()
+    assert torch.equal(head(features, gt_boxes=boxes, gt_labels=labels)["det_proposals"].valid,
+                       head(features)["det_proposals"].valid)
+
+
 @pytest.mark.slow
 def test_head_overfits_one_sample():
     torch.manual_seed(0)
@@ -226,7 +257,7 @@ def test_head_overfits_one_sample():
     config.detection.refine = True
     config.detection.refine_hidden = 32
     config.detection.refine_proposals = 16
-    head = DetectionHead(8, config)
+    head = detection_head(8, config)
     features = torch.randn(1, 8, 32, 32)
     boxes = [torch.tensor([[3.3, -2.1, 0.4, 1.9, 4.4, 1.6, 0.7, 1.0, 0.5],
                            [-4.2, 4.6, 0.8, 0.7, 0.6, 1.8, -2.0, 0.3, 0.1]])]
@@ -355,8 +386,7 @@ def test_perfect_detections_score_map_one_in_the_official_evaluation(synthetic_r
 
 
 def test_camera_projection_inverts_frustum_to_ego():
-    from lss.detection_viz import project_to_image
-    from lss.geometry import frustum_to_ego, load_nuscenes_rig
+    from lss.geometry import ego_to_pixels, frustum_to_ego, load_nuscenes_rig
 
     intrinsics, rot, trans = load_nuscenes_rig()
     n = intrinsics.shape[0]
@@ -367,14 +397,17 @@ def test_camera_projection_inverts_frustum_to_ego():
     pixels = torch.tensor([[[[20.0, 30.0, 7.5], [300.0, 90.0, 31.0]]]])  # D x fH x fW x 3 (u, v, d), augmented
     ego = frustum_to_ego(pixels, intrinsics[None], rot[None], trans[None], post_rot[None], post_trans[None])[0]
     for cam in range(n):
-        uv, depth = project_to_image(ego[cam].numpy(), intrinsics[cam].numpy(), rot[cam].numpy(),
-                                     trans[cam].numpy(), post_rot[cam].numpy(), post_trans[cam].numpy())
+        uv, depth = ego_to_pixels(ego[cam].numpy(), intrinsics[cam].numpy(), rot[cam].numpy(),
+                                  trans[cam].numpy(), post_rot[cam].numpy(), post_trans[cam].numpy())
         np.testing.assert_allclose(uv.reshape(-1, 2), pixels[..., :2].reshape(-1, 2).numpy(), atol=1e-3)
         np.testing.assert_allclose(depth.reshape(-1), pixels[..., 2].reshape(-1).numpy(), rtol=1e-5)
 
 
 def test_bev_boxes_drawn_forward_up_left_on_the_left():
-    from lss.detection_viz import box_corners, draw_bev_boxes
+    from lss.boxes import box_corners
+    from lss.detection_viz import draw_bev_boxes
+    from lss.geometry import BevGrid
+    from lss.viz import BevView
 
     corners = box_corners(np.array([[1.0, 2.0, 3.0, 2.0, 4.0, 1.0, math.pi / 2, 0, 0]]))[0]
     # Heading +90 degrees: the front corners (first and fourth) lie towards +y, the top face 0.5 m up.
@@ -383,7 +416,8 @@ def test_bev_boxes_drawn_forward_up_left_on_the_left():
     panel = np.zeros((200, 200, 3), np.uint8)
     # 100 x 100 grid of 1 m cells around the ego car, panel at 2 pixels per cell.
     box = np.array([[20.0, 30.0, 0.0, 4.0, 4.0, 1.5, 0.0, 0.0, 0.0]])
-    draw_bev_boxes(panel, box, (-50.0, -50.0), (1.0, 1.0), (100, 100), (255, 0, 0))
+    draw_bev_boxes(panel, box, BevView(BevGrid.planar((-50.0, 50.0, 1.0), (-50.0, 50.0, 1.0)), 200, 200),
+                   (255, 0, 0))
     rows, cols = np.nonzero(panel[..., 0])
     # x = 20 m forward -> above the centre row (100); y = 30 m left -> left of the centre column.
     assert abs(rows.mean() - (100 - 2 * 20)) < 2 and abs(cols.mean() - (100 - 2 * 30)) < 2
@@ -392,7 +426,7 @@ def test_bev_boxes_drawn_forward_up_left_on_the_left():
 
 @pytest.mark.slow
 def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
-    from lss.engine.demo import demo
+    from lss.demo import demo
 
     tiny = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",
             "grid.ybound=[-16.0, 16.0, 1.0]", "grid.dbound=[4.0, 20.0, 2.0]", "model.context_channels=8",
@@ -425,9 +459,12 @@ def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
 
 def test_drawing_no_boxes_leaves_the_pictures_unchanged():
     from lss.detection_viz import draw_bev_boxes, draw_camera_boxes
+    from lss.geometry import BevGrid
+    from lss.viz import BevView
 
     panel = np.full((64, 64, 3), 7, np.uint8)
-    draw_bev_boxes(panel, np.zeros((0, 9), np.float32), (-16.0, -16.0), (1.0, 1.0), (32, 32), (255, 0, 0))
+    view = BevView(BevGrid.planar((-16.0, 16.0, 1.0), (-16.0, 16.0, 1.0)), 64, 64)
+    draw_bev_boxes(panel, np.zeros((0, 9), np.float32), view, (255, 0, 0))
     draw_camera_boxes(panel, np.zeros((0, 9)), np.eye(3), np.eye(3), np.zeros(3), np.eye(3), np.zeros(3), (255, 0, 0))
     assert (panel == 7).all()
 
@@ -437,7 +474,7 @@ def test_full_model_lowers_the_detection_loss_on_a_tiny_set(synthetic_root):
     from lss.config import load_config
     from lss.data import collate
     from lss.engine.build import build_dataset, build_model
-    from lss.engine.losses import TotalLoss
+    from lss.models.losses import TotalLoss
 
     tiny = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",
             "grid.ybound=[-16.0, 16.0, 1.0]", "grid.dbound=[4.0, 20.0, 2.0]", "model.context_channels=8",

@@ -1,4 +1,4 @@
-"""Fixed-shape detection targets (lss.data.detection_targets.dense_targets): the same loss as the box lists, the
+"""Fixed-shape detection targets (lss.boxes.dense_targets): the same loss as the box lists, the
 dataset yields them while training, and with them the detection model's training step runs on static buffers
 (the CUDA-graph step) exactly as eager steps do."""
 import math
@@ -8,10 +8,10 @@ import torch
 from test_detection import GRID, random_boxes
 from test_graph_step import _run_both
 
-from lss.config import DETECTION_CLASSES, Config, ConfigError, load_config
+from lss.boxes import DENSE_TARGET_KEYS, DETECTION_CLASSES, dense_targets, encode_targets
+from lss.config import Config, ConfigError, load_config
 from lss.data import collate
-from lss.data.detection_targets import DENSE_TARGET_KEYS, dense_targets, encode_targets
-from lss.engine.detection_loss import detection_loss
+from lss.models.heads.detection_loss import detection_loss
 from lss.geometry import BevGrid
 
 
@@ -100,13 +100,20 @@ def test_training_dataset_yields_dense_targets_and_evaluation_dataset_does_not(s
 
 
 def test_the_captured_step_serves_the_first_stage_only():
+    from lss.engine.distributed import DistInfo
+    from lss.engine.step import choose_step
+
     base = ["train.cuda_graph=true", "model.heads=[segmentation, detection]"]
-    config = load_config(None, base + ["data.detection_targets=true"])
-    assert config.train.cuda_graph
+    config = load_config(None, base)
+    assert config.data.detection_targets is True  # follows from the heads
+    assert load_config(None, base + ["data.detection_targets=true"]).data.detection_targets is True
+    assert choose_step(config, torch.device("cuda", 0), DistInfo()).kind == "captured"
+    refining = load_config(None, base + ["detection.refine=true"])
     with pytest.raises(ConfigError, match=r"second stage \(detection.refine\).*cuda_graph: false"):
-        load_config(None, base + ["data.detection_targets=true", "detection.refine=true"])
+        choose_step(refining, torch.device("cuda", 0), DistInfo())
     with pytest.raises(ConfigError, match="fixed-shape targets"):
         load_config(None, base + ["data.detection_targets=false"])
+    assert load_config(None, []).data.detection_targets is False
 
 
 def _detection_cfg():

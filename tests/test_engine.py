@@ -20,16 +20,24 @@ import lss
 from lss.config import ConfigError, load_config
 from lss.data import collate
 from lss.engine import checkpoint as ck
-from lss.engine.build import compile_encoders, lr_factor
+from lss.engine.build import lr_factor
 from lss.engine.distributed import EpochSampler
 from lss.engine.hooks import EvalHook, Hook, is_due
-from lss.engine.losses import SegmentationLoss, TotalLoss, depth_loss
+from lss.engine.step import compile_encoders
+from lss.models.depth_loss import depth_loss
+from lss.models.heads.segmentation import SegmentationLoss
+from lss.models.losses import TotalLoss
 from lss.engine.metrics import IoUMeter, format_iou_table
 from lss.engine.train import train
-from lss.viz import bev_grid_image
 
 CLASSES = ("vehicle", "drivable_area")
 GRID = 8
+
+
+def fake_picture(batch, outputs, cfg):
+    """A render function with lss.viz.render_batch's signature: the first sample's first class."""
+    probs = outputs["segmentation"][0, 0].float().sigmoid().cpu().numpy()
+    return np.repeat((255 * probs).astype(np.uint8)[..., None], 3, axis=2)
 
 
 # --------------------------------------------------------------------------------------------- fakes
@@ -73,7 +81,7 @@ def fake_train(cfg, out_dir, resume=False, length=10):
     return train(cfg, str(out_dir), resume, model_fn=FakeModel,
                  dataset_fn=lambda c, split, is_train: FakeBEVDataset(length if is_train else 5,
                                                                       0 if is_train else 100),
-                 collate_fn=collate, render_fn=bev_grid_image)
+                 collate_fn=collate, render_fn=fake_picture)
 
 
 def train_records(run_dir):
@@ -93,7 +101,7 @@ class SlowBEVDataset(FakeBEVDataset):
 
 def test_train_records_split_the_loops_host_time(tmp_path):
     cfg = fake_cfg(tmp_path, "train.log_every=2", "train.eval_every=0", "train.ckpt_every=0", "train.viz_every=0")
-    train(cfg, str(tmp_path / "run"), model_fn=FakeModel, collate_fn=collate, render_fn=bev_grid_image,
+    train(cfg, str(tmp_path / "run"), model_fn=FakeModel, collate_fn=collate, render_fn=fake_picture,
           dataset_fn=lambda c, split, is_train: SlowBEVDataset(10 if is_train else 5, 0 if is_train else 100))
     records = train_records(tmp_path / "run")
     assert [r["step"] for r in records] == [2, 4, 6]
@@ -107,7 +115,7 @@ def test_train_records_split_the_loops_host_time(tmp_path):
 
 
 def test_host_split_rows_weigh_the_steady_records_by_steps():
-    from lss.benchmarks.train_loop import host_split_rows
+    from benchmarks.train_loop import host_split_rows
 
     records = [{"kind": "train", "step": s, "host": {"fetch_ms": f, "wait_ms": 1.0, "other_ms": 2.0}}
                for s, f in ((5, 99.0), (10, 99.0), (20, 4.0), (40, 1.0), (50, 1.0))]
@@ -355,7 +363,7 @@ def test_checkpoint_errors_are_clear(tmp_path):
         ck.load_checkpoint(path)
 
 
-def test_unwrap_strips_ddp_like_and_compile_wrappers():
+def test_unwrap_strips_ddp_like_wrappers():
     inner = FakeModel()
     holder = nn.Module()
     holder.module = inner
@@ -537,12 +545,12 @@ def test_compile_encoders_sets_up_the_compiler_for_a_short_first_step(inductor_s
 
 
 def test_fast_start_compiler_skips_settings_this_torch_lacks_and_starts_the_workers(inductor_settings, monkeypatch):
-    import lss.engine.build as build
+    import lss.engine.step.compiled as compiled
 
     inductor_config, started = inductor_settings
-    monkeypatch.setattr(build, "FAST_START_INDUCTOR", (("triton.no_such_setting", 1), ("no_such_group.setting", 1),
+    monkeypatch.setattr(compiled, "FAST_START_INDUCTOR", (("triton.no_such_setting", 1), ("no_such_group.setting", 1),
                                                        ("pattern_matcher", False)))
-    assert build.fast_start_compiler(start_workers=True) == ["pattern_matcher"]
+    assert compiled.fast_start_compiler(start_workers=True) == ["pattern_matcher"]
     assert inductor_config.pattern_matcher is False and inductor_config.triton.autotune_pointwise is True
     assert len(started) == 1
 
@@ -653,10 +661,13 @@ def test_lss_has_no_import_cycle_and_the_engine_does_not_import_viz():
     graph = lss_import_graph()
     assert {"lss.engine.train", "lss.engine.build", "lss.engine.hooks", "lss.viz"} <= set(graph)
     assert find_cycle(graph) is None
-    # the demo is the one workflow over train, eval and viz
-    assert [m for m, t in graph.items() if m.startswith("lss.engine") and m != "lss.engine.demo" and "lss.viz" in t] \
+    # the engine never imports the pictures (the demo, a workflow over both, is lss.demo)
+    assert [m for m, t in graph.items() if m.startswith("lss.engine") and any(x.startswith("lss.viz") for x in t)] \
         == []
-    assert "lss.engine.train" not in graph["lss.engine.eval"] and "lss.engine.train" not in graph["lss.viz"]
+    # pictures and export load a model through the checkpoint code, not the trainer or the evaluator
+    trainer = {"lss.engine.train", "lss.engine.eval", "lss.engine.step"}
+    assert [m for m, t in graph.items() if m.startswith(("lss.viz", "lss.export")) and t & trainer] == []
+    assert "lss.engine.train" not in graph["lss.engine.eval"]
     assert [m for m, t in graph.items() if m.startswith("lss.data") and any(x.startswith(("lss.engine", "lss.models"))
                                                                              for x in t)] == []
 

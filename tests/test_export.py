@@ -18,6 +18,7 @@ from lss.cli import main  # noqa: E402
 from lss.config import load_config  # noqa: E402
 from lss.data import collate  # noqa: E402
 from lss.engine import build  # noqa: E402
+from lss.engine.checkpoint import load_for_inference  # noqa: E402
 from lss.engine.checkpoint import save_checkpoint  # noqa: E402
 from lss.export import export_checkpoint, export_model  # noqa: E402
 from lss.export.check import check_export  # noqa: E402
@@ -72,7 +73,7 @@ def test_every_upsample_mode_exports_as_the_resize_with_its_values(mode, resize,
     (attrs,) = _resize_nodes(path)
     assert attrs["coordinate_transformation_mode"].decode() == mode and attrs["mode"].decode() == "linear"
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
-    want = upsample_bilinear_reference(net[0](x), mode=mode, **resize)
+    want = upsample_bilinear_reference(net[0](x), mode=mode, onnx_rule=True, **resize)
     torch.testing.assert_close(torch.from_numpy(got), want.detach(), atol=1e-5, rtol=1e-5)
 
 
@@ -216,8 +217,8 @@ def test_cli_check_passes_and_prints_both_ious(checkpoint, tmp_path, capsys):
 
 
 def test_export_benchmark_quick_runs_both_runtimes():
-    from lss.bench import BenchContext
-    from lss.benchmarks import export as suite
+    from benchmarks import BenchContext
+    from benchmarks import export as suite
 
     rows = suite.run(BenchContext(torch.device("cpu"), quick=True))
     assert [r["impl"] for r in rows] == ["lss", "onnxruntime CPU"] and all(r["ms"] > 0 for r in rows)
@@ -225,7 +226,7 @@ def test_export_benchmark_quick_runs_both_runtimes():
 
 def test_export_model_leaves_the_callers_model_in_place(checkpoint, tmp_path):
     cfg, ckpt = checkpoint
-    model, _ = build.load_for_inference(cfg, ckpt, torch.device("cpu"))
+    model, _ = load_for_inference(cfg, ckpt, torch.device("cpu"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     export_model(model, tmp_path / "m.onnx", cfg, rig_inputs=True, upsample_mode="align_corners")
     assert all(isinstance(m, UpsampleBilinear) for m in [model.bev.up2[0], model.bev.up1.upsample])
@@ -244,3 +245,26 @@ def test_export_reads_the_checkpoint_file_once(checkpoint, tmp_path, monkeypatch
     monkeypatch.setattr(torch, "load", counting_load)
     export_checkpoint(cfg, ckpt, tmp_path / "m.onnx")
     assert reads.count(str(ckpt)) == 1
+
+
+def test_a_failed_export_leaves_an_existing_file_as_it_was(checkpoint, tmp_path, monkeypatch):
+    import errno
+
+    cfg, ckpt = checkpoint
+    out = tmp_path / "model.onnx"
+    out.write_bytes(b"an earlier export")
+    real_export = torch.onnx.export
+
+    def full_disk(model, args, f, **kwargs):
+        open(f, "wb").write(b"half a gra")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.onnx, "export", full_disk)
+    with pytest.raises(OSError, match=rf"could not write {out} \(No space left on device\); the existing file "
+                                      "there is unchanged; free some space or choose another --out"):
+        export_checkpoint(cfg, ckpt, out)
+    assert out.read_bytes() == b"an earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+    monkeypatch.setattr(torch.onnx, "export", real_export)
+    export_checkpoint(cfg, ckpt, out)
+    assert _resize_nodes(out) and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.rig.json"]

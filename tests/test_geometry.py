@@ -1,10 +1,13 @@
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import devices
-from lss.geometry import (BevGrid, FrustumLUT, FrustumLUTCache, ImageAugmentation, depth_bins, frustum,
+from lss.geometry import (NO_DEPTH_BIN, RIG_KEYS, BevGrid, FrustumLUT, FrustumLUTCache, ImageAugmentation,
+                          camera_to_pixels, depth_bin_index, depth_bins, ego_to_pixels, feature_cells, frustum,
                           frustum_to_ego, image_augmentation, load_nuscenes_rig, val_augmentation)
 
 FINAL_DIM = (128, 352)
@@ -170,3 +173,116 @@ def test_lut_cache_reuses_until_inputs_change():
     assert torch.equal(changed.point_cell, fresh.point_cell)
     other_grid = BevGrid((-50, 50, 1.0), (-50, 50, 1.0), (-10, 10, 20))
     assert cache.get(fr, K, rot, trans, post_rot, post_trans, other_grid).nx == 100
+
+
+def test_rig_keys_are_the_arguments_of_frustum_to_ego_after_the_frustum():
+    import inspect
+
+    assert tuple(inspect.signature(frustum_to_ego).parameters)[1:] == RIG_KEYS
+
+
+@pytest.mark.parametrize("aug", ["val", "flip_rot"])
+def test_ego_to_pixels_matches_the_devkit_projection_and_inverts_frustum_to_ego(aug):
+    """Against the nuScenes devkit's view_points plus post_rot @ (u, v, d) + post_trans written out, and as the
+    inverse of frustum_to_ego (points at a frustum's (u, v, d) come back at (u, v) and depth d)."""
+    from nuscenes.utils.geometry_utils import view_points
+
+    params = (val_augmentation(IMAGE_SIZE, FINAL_DIM) if aug == "val" else
+              ImageAugmentation((336, 189), (5, 40), flip=True, rotate=4.0))
+    K, rot, trans, post_rot, post_trans = (t[0].double().numpy() for t in
+                                           rig(1, image_augmentation(params, IMAGE_SIZE, FINAL_DIM)))
+    points = np.random.default_rng(3).uniform((-40, -40, -1), (40, 40, 3), (500, 3))
+    for n in range(len(K)):
+        pixels, depth = ego_to_pixels(points, K[n], rot[n], trans[n], post_rot[n], post_trans[n])
+        camera = rot[n].T @ (points - trans[n]).T  # 3 x P
+        uv = view_points(camera, K[n], normalize=True)[:2]
+        want_u = post_rot[n][0, 0] * uv[0] + post_rot[n][0, 1] * uv[1] + post_rot[n][0, 2] * camera[2]
+        want_v = post_rot[n][1, 0] * uv[0] + post_rot[n][1, 1] * uv[1] + post_rot[n][1, 2] * camera[2]
+        np.testing.assert_allclose(depth, camera[2], rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(pixels[:, 0], want_u + post_trans[n][0], rtol=1e-9, atol=1e-6)
+        np.testing.assert_allclose(pixels[:, 1], want_v + post_trans[n][1], rtol=1e-9, atol=1e-6)
+        source, _ = camera_to_pixels(camera.T, K[n])
+        np.testing.assert_allclose(source, uv.T, rtol=1e-9, atol=1e-6)
+    fr = frustum(FINAL_DIM, 16, (4.0, 45.0, 1.0))
+    rig_t = [torch.from_numpy(t).float()[None] for t in (K, rot, trans, post_rot, post_trans)]
+    ego = frustum_to_ego(fr, *rig_t)[0].double().numpy()
+    for n in range(len(K)):
+        pixels, depth = ego_to_pixels(ego[n], K[n], rot[n], trans[n], post_rot[n], post_trans[n])
+        np.testing.assert_allclose(pixels, fr[..., :2].numpy(), atol=2e-3)
+        np.testing.assert_allclose(depth, fr[..., 2].numpy(), rtol=1e-5)
+
+
+def test_depth_bin_index_against_the_bin_edges():
+    dbound = (4.0, 45.0, 0.5)
+    bins = depth_bins(dbound).double().numpy()
+    edges = np.append(bins, bins[-1] + 0.5)
+    depth = np.concatenate([np.random.default_rng(4).uniform(0.0, 50.0, 2000), edges, edges - 1e-9,
+                            [np.nan, np.inf, -np.inf]])
+    got = depth_bin_index(depth, dbound)
+    want = np.searchsorted(edges, depth, side="right") - 1
+    want = np.where((want >= 0) & (want < len(bins)) & np.isfinite(depth), want, NO_DEPTH_BIN)
+    assert got.dtype == np.int64 and got.tolist() == want.tolist()
+    assert depth_bin_index([4.0, 4.49, 4.5, 44.99, 45.0, 3.99], dbound).tolist() == [0, 0, 1, 81, -1, -1]
+    with pytest.raises(ValueError, match="dbound"):
+        depth_bin_index([1.0], (5.0, 4.0, 1.0))
+
+
+def test_feature_cells_hold_the_frustum_centres_and_split_at_pixel_edges():
+    final_dim, downsample = (128, 352), 16
+    fr = frustum(final_dim, downsample, (4.0, 6.0, 1.0))[0].double().numpy()  # fH x fW x 3
+    row, col, inside = feature_cells(fr[..., :2], final_dim, downsample)
+    fh, fw = fr.shape[:2]
+    assert inside.all()
+    assert (row == np.arange(fh)[:, None]).all() and (col == np.arange(fw)[None, :]).all()
+    # pixel k covers [k - 0.5, k + 0.5): cell j starts at pixel edge j * 16 - 0.5
+    u = np.array([-0.5, 15.5 - 1e-9, 15.5, 351.5 - 1e-9, 351.5, -0.5 - 1e-9])
+    row, col, inside = feature_cells(np.stack([u, np.zeros_like(u)], -1), final_dim, downsample)
+    assert col[inside].tolist() == [0, 0, 1, 21] and inside.tolist() == [True] * 4 + [False] * 2
+
+
+def test_grid_contains_is_the_cell_rule():
+    grid = BevGrid((-4, 4, 1.0), (-3, 3, 0.5), (-2, 2, 2.0))
+    rng = np.random.default_rng(5)
+    pts = rng.uniform(-6, 6, (3000, 3))
+    pts[:3] = [[-4.0, -3.0, -2.0], [4.0, 0.0, 0.0], [np.nan, 0.0, 0.0]]  # lower corner in, upper edge out
+    want = [all(0 <= math.floor((c - lo) / s) < n for c, lo, s, n in
+                zip(p, grid.lower, grid.cell_size, (grid.nx, grid.ny, grid.nz))) if np.isfinite(p).all()
+            else False for p in pts]
+    assert grid.contains(pts[:, 0], pts[:, 1], pts[:, 2]).tolist() == want
+    planar = [all(0 <= math.floor((c - lo) / s) < n for c, lo, s, n in
+                  zip(p[:2], grid.lower, grid.cell_size, (grid.nx, grid.ny))) if np.isfinite(p).all()
+              else False for p in pts]
+    assert grid.contains(torch.from_numpy(pts[:, 0]), torch.from_numpy(pts[:, 1])).tolist() == planar
+    lut = FrustumLUT.build(torch.from_numpy(pts).float().view(1, 1, 1, 1, -1, 3), grid)
+    torch.testing.assert_close(lut.point_cell >= 0, grid.contains(*torch.from_numpy(pts).float().unbind(-1)))
+
+
+def test_frustum_lut_is_read_only_and_bev_pool_refuses_a_table_changed_in_place():
+    from lss.ops import bev_pool, bev_pool_reference
+
+    torch.manual_seed(1)
+    grid = BevGrid((-4, 4, 1.0), (-3, 3, 0.5), (-2, 2, 2.0))
+    lut = FrustumLUT.build(torch.randn(1, 2, 3, 2, 4, 3) * 3, grid)
+    depth, feat = torch.rand(1, 2, 3, 2, 4), torch.rand(1, 2, 5, 2, 4)
+    want = bev_pool_reference(depth, feat, lut)
+    for name, value in [("nx", 100), ("point_cell", torch.zeros(48, dtype=torch.int32)), ("B", 2)]:
+        with pytest.raises(dataclasses.FrozenInstanceError, match=f"read-only: cannot assign '{name}'"):
+            setattr(lut, name, value)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot delete 'cell_start'"):
+        del lut.cell_start
+    copy = dataclasses.replace(lut, nx=lut.nx)  # a copy is validated and read-only too
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy.ny = 1
+    with pytest.raises(ValueError, match="nx must be an integer >= 1"):
+        dataclasses.replace(lut, nx=0)
+    kept = int(lut.sorted_points[0])
+    lut.sorted_points[0] = 10**9  # a corrupt index: would read far outside feat
+    for pool in (bev_pool, bev_pool_reference):
+        with pytest.raises(ValueError, match="changed in place"):
+            pool(depth, feat, lut)
+    with pytest.raises(ValueError, match="sorted_points holds 1000000000"):
+        lut.validate()
+    with pytest.raises(ValueError, match="changed in place"):
+        bev_pool(depth, feat, lut)  # a failed validate() does not clear the table
+    lut.sorted_points[0] = kept
+    torch.testing.assert_close(bev_pool(depth, feat, lut.validate()), want)

@@ -12,8 +12,10 @@ import torch
 
 from lss.config import ConfigError, load_config
 from lss.engine import checkpoint as ck
-from lss.engine.graph_step import GraphedTrainStep, decide_cuda_graph
-from lss.engine.losses import TotalLoss
+from lss.engine.distributed import DistInfo
+from lss.engine.step import GraphedTrainStep, StepChoice, choose_step
+from lss.engine.step.graph import make_capturable
+from lss.models.losses import TotalLoss
 from lss.engine.build import build_optimizer, lr_factor
 from lss.geometry import inverse_3x3, load_nuscenes_rig
 from lss.models import LiftSplatShoot
@@ -101,31 +103,59 @@ def test_batches_that_do_not_fit_the_static_buffers_are_rejected():
         GraphedTrainStep(model, loss_fn, optimizer, None, 5.0, warmup=0)
 
 
+ONE, TWO = DistInfo(), DistInfo(rank=0, world_size=2)
+CUDA = torch.device("cuda", 0)
+
+
 def test_configs_the_captured_step_cannot_serve_are_rejected():
-    """The device and process rules; the others are checked when the config loads (tests/test_config.py)."""
+    """The device and process rules (the config's own: the next test)."""
     cfg = tiny_cfg("train.cuda_graph=true")
     with pytest.raises(ConfigError, match="cuda_graph: true cannot be used.*needs a CUDA device.*cuda_graph: false"):
-        decide_cuda_graph(cfg, torch.device("cpu"), distributed=False)
-    with pytest.raises(ConfigError, match="one process only"):
-        decide_cuda_graph(tiny_cfg("train.cuda_graph=true"), torch.device("cuda", 0), distributed=True)
-    assert decide_cuda_graph(cfg, torch.device("cuda", 0), distributed=False) == (True, [])
-    assert decide_cuda_graph(tiny_cfg("train.cuda_graph=false"), torch.device("cpu"), distributed=True) == (False, [])
+        choose_step(cfg, torch.device("cpu"), ONE)
+    # torchrun: the captured step across processes (tests/test_ddp_step.py)
+    assert choose_step(tiny_cfg("train.cuda_graph=true"), CUDA, TWO) == StepChoice("captured-ddp")
+    assert choose_step(cfg, CUDA, ONE) == StepChoice("captured")
+    assert choose_step(tiny_cfg("train.cuda_graph=false"), torch.device("cpu"), TWO) == StepChoice("eager")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.grad_accum=2"], "cuda_graph: true cannot be used.*train.grad_accum: 1"),
+    (["train.amp=fp16"], "cuda_graph: true cannot be used.*bf16 or none"),
+    (["train.compile=true", "train.compile_mode=reduce-overhead"],
+     "cuda_graph: true cannot be used.*one or the other.*cuda_graph: false"),
+    (["model.heads=[segmentation, detection]", "detection.refine=true"],
+     r"cuda_graph: true cannot be used.*second stage \(detection.refine\)"),
+])
+def test_train_cuda_graph_true_refuses_a_config_it_cannot_serve_before_any_data_is_read(
+        tmp_path, overrides, message):
+    from lss.engine.train import train
+
+    def no_data(*args):
+        raise AssertionError("the datasets were built before the refusal")
+
+    cfg = tiny_cfg("train.cuda_graph=true", *overrides)  # the config loads: the device is not known yet
+    with pytest.raises(ConfigError, match=message):
+        choose_step(cfg, CUDA, ONE)
+    cfg.train.device = "cpu"
+    with pytest.raises(ConfigError, match=message):
+        train(cfg, str(tmp_path / "run"), dataset_fn=no_data)
 
 
 @pytest.mark.parametrize("overrides, device, distributed, reason", [
     ([], "cuda", False, None),
     ([], "cpu", False, "needs a CUDA device"),
-    ([], "cuda", True, "one process only"),
     (["train.grad_accum=2"], "cuda", False, "train.grad_accum: 1"),
     (["train.amp=fp16"], "cuda", False, "bf16 or none"),
     (["train.compile=true", "train.compile_mode=reduce-overhead"], "cuda", False, "one or the other"),
-    (["model.heads=[segmentation, detection]"], "cuda", False, "fixed-shape targets"),
+    (["model.heads=[segmentation, detection]"], "cuda", False, None),  # the dataset's targets follow
+    (["model.heads=[segmentation, detection]", "detection.refine=true"], "cuda", False, "second stage"),
 ])
 def test_auto_captures_where_every_rule_holds_and_says_why_not(overrides, device, distributed, reason):
     cfg = tiny_cfg("train.cuda_graph=auto", *overrides)  # loads: auto breaks no rule of the config
-    captured, why = decide_cuda_graph(cfg, torch.device(device), distributed)
-    assert captured == (reason is None)
-    assert (why == []) if reason is None else (len(why) == 1 and reason in why[0])
+    choice = choose_step(cfg, torch.device(device), TWO if distributed else ONE)
+    assert choice.kind == ("captured" if reason is None else "eager")
+    why = choice.eager_because
+    assert (why == ()) if reason is None else (len(why) == 1 and reason in why[0])
 
 
 def test_auto_trains_with_eager_steps_on_the_cpu_and_says_so(synthetic_root, tmp_path, capsys):
@@ -144,9 +174,8 @@ def test_checkpoints_store_a_plain_learning_rate(tmp_path):
     cfg = tiny_cfg("optim.schedule=cosine", "train.max_steps=10")
     model, _, optimizer = _setup(cfg, "cpu")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
-    for group in optimizer.param_groups:  # what a captured step does to the optimizer
-        group["lr"] = torch.tensor(float(group["lr"]))
-        group["capturable"] = True
+    make_capturable(optimizer, torch.device("cpu"))  # what a captured step does to the optimizer
+    assert torch.is_tensor(optimizer.param_groups[0]["lr"]) and optimizer.param_groups[0]["capturable"]
     scheduler.step()
     lr = float(optimizer.param_groups[0]["lr"])
     assert math.isclose(lr, cfg.optim.lr * lr_factor(cfg, 1), rel_tol=1e-6)

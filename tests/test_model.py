@@ -5,7 +5,7 @@ import torch
 from efficientnet_pytorch import EfficientNet
 
 from lss.config import ConfigError, load_config
-from lss.engine.losses import depth_loss
+from lss.models.depth_loss import depth_loss
 from lss.geometry import image_augmentation, load_nuscenes_rig, val_augmentation
 from lss.models import LiftSplatShoot
 from lss.models.camera import CameraEncoder, EfficientNetTrunk

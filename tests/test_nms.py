@@ -3,7 +3,7 @@ import torch
 import torchvision
 
 from conftest import devices
-from lss.benchmarks.roi import _boxes
+from benchmarks.roi import _boxes
 from lss.ops import batched_nms, nms, nms_reference
 from lss.ops._ext import has_ext
 

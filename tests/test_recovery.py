@@ -1,7 +1,9 @@
 """Errors and recovery of a training run: a run directory is never overwritten by accident (--resume / --overwrite),
-a failing evaluation keeps the step's checkpoint, non-finite weights are never saved, and Ctrl-C or a full disk end
-in one line that names the checkpoint on disk."""
+--resume refuses a config that changes what the checkpoint means, a failing evaluation keeps the step's checkpoint,
+non-finite weights are never saved, and Ctrl-C, a full disk or a step out of device memory end in one line that names
+the checkpoint on disk."""
 import errno
+import re
 
 import pytest
 import torch
@@ -11,9 +13,10 @@ from lss.cli import main
 from lss.config import save_config
 from lss.data import collate
 from lss.engine import checkpoint as ck
+from lss.engine.checkpointer import CheckpointWriter
 from lss.engine.hooks import EvalHook, Hook
 from lss.engine.train import train
-from lss.errors import ArgumentError, DatasetError
+from lss.errors import ArgumentError, CheckpointError, DatasetError, ResourceError
 from test_engine import FakeBEVDataset, FakeModel, fake_cfg, fake_train, losses_of
 
 real_train = train
@@ -188,18 +191,25 @@ def test_cli_ctrl_c_exits_130_with_one_line(tmp_path, monkeypatch, capsys):
     assert "Traceback" not in err
 
 
-def test_cli_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
-    writes = []
-    real_save = torch.save
+def fail_second_file_write(monkeypatch, error: BaseException) -> list:
+    """torch.save writes some bytes of the second checkpoint file and raises `error` (serializing elsewhere, e.g.
+    to learn a file's size, works); returns the list of file writes."""
+    real_save, writes = torch.save, []
 
-    def full_disk(obj, f, *args, **kwargs):
-        writes.append(1)
-        if len(writes) == 2:
-            f.write(b"partial")
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def save(obj, f, *args, **kwargs):
+        if hasattr(f, "fileno"):
+            writes.append(1)
+            if len(writes) == 2:
+                f.write(b"partial")
+                raise error
         real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(torch, "save", save)
+    return writes
+
+
+def test_cli_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    fail_second_file_write(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     run = tmp_path / "run"
     assert cli_train(monkeypatch, tmp_path, run) == 2
     err = error_lines(capsys)
@@ -207,7 +217,6 @@ def test_cli_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caps
     assert err[0].startswith(f"lss train: error: [Errno {errno.ENOSPC}] No space left on device while writing {last}; "
                              f"the previous {last} (step 3) is intact")
     assert "--resume" in err[0]
-    monkeypatch.setattr(torch, "save", real_save)
     assert last_step(run) == 3 and [p.name for p in (run / "checkpoints").iterdir()] == ["last.pt"]
 
 
@@ -231,7 +240,7 @@ def test_checkpoint_writes_run_behind_the_caller_on_a_snapshot(tmp_path, monkeyp
     monkeypatch.setattr(ck, "atomic_save", held_save)
     model, done = torch.nn.Linear(3, 2), []
     cfg = fake_cfg(tmp_path)
-    writer = ck.CheckpointWriter()
+    writer = CheckpointWriter()
     state = ck.checkpoint_state(model, 7, cfg, snapshot=True)
     writer.submit(state, tmp_path / "a.pt", done=lambda: done.append("a"))
     writer.submit(ck.checkpoint_state(model, 8, cfg, snapshot=True), tmp_path / "b.pt",
@@ -255,18 +264,22 @@ def test_checkpoint_writes_run_behind_the_caller_on_a_snapshot(tmp_path, monkeyp
 
 
 def test_a_failed_background_write_drops_the_later_ones_and_raises_once(tmp_path, monkeypatch):
-    real_save = ck.atomic_save
+    import threading
+
+    real_save, submitted = ck.atomic_save, threading.Event()
 
     def full_disk(obj, path):
+        assert submitted.wait(10)  # all three queued before the first is written
         if path.name == "b.pt":
             raise OSError(errno.ENOSPC, "No space left on device")
         real_save(obj, path)
 
     monkeypatch.setattr(ck, "atomic_save", full_disk)
-    model, cfg, writer = torch.nn.Linear(3, 2), fake_cfg(tmp_path), ck.CheckpointWriter()
+    model, cfg, writer = torch.nn.Linear(3, 2), fake_cfg(tmp_path), CheckpointWriter()
     for name in ("a.pt", "b.pt", "c.pt"):
         writer.submit(ck.checkpoint_state(model, 1, cfg, snapshot=True), tmp_path / name,
                       failed=lambda e: RuntimeError(f"while writing: {e.strerror}"))
+    submitted.set()
     with pytest.raises(RuntimeError, match="while writing: No space left on device"):
         writer.wait()
     assert (tmp_path / "a.pt").is_file() and not (tmp_path / "b.pt").exists() and not (tmp_path / "c.pt").exists()
@@ -277,21 +290,107 @@ def test_a_failed_background_write_drops_the_later_ones_and_raises_once(tmp_path
 
 
 def test_a_failed_write_surfaces_at_the_next_save_with_the_checkpoint_on_disk(tmp_path, monkeypatch):
-    real_save = torch.save
-    writes = []
-
-    def full_disk(obj, f, *args, **kwargs):
-        writes.append(1)
-        if len(writes) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", full_disk)
+    writes = fail_second_file_write(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     run = tmp_path / "run"
     cfg = fake_cfg(tmp_path, "train.ckpt_every=2", "train.eval_every=0", "train.max_steps=8")
     with pytest.raises(OSError, match=f"No space left on device while writing {run / 'checkpoints' / 'last.pt'}; "
                                       f"the previous .* \\(step 2\\) is intact") as error:
         train(cfg, str(run), model_fn=FakeModel, dataset_fn=no_val, collate_fn=collate)
     assert error.value.errno == errno.ENOSPC
-    monkeypatch.setattr(torch, "save", real_save)
     assert last_step(run) == 2 and len(writes) == 2  # the failed write of step 4 stopped the run by step 6's save
+
+
+def test_a_full_disk_in_torchs_zip_writer_names_the_file_and_the_space_it_needs(tmp_path, monkeypatch, capsys):
+    import types
+
+    # torch's words for a short write on a full disk
+    fail_second_file_write(monkeypatch, RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 "
+                                                     "vs 598"))
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1000))
+    run = tmp_path / "run"
+    assert cli_train(monkeypatch, tmp_path, run) == 2
+    err = error_lines(capsys)
+    last = run / "checkpoints" / "last.pt"
+    assert err[0].startswith(f"lss train: error: [Errno {errno.ENOSPC}] No space left on device while writing {last}; "
+                             f"the previous {last} (step 3) is intact; the checkpoint needs ")
+    assert f"and {run / 'checkpoints'} has 1.0 kB free: free some space, then continue with" in err[0]
+    assert "--resume" in err[0] and "Traceback" not in capsys.readouterr().err
+    needed = re.search(r"the checkpoint needs ([0-9.]+) kB", err[0])
+    # the file of step 6 that did not fit holds what the file of step 3 holds
+    assert float(needed.group(1)) * 1e3 == pytest.approx(last.stat().st_size, rel=0.05)
+    assert last_step(run) == 3 and [p.name for p in (run / "checkpoints").iterdir()] == ["last.pt"]
+
+
+# ------------------------------------------------------------------------------------- --resume, another config
+def test_resume_refuses_a_config_that_changes_what_the_checkpoint_means(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    assert cli_train(monkeypatch, tmp_path, run, cfg_extra=["train.max_steps=3"]) == 0
+    config, last = (run / "config.yaml").read_bytes(), (run / "checkpoints" / "last.pt").read_bytes()
+    changed = ["--set", "grid.xbound=[-40.0, 40.0, 0.5]", "--set", "data.final_dim=[256, 704]"]
+    assert cli_train(monkeypatch, tmp_path, run, "--resume", *changed) == 2
+    err = error_lines(capsys)
+    assert err[0] == (
+        f"lss train: error: checkpoint {run / 'checkpoints' / 'last.pt'} was trained with grid.xbound=[-50.0, 50.0, "
+        "0.5], data.final_dim=[128, 352], the config has grid.xbound=[-40.0, 40.0, 0.5], data.final_dim=[256, 704]: "
+        f"--resume continues that run with its settings; resume with its own config ({run / 'config.yaml'}), or "
+        "train the new settings into another --out")
+    assert (run / "config.yaml").read_bytes() == config and (run / "checkpoints" / "last.pt").read_bytes() == last
+    assert cli_train(monkeypatch, tmp_path, run, "--resume", "--set", "train.max_steps=5") == 0  # not a fixed key
+    assert last_step(run) == 5
+
+
+# ------------------------------------------------------------------------------------------ device memory
+OUT_OF_MEMORY = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which "
+                 "1.02 GiB is free.")
+
+
+class OutOfMemoryAt(FakeModel):
+    """The training forward of step `step` runs out of device memory."""
+
+    def __init__(self, step, allocate=None):
+        super().__init__()
+        self.step, self.calls, self.allocate = step, 0, allocate
+
+    def forward(self, batch):
+        out = super().forward(batch)
+        if self.training:
+            self.calls += 1
+            if self.calls == self.step:
+                if self.allocate is None:
+                    raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+                out["segmentation"] = out["segmentation"] + self.allocate().float().sum()
+        return out
+
+
+def test_a_step_out_of_device_memory_names_the_settings_to_lower_and_keeps_the_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(ResourceError) as error:
+        train(fake_cfg(tmp_path, "train.eval_every=0"), str(run), model_fn=lambda c: OutOfMemoryAt(5),
+              dataset_fn=no_val, collate_fn=collate)
+    assert str(error.value) == (
+        f"training step 5 ran out of memory on cpu ({OUT_OF_MEMORY}): lower train.batch_size (now 2), "
+        "data.final_dim (now [128, 352]) or the BEV grid (grid.xbound/ybound: now 200 x 200 cells); the last "
+        f"checkpoint is step 3 in {run / 'checkpoints' / 'last.pt'}: continue with `lss train (the same "
+        f"--config/--set) --out {run} --resume` (with a lower train.batch_size: another final_dim or grid needs a "
+        "new run)")
+    assert last_step(run) == 3
+    with pytest.raises(ResourceError, match="training step 2 ran out of memory.*no checkpoint was written"):
+        train(fake_cfg(tmp_path, "train.eval_every=0"), str(tmp_path / "early"),
+              model_fn=lambda c: OutOfMemoryAt(2), dataset_fn=no_val, collate_fn=collate)
+
+
+@pytest.mark.cuda
+def test_a_real_cuda_out_of_memory_step_ends_in_one_line_and_keeps_the_checkpoint(tmp_path):
+    def more_than_the_gpu_has():
+        return torch.empty(2 * torch.cuda.mem_get_info()[1], dtype=torch.uint8, device="cuda")
+
+    run = tmp_path / "run"
+    cfg = fake_cfg(tmp_path, "train.eval_every=0", "train.device=cuda", "train.amp=none", "train.cuda_graph=false",
+                   "train.deterministic=false")
+    with pytest.raises(ResourceError, match=r"training step 5 ran out of memory on cuda:0 \(CUDA out of memory.*lower "
+                                            r"train.batch_size \(now 2\).*the last checkpoint is step 3"):
+        train(cfg, str(run), model_fn=lambda c: OutOfMemoryAt(5, more_than_the_gpu_has), dataset_fn=no_val,
+              collate_fn=collate)
+    state = ck.load_checkpoint(run / "checkpoints" / "last.pt")
+    assert state["step"] == 3 and all(v.isfinite().all() for v in state["model"].values())
+    assert torch.ones(4, device="cuda").sum().item() == 4  # the device still serves

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -17,7 +18,8 @@ from lss.data import collate
 from lss.engine.build import StreamSampler, build_dataset, build_loader
 from lss.engine.distributed import DistInfo, EpochSampler
 from lss.engine.eval import evaluate, pad_batch
-from lss.engine.hooks import LogHook, StepLogs
+from lss.engine.hooks import LogHook, StepTimer
+from lss.engine.step import CapturedStep, StepLogs
 from lss.engine.train import Trainer, train
 from test_engine import CLASSES, FakeBEVDataset, FakeModel, fake_cfg
 
@@ -113,10 +115,11 @@ class _FakeWriter:
 def test_the_log_hook_reads_the_losses_only_at_its_period_and_writes_the_startup_once(tmp_path):
     class FakeTrainer:
         cfg = fake_cfg(tmp_path, "train.max_steps=5")
-        phases = {"datasets": 0.5, "first_step": 1.25}
 
     writer, trainer, reads = _FakeWriter(), FakeTrainer(), []
-    hook = LogHook(2, writer, started=0.0)
+    timer = StepTimer(started=0.0)
+    timer.phases = {"datasets": 0.5, "first_step": 1.25}
+    hook = LogHook(2, writer, timer)
     for step in range(1, 6):
         trainer.step = step
         hook.after_step(trainer, _ReadRecorder(reads, loss=float(step)))
@@ -134,7 +137,7 @@ def test_train_writes_its_startup_phases_in_order(tmp_path):
     records = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     startup = [r for r in records if r["kind"] == "startup"]
     assert len(startup) == 1 and startup[0]["step"] == 1
-    from lss.benchmarks.train_loop import STARTUP_PHASES
+    from benchmarks.train_loop import STARTUP_PHASES
 
     phases = startup[0]["phases"]
     assert list(phases) == list(STARTUP_PHASES)
@@ -145,14 +148,11 @@ def test_train_writes_its_startup_phases_in_order(tmp_path):
 
 
 def test_the_startup_record_splits_the_first_static_buffer_step(tmp_path):
-    from lss.engine.graph_step import GraphedTrainStep
-
     cfg = fake_cfg(tmp_path, "train.max_steps=2", "train.eval_every=0", "train.ckpt_every=0", "train.amp=none")
     trainer = Trainer(cfg, FakeModel(), FakeBEVDataset(10), None, tmp_path, torch.device("cpu"), DistInfo())
-    trainer.graph_step = GraphedTrainStep(trainer.model, trainer.loss_fn, trainer.optimizer, None, 0.0, warmup=2,
-                                          capture=False)
-    writer = _FakeWriter()
-    trainer.register_hooks([LogHook(1, writer, trainer.started)])
+    trainer.train_step = CapturedStep(trainer.train_step.parts, warmup=2, capture=False)
+    writer, timer = _FakeWriter(), StepTimer()
+    trainer.register_hooks([timer, LogHook(1, writer, timer)])
     trainer.fit()
     startup = [values for kind, _, values in writer.records if kind == "startup"]
     assert len(startup) == 1
@@ -240,7 +240,7 @@ def test_evaluation_datasets_read_no_lidar(synthetic_root):
 
 
 def test_startup_rows_give_each_phase_its_own_time():
-    from lss.benchmarks.train_loop import startup_rows
+    from benchmarks.train_loop import startup_rows
 
     records = [{"kind": "train", "step": 10}, {"kind": "startup", "step": 1,
                                                "phases": {"datasets": 1.0, "model": 1.5, "first_step": 4.0}}]
@@ -281,7 +281,7 @@ def test_a_cached_index_gives_the_same_dataset_without_the_tables(synthetic_root
     assert set(vars(built)) == set(vars(cached))
     for name, a in vars(built).items():
         b = getattr(cached, name)
-        assert (a == b).all() if hasattr(a, "shape") else name == "config" or repr(a) == repr(b), name
+        assert np.all(a == b) if hasattr(a, "shape") else name == "config" or repr(a) == repr(b), name
     a, b = built[1], cached[1]
     assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k])) and "depth_targets" in a
     with pytest.raises(RuntimeError, match="tables were read"):  # other classes: another index
@@ -340,7 +340,7 @@ def test_lss_train_builds_the_index_in_a_child_and_the_datasets_load_it(syntheti
         assert set(vars(a)) == set(vars(b))
         for name, value in vars(a).items():
             other = getattr(b, name)
-            assert (value == other).all() if hasattr(value, "shape") else name == "config" or repr(value) == repr(other)
+            assert np.all(value == other) if hasattr(value, "shape") else name == "config" or repr(value) == repr(other)
 
 
 def test_a_failed_or_stuck_background_build_leaves_the_work_and_the_error_to_this_process(tmp_path, monkeypatch,
@@ -399,14 +399,11 @@ class _NanAtStep(FakeModel):
 def test_the_static_buffer_step_stops_at_a_nan_loss_at_most_one_update_later(tmp_path, log_every):
     # The loss check of a step waits until the next step is queued (the device never waits for the host's launch),
     # so one more update may be applied; a step that a hook logs is checked before the next one.
-    from lss.engine.graph_step import GraphedTrainStep
-
     cfg = fake_cfg(tmp_path, "train.max_steps=6", f"train.log_every={log_every}", "train.eval_every=0",
                    "train.ckpt_every=0", "train.viz_every=0", "train.amp=none")
     model = _NanAtStep(bad=1 + 3)  # one warm-up call, then steps 1, 2, 3
     trainer = Trainer(cfg, model, FakeBEVDataset(10), None, tmp_path, torch.device("cpu"), DistInfo())
-    trainer.graph_step = GraphedTrainStep(trainer.model, trainer.loss_fn, trainer.optimizer, None, 0.0, warmup=1,
-                                          capture=False)
+    trainer.train_step = CapturedStep(trainer.train_step.parts, warmup=1, capture=False)
     with pytest.raises(FloatingPointError, match="loss is nan at step 3 "):
         trainer.fit()
     later = 1 if log_every == 0 else 0
@@ -417,7 +414,7 @@ def test_bench_timer_is_not_fooled_by_a_slow_cold_call():
     # A fast op whose first call is slow (lazy kernel loading) gets the full repetitions; a slow op gets a few.
     import time
 
-    from lss.bench import BenchContext
+    from benchmarks import BenchContext
 
     ctx, calls = BenchContext(torch.device("cpu")), []
 
@@ -440,7 +437,7 @@ import lss.cli
 assert [m for m in ("torch", "importlib.metadata", "subprocess") if m in sys.modules] == [], "lss.cli"
 import lss.engine.train
 heavy = ("matplotlib", "nuscenes", "scipy", "sklearn", "shapely", "tensorboard", "torch.utils.tensorboard", "onnx",
-         "onnxruntime", "lss.viz", "lss.export", "lss.benchmarks")
+         "onnxruntime", "lss.viz", "lss.export", "benchmarks")
 assert [m for m in heavy if m in sys.modules] == [], [m for m in heavy if m in sys.modules]
 from lss.engine.hooks import MetricsWriter
 writer = MetricsWriter(Path({str(tmp_path)!r}), None)
@@ -464,7 +461,7 @@ print("clean")
     (["train.cuda_graph=false", "train.amp=none"], "lss_fp32", "lss_fp32"),
 ])
 def test_step_alone_runs_the_step_the_config_trains_with(overrides, cpu, cuda):
-    from lss.benchmarks.train_loop import step_impl
+    from benchmarks.train_loop import step_impl
 
     cfg = load_config("configs/synthetic.yaml", overrides)
     assert (step_impl(cfg, torch.device("cpu")), step_impl(cfg, torch.device("cuda"))) == (cpu, cuda)

@@ -22,6 +22,8 @@ CASES = [
     ((2, 1, 6, 1), dict(size=(12, 3))),
     ((1, 3, 5, 7), dict(size=(1, 4))),
     ((1, 3, 5, 7), dict(size=(1, 1))),
+    ((1, 2, 3, 5), dict(scale_factor=0.5)),  # output 1 x 2 from a scale factor
+    ((2, 2, 4, 1), dict(scale_factor=(0.3, 1.7))),  # output 1 x 1; the width keeps its length
     ((3, 2, 6, 6), dict(size=(6, 6))),
 ]
 CASE_IDS = [f"{'x'.join(map(str, s))}-{next(iter(k.values()))}" for s, k in CASES]
@@ -68,8 +70,6 @@ def test_forward_and_backward_match_reference(device, dtype, mode, shape, kwargs
                                                 ("align_corners", True)])
 @pytest.mark.parametrize("shape,kwargs", CASES, ids=CASE_IDS)
 def test_matches_interpolate(mode, align_corners, shape, kwargs):
-    if mode == "pytorch_half_pixel" and has_unit_output(shape, kwargs):
-        pytest.skip("ONNX pytorch_half_pixel samples index 0 on an axis of length 1 (tested below)")
     x = torch.randn(shape, requires_grad=True)
     y = upsample_bilinear(x, mode=mode, **kwargs)
     want = F.interpolate(x, mode="bilinear", align_corners=align_corners, **kwargs)
@@ -80,11 +80,28 @@ def test_matches_interpolate(mode, align_corners, shape, kwargs):
     torch.testing.assert_close(gx, gw, rtol=1e-6, atol=1e-6 * gw.abs().max().item())
 
 
-def test_pytorch_half_pixel_unit_output_samples_first_index():
+@pytest.mark.parametrize("fn", [upsample_bilinear, upsample_bilinear_reference])
+def test_pytorch_half_pixel_unit_output_samples_the_centre(fn):
     x = torch.randn(2, 3, 5, 7)
-    y = upsample_bilinear(x, size=(1, 7), mode="pytorch_half_pixel")
+    y = fn(x, size=(1, 7), mode="pytorch_half_pixel")
+    # the centre row: source coordinate 0.5 * 5 - 0.5 = 2, exactly row 2
+    torch.testing.assert_close(y, x[:, :, 2:3, :], rtol=0, atol=0)
+    torch.testing.assert_close(y, F.interpolate(x, size=(1, 7), mode="bilinear", align_corners=False))
+    z = fn(x, size=(1, 1), mode="pytorch_half_pixel")  # coordinates 2 and 3: row 2, column 3
+    torch.testing.assert_close(z, x[:, :, 2:3, 3:4], rtol=0, atol=0)
+
+
+def test_onnx_rule_samples_first_index_on_an_axis_of_length_1():
+    x = torch.randn(2, 3, 5, 7)
+    y = upsample_bilinear_reference(x, size=(1, 7), mode="pytorch_half_pixel", onnx_rule=True)
     torch.testing.assert_close(y, x[:, :, :1, :], rtol=0, atol=0)
-    assert not torch.allclose(y, F.interpolate(x, size=(1, 7), mode="bilinear", align_corners=False))
+    # ONNX resamples an axis that keeps its length under a scale factor != 1; PyTorch copies it
+    w = upsample_bilinear_reference(x, scale_factor=1.1, mode="pytorch_half_pixel", onnx_rule=True)
+    torch.testing.assert_close(
+        w, upsample_bilinear_reference(x, scale_factor=1.1, mode="half_pixel"), rtol=0, atol=0
+    )
+    assert not torch.allclose(w, x)
+    torch.testing.assert_close(upsample_bilinear(x, scale_factor=1.1), x, rtol=0, atol=0)
 
 
 def random_resizes(count: int, seed: int):
@@ -175,8 +192,14 @@ def onnx_resize(x: torch.Tensor, mode: str, kwargs: dict) -> torch.Tensor:
 def test_matches_onnxruntime_resize(mode, shape, kwargs):
     x = torch.randn(shape)
     want = onnx_resize(x, mode, kwargs)
-    torch.testing.assert_close(upsample_bilinear(x, mode=mode, **kwargs), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(upsample_bilinear_reference(x, mode=mode, **kwargs), want, rtol=1e-5, atol=1e-5)
+    got = upsample_bilinear_reference(x, mode=mode, onnx_rule=True, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kept = [n == o for n, o in zip(shape[2:], out_size(shape, kwargs))]
+    onnx_differs = mode == "pytorch_half_pixel" and (
+        has_unit_output(shape, kwargs) or ("scale_factor" in kwargs and any(kept))
+    )
+    if not onnx_differs:  # elsewhere the op's own rule is ONNX's
+        torch.testing.assert_close(upsample_bilinear(x, mode=mode, **kwargs), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_ext

@@ -1,6 +1,7 @@
 // Coordinate transform of bilinear upsampling shared by the CPU and CUDA kernels. Along each axis the output index
-// o samples the source coordinate x(o) of the ONNX Resize coordinate_transformation_mode, clamped to [0, in - 1];
-// the value is w0 * src[i0] + w1 * src[i1] with i0 = floor(x), i1 = min(i0 + 1, in - 1), w1 = x - i0, w0 = 1 - w1.
+// o samples the source coordinate x(o) of the mode (ONNX Resize coordinate_transformation_mode names; the
+// pytorch_half_pixel mode follows F.interpolate itself), clamped to [0, in - 1]; the value is
+// w0 * src[i0] + w1 * src[i1] with i0 = floor(x), i1 = min(i0 + 1, in - 1), w1 = x - i0, w0 = 1 - w1.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -60,9 +61,8 @@ struct AxisMap {
 
   C10_HOST_DEVICE T source(int o) const {
     T x;
-    if (mode == CoordMode::kPytorchHalfPixel && out == 1) {
-      x = T(0);
-    } else if (half_pixel()) {
+    // An output axis of length 1 samples the centre, as F.interpolate does (ONNX's rule, index 0, is the export's).
+    if (half_pixel()) {
       x = scale * (static_cast<T>(o) + T(0.5)) - T(0.5);
     } else {
       x = scale * static_cast<T>(o);
@@ -86,7 +86,7 @@ struct AxisMap {
     if (k > in - 1) return out;
     const T kk = static_cast<T>(k);
     T est = T(0);
-    if (scale > T(0) && !(mode == CoordMode::kPytorchHalfPixel && out == 1)) {
+    if (scale > T(0)) {
       est = half_pixel() ? (kk + T(0.5)) / scale - T(0.5) : kk / scale;
     }
     int o;

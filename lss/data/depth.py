@@ -1,9 +1,10 @@
-"""Lidar depth targets for the camera encoder's depth distribution (depth supervision as in BEVDepth).
+"""Lidar depth targets for the camera encoder's depth distribution (depth supervision as in
+BEVDepth).
 
-Every cell of a camera's stride-`downsample` feature map gets the depth-bin index of the NEAREST lidar return that
-projects into it, or -1 (no return, or the nearest return outside grid.dbound). Depth is the camera-frame z, the
-quantity the frustum's depth bins measure; bin k of dbound (lo, hi, step) is [lo + k step, lo + (k + 1) step).
-"""
+Every cell of a camera's stride-`downsample` feature map gets the depth-bin index of the NEAREST
+lidar return that projects into it, or -1 (no return, or the nearest return outside grid.dbound).
+Depth is the camera-frame z, the quantity the frustum's depth bins measure; bin k of dbound (lo, hi,
+step) is [lo + k step, lo + (k + 1) step) (lss.geometry.depth_bin_index)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from typing import Sequence
 import numpy as np
 from pyquaternion import Quaternion
 
-IGNORE_DEPTH = -1
+from lss.geometry import (
+    NO_DEPTH_BIN,
+    augment_pixels,
+    camera_to_pixels,
+    depth_bin_index,
+    feature_cells,
+)
+
+IGNORE_DEPTH = NO_DEPTH_BIN
 
 
 def lidar_to_camera_matrix(
@@ -38,9 +47,10 @@ def lidar_to_camera_matrix(
 
 
 def load_lidar_points(path: str | Path, sample_token: str) -> np.ndarray:
-    """P x 3 float64 finite points (lidar frame, metres) of a nuScenes .pcd.bin file: float32 records of 5 values
-    (x, y, z, intensity, ring), as the devkit's LidarPointCloud.from_file reads them (read here without the devkit,
-    whose import costs every fresh loader worker about 2 s)."""
+    """P x 3 float64 finite points (lidar frame, metres) of a nuScenes .pcd.bin file: float32
+    records of 5 values (x, y, z, intensity, ring), as the devkit's LidarPointCloud.from_file reads
+    them (read here without the devkit, whose import would cost every fresh loader worker
+    seconds)."""
     path = str(path)
     try:
         if not path.endswith(".bin"):
@@ -54,9 +64,9 @@ def load_lidar_points(path: str | Path, sample_token: str) -> np.ndarray:
         ) from None
     except (ValueError, OSError) as e:
         raise OSError(
-            f"lidar point cloud {path} could not be read (sample {sample_token}, channel LIDAR_TOP): "
-            f"{type(e).__name__}: {e}. Expected float32 records of 5 values (x, y, z, intensity, ring) "
-            "in a .pcd.bin file; re-extract the file."
+            f"lidar point cloud {path} could not be read (sample {sample_token}, channel "
+            f"LIDAR_TOP): {type(e).__name__}: {e}. Expected float32 records of 5 values (x, y, z, "
+            "intensity, ring) in a .pcd.bin file; re-extract the file."
         ) from None
     return points[np.isfinite(points).all(axis=1)]
 
@@ -74,41 +84,34 @@ def project_depth_targets(
 ) -> np.ndarray:
     """Depth-bin targets of N cameras from one lidar sweep.
 
-    points P x 3 (lidar frame), lidar_to_camera N x 4 x 4, intrinsics N x 3 x 3, post_rot N x 3 x 3 and post_trans
-    N x 3 (the image augmentation: pixel_aug = post_rot @ (u, v, d) + post_trans), image_sizes N x 2 (source W, H).
-    A return counts when it lies in front of the camera, inside the source image and inside the final_dim = (H, W)
-    augmented image. Returns N x fH x fW int64 bin indices in [0, D), IGNORE_DEPTH (-1) elsewhere;
+    points P x 3 (lidar frame), lidar_to_camera N x 4 x 4, intrinsics N x 3 x 3, post_rot N x 3 x 3
+    and post_trans N x 3 (the image augmentation: pixel_aug = post_rot @ (u, v, d) + post_trans),
+    image_sizes N x 2 (source W, H). A return counts when it lies in front of the camera, inside the
+    source image and inside the final_dim = (H, W) augmented image. Returns N x fH x fW int64 bin
+    indices in [0, D) (lss.geometry.depth_bin_index), IGNORE_DEPTH (-1) elsewhere;
     fH, fW = H // downsample, W // downsample.
     """
     height, width = (int(v) for v in final_dim)
     fh, fw = height // downsample, width // downsample
-    lo, hi, step = (float(v) for v in dbound)
-    bins = round((hi - lo) / step)
     count = len(lidar_to_camera)
     nearest = np.full(count * fh * fw, np.inf)
-    homogeneous = np.concatenate(
-        [np.asarray(points, np.float64).reshape(-1, 3), np.ones((len(points), 1))], 1
-    )
-    # lidar -> (u d, v d, d) of every camera in one product: intrinsics @ the camera rows of lidar_to_camera
-    # (the intrinsics' last row is (0, 0, 1), so the third value is the camera-frame depth)
-    to_pixels = np.asarray(intrinsics, np.float64) @ np.asarray(lidar_to_camera, np.float64)[:, :3]
-    projected = homogeneous @ to_pixels.reshape(-1, 4).T  # P x 3N
+    points = np.asarray(points, np.float64).reshape(-1, 3)
     for k in range(count):
-        depth = projected[:, 3 * k + 2]
-        front = depth > 0
-        depth = depth[front]
-        u, v = projected[front, 3 * k] / depth, projected[front, 3 * k + 1] / depth
+        to_camera = np.asarray(lidar_to_camera[k], np.float64)
+        pixels, depth = camera_to_pixels(
+            points @ to_camera[:3, :3].T + to_camera[:3, 3], intrinsics[k]
+        )
         src_w, src_h = image_sizes[k]
-        keep = (u >= -0.5) & (u < src_w - 0.5) & (v >= -0.5) & (v < src_h - 0.5)
-        u, v, depth = u[keep], v[keep], depth[keep]
-        r, t = np.asarray(post_rot[k], np.float64), np.asarray(post_trans[k], np.float64)
-        u_aug = r[0, 0] * u + r[0, 1] * v + r[0, 2] * depth + t[0]
-        v_aug = r[1, 0] * u + r[1, 1] * v + r[1, 2] * depth + t[1]
-        # feature cell j spans augmented pixels whose edges (u + 0.5) lie in [j, j + 1) * downsample
-        col = np.floor((u_aug + 0.5) / (width / fw)).astype(np.int64)
-        row = np.floor((v_aug + 0.5) / (height / fh)).astype(np.int64)
-        inside = (col >= 0) & (col < fw) & (row >= 0) & (row < fh)
+        keep = (
+            (depth > 0)
+            & (pixels[:, 0] >= -0.5)
+            & (pixels[:, 0] < src_w - 0.5)
+            & (pixels[:, 1] >= -0.5)
+            & (pixels[:, 1] < src_h - 0.5)
+        )
+        pixels, depth = pixels[keep], depth[keep]
+        augmented = augment_pixels(pixels, depth, post_rot[k], post_trans[k])
+        row, col, inside = feature_cells(augmented, final_dim, downsample)
         np.minimum.at(nearest, (k * fh + row[inside]) * fw + col[inside], depth[inside])
-    index = np.floor((nearest - lo) / step)
-    valid = np.isfinite(index) & (index >= 0) & (index < bins)
-    return np.where(valid, index, IGNORE_DEPTH).astype(np.int64).reshape(count, fh, fw)
+    index = depth_bin_index(nearest, dbound)
+    return index.reshape(count, fh, fw)

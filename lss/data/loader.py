@@ -89,10 +89,12 @@ def ensure_dataset(config: Config) -> None:
         if not data.make_synthetic_if_missing:
             raise
         from lss.data.synthetic import generate
+        from lss.data.synthetic.pipeline import STAGING
 
         syn = data.synthetic
         root = Path(data.dataroot)
-        if root.is_dir() and any(root.iterdir()):
+        # a staging folder is what a killed generate left: generate removes it
+        if root.is_dir() and any(not p.name.startswith(STAGING) for p in root.iterdir()):
             raise DatasetError(
                 f"no nuScenes {data.version} at {root}, and the directory holds other files, so no "
                 "synthetic set is generated there (data.make_synthetic_if_missing): set data.dataroot "

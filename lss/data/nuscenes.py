@@ -20,9 +20,14 @@ from lss.config import DETECTION_CLASSES, Config
 from lss.data import targets as T
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
 from lss.data.decoded_cache import DecodedImages
-from lss.data.detection_targets import dense_targets
+from lss.boxes import box_footprints, dense_targets
 from lss.data.depth import lidar_to_camera_matrix, load_lidar_points, project_depth_targets
 from lss.data.index_cache import index_key, load_index, save_index, wait_for_background_builds
+from lss.data.original_conventions import (
+    load_augmented_pil,
+    original_post_matrices,
+    rasterize_footprints_original,
+)
 from lss.data.tables import (
     DatasetNotFoundError,
     MapNotFoundError,
@@ -67,6 +72,28 @@ MAP_POLYGON_LAYERS = (
     "carpark_area",
 )
 MAP_LINE_LAYERS = ("road_divider", "lane_divider")
+# The attributes NuScenesBEV._build_index sets: what the on-disk index cache holds of a split.
+INDEX_FIELDS = (
+    "devkit_split",
+    "scene_count",
+    "locations",
+    "sample_tokens",
+    "location_index",
+    "image_sizes",
+    "intrinsics",
+    "sensor2ego_rot",
+    "sensor2ego_trans",
+    "ego_pose",
+    "lidar_to_camera",
+    "image_paths",
+    "lidar_paths",
+    "object_offsets",
+    "object_footprints",
+    "object_class_bits",
+    "det_boxes",
+    "det_labels",
+    "maps",
+)
 
 
 @dataclass
@@ -84,15 +111,15 @@ class MapGeometry:
         layer: str,
         ego_xy: Sequence[float],
         ego_yaw: float,
-        xbound: T.Bound,
-        ybound: T.Bound,
+        grid: BevGrid,
         line_width: int,
         bev: Optional[BevAugmentation] = None,
     ) -> np.ndarray:
         """nx x ny uint8 raster of `layer` in the ego frame at (ego_xy, ego_yaw), moved by `bev` when given."""
-        canvas = np.zeros(T.grid_shape(xbound, ybound), dtype=np.uint8)
-        reach = np.hypot(max(abs(xbound[0]), abs(xbound[1])), max(abs(ybound[0]), abs(ybound[1])))
-        reach += line_width * max(xbound[2], ybound[2])
+        canvas = np.zeros(grid.shape, dtype=np.uint8)
+        (x_lo, x_hi, dx), (y_lo, y_hi, dy) = grid.xbound, grid.ybound
+        reach = np.hypot(max(abs(x_lo), abs(x_hi)), max(abs(y_lo), abs(y_hi)))
+        reach += line_width * max(dx, dy)
         reach /= bev.scale if bev is not None else 1.0
 
         def to_ego(points: np.ndarray) -> np.ndarray:
@@ -117,10 +144,10 @@ class MapGeometry:
                 [to_ego(r) for r in self.polygons[layer][i]]
                 for i in near(self.polygon_bounds[layer])
             ]
-            T.rasterize_polygons(canvas, polys, xbound, ybound)
+            T.rasterize_polygons(canvas, polys, grid)
         else:
             lines = [to_ego(self.lines[layer][i]) for i in near(self.line_bounds[layer])]
-            T.rasterize_lines(canvas, lines, xbound, ybound, line_width)
+            T.rasterize_lines(canvas, lines, grid, line_width)
         return canvas
 
 
@@ -222,7 +249,7 @@ def normalize_images(images: Sequence[np.ndarray], lut: np.ndarray) -> torch.Ten
     out = np.empty((len(images), 3, *images[0].shape[:2]), dtype=np.float32)
     planes = [np.ascontiguousarray(lut[:, c]) for c in range(3)]
     for n, image in enumerate(images):
-        # cv2.LUT on contiguous planes is ~10x faster than numpy fancy indexing of the interleaved channels.
+        # cv2.LUT on contiguous planes is much faster than numpy fancy indexing of interleaved channels.
         for c, plane in enumerate(cv2.split(image)):
             out[n, c] = cv2.LUT(plane, planes[c])
     return torch.from_numpy(out)
@@ -238,7 +265,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
       "visibility_mask" nx x ny bool when config.data.visibility_mask;
       "det_boxes" M x 9 [x, y, z, w, l, h, yaw, vx, vy] and "det_labels" M int64 (index into DETECTION_CLASSES)
       when config.data.detection_targets, and in a training set also the first stage's fixed-shape targets
-      (lss.data.detection_targets.dense_targets: "det_target_heatmap", "det_target_index", ...);
+      (lss.boxes.dense_targets: "det_target_heatmap", "det_target_index", ...);
       "depth_targets" N x fH x fW int64 when config.data.depth_targets: per camera feature cell (fH, fW =
       final_dim // model.downsample) the grid.dbound bin of the nearest LIDAR_TOP return, -1 where there is none
       (lss.data.depth).
@@ -262,8 +289,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.cameras = tuple(data.cameras)
         self.classes = tuple(data.classes)
         self.class_kinds = _class_kinds(self.classes)
-        self.xbound, self.ybound = tuple(self.config.grid.xbound), tuple(self.config.grid.ybound)
-        self.grid_shape = T.grid_shape(self.xbound, self.ybound)
+        self.grid = BevGrid.from_config(self.config.grid)
+        self.grid_shape = self.grid.shape
 
         # Normalized value of every uint8 level per channel: (level / 255 - mean) / std, 256 x 3.
         self._pixel_lut = (
@@ -285,17 +312,16 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 data.depth_targets,
             ),
         )
-        cached = load_index(key)
+        cached = load_index(key, INDEX_FIELDS)
         if (
             cached is None and wait_for_background_builds()
         ):  # `lss train` builds it ahead (index_cache)
-            cached = load_index(key)
+            cached = load_index(key, INDEX_FIELDS)
         if cached is not None:
             self.__dict__.update(cached)
         else:
-            before = set(vars(self))
             self._build_index(split)
-            save_index(key, {k: v for k, v in vars(self).items() if k not in before})
+            save_index(key, {k: getattr(self, k) for k in INDEX_FIELDS})
         self._check_first_images()
         if verbose:
             print(
@@ -305,8 +331,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
             )
 
     def _build_index(self, split: str) -> None:
-        """Everything `split` takes from the tables and maps (through nuscenes-devkit): the attributes this sets are
-        what the on-disk index cache holds (lss.data.index_cache)."""
+        """Everything `split` takes from the tables and maps (through nuscenes-devkit): the attributes
+        this sets, INDEX_FIELDS, are what the on-disk index cache holds (lss.data.index_cache)."""
         nusc = load_tables(self.root, self.version)
         self.devkit_split, split_scenes = resolve_split(self.version, split)
         scenes = sorted(
@@ -321,6 +347,13 @@ class NuScenesBEV(torch.utils.data.Dataset):
             )
         self.scene_count = len(scenes)
         self._extract(nusc, scenes)
+        if not len(self.sample_tokens):
+            raise DatasetError(
+                f"split {split!r} ({self.devkit_split}): its {len(scenes)} scene(s) "
+                f"({', '.join(s['name'] for s in scenes[:12])}) have no samples in "
+                f"{self.root / self.version / 'sample.json'}; restore the tables from the dataset "
+                "archive (or regenerate a synthetic set)"
+            )
         map_layers = sorted({c for c, k in zip(self.classes, self.class_kinds) if k == "map"})
         self.maps = (
             {loc: load_map_geometry(self.root, loc, map_layers) for loc in self.locations}
@@ -359,7 +392,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
         # lidar frame -> camera frame per sample and camera (through both ego poses); filled for data.depth_targets
         self.lidar_to_camera = np.zeros((n if data.depth_targets else 0, c, 4, 4), dtype=np.float64)
         object_classes = [k for k, kind in enumerate(self.class_kinds) if kind == "object"]
-        # once, not per annotation (9 % of the index build)
+        # once, not per annotation
         annotation_table = self.root / self.version / "sample_annotation.json"
         class_bits, det_boxes, det_labels, offsets = [], [], [], [0]
         for i, (_, sample) in enumerate(samples):
@@ -432,7 +465,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
         boxes = np.asarray(det_boxes, dtype=np.float64).reshape(
             -1, 9
         )  # x y z w l h yaw vx vy, ego frame
-        self.object_footprints = T.box_footprints(boxes[:, :2], boxes[:, 3:5], boxes[:, 6]).astype(
+        self.object_footprints = box_footprints(boxes[:, :2], boxes[:, 3:5], boxes[:, 6]).astype(
             np.float32
         )
         self.object_class_bits = np.asarray(class_bits, dtype=np.int64)
@@ -484,16 +517,26 @@ class NuScenesBEV(torch.utils.data.Dataset):
                     self.is_train,
                     rng,
                 )
-                decoded = self._cached_decode(path, size, aug.resize_dims)
-                if decoded is None:
-                    decoded = decode_scaled(
+                if data.image_resize == "pil":
+                    image, rot, trans = load_augmented_pil(
                         encoded if encoded is not None else Path(path).read_bytes(),
                         size,
-                        aug.resize_dims,
+                        aug,
+                        tuple(data.final_dim),
                     )
-                    if self._decoded is not None:
-                        self._decoded.store(path, *decoded)
-                image, rot, trans = augment_decoded(*decoded, aug, tuple(data.final_dim))
+                else:
+                    decoded = self._cached_decode(path, size, aug.resize_dims)
+                    if decoded is None:
+                        decoded = decode_scaled(
+                            encoded if encoded is not None else Path(path).read_bytes(),
+                            size,
+                            aug.resize_dims,
+                        )
+                        if self._decoded is not None:
+                            self._decoded.store(path, *decoded)
+                    image, rot, trans = augment_decoded(*decoded, aug, tuple(data.final_dim))
+                if data.post_matrices == "original":
+                    rot, trans = original_post_matrices(aug, tuple(data.final_dim))
             except FileNotFoundError:
                 raise FileNotFoundError(self._missing_image_message(index, k)) from None
             except OSError as e:
@@ -542,17 +585,19 @@ class NuScenesBEV(torch.utils.data.Dataset):
             bit = self.class_kinds[:k].count("object")
             chosen = self.object_footprints[lo:hi][(self.object_class_bits[lo:hi] >> bit) & 1 == 1]
             chosen = bev.apply_to_points_xy(chosen) if bev is not None else chosen
-            return T.rasterize_footprints(
-                np.zeros(self.grid_shape, dtype=np.uint8), chosen, self.xbound, self.ybound
+            fill = (
+                rasterize_footprints_original
+                if self.config.data.target_raster == "original"
+                else T.rasterize_footprints
             )
+            return fill(np.zeros(self.grid_shape, dtype=np.uint8), chosen, self.grid)
         x, y, yaw = self.ego_pose[index]
         location = self.locations[self.location_index[index]]
         return self.maps[location].rasterize(
             self.classes[k],
             (x, y),
             yaw,
-            self.xbound,
-            self.ybound,
+            self.grid,
             self.config.data.divider_width,
             bev,
         )
@@ -587,13 +632,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
         lo, hi = self.object_offsets[index], self.object_offsets[index + 1]
         boxes, labels = self.det_boxes[lo:hi], self.det_labels[lo:hi]
         boxes = bev.apply_to_boxes(boxes) if bev is not None else boxes
-        inside = (
-            (labels >= 0)
-            & (boxes[:, 0] >= self.xbound[0])
-            & (boxes[:, 0] < self.xbound[1])
-            & (boxes[:, 1] >= self.ybound[0])
-            & (boxes[:, 1] < self.ybound[1])
-        )
+        inside = (labels >= 0) & self.grid.contains(boxes[:, 0], boxes[:, 1])
         return boxes[inside], labels[inside]
 
     def __getitem__(self, index: int) -> dict:
@@ -641,8 +680,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
                     post_rot.numpy(),
                     post_trans.numpy(),
                     tuple(self.config.data.final_dim),
-                    self.xbound,
-                    self.ybound,
+                    self.grid,
                     (dbound[0] * scale, dbound[1] * scale),
                 )
             )
@@ -660,12 +698,11 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 self.is_train
             ):  # fixed-shape targets: the loss needs no host work (a capturable training step)
                 det = self.config.detection
-                grid = BevGrid.from_config(self.config.grid)
                 item.update(
                     dense_targets(
                         item["det_boxes"],
                         item["det_labels"],
-                        grid,
+                        self.grid,
                         len(DETECTION_CLASSES),
                         det.gaussian_overlap,
                         det.min_radius,

@@ -1,5 +1,6 @@
-"""The nuScenes tables on disk: where they are, loading them through nuscenes-devkit with errors that name the
-file, the split's scenes, and the checks of what a sample reads (annotations, image files)."""
+"""The nuScenes tables on disk: where they are, loading them through nuscenes-devkit with errors
+that name the file, the split's scenes, and the checks of what a sample reads (annotations, image
+files)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from typing import Callable, TypeVar
 
 from lss.errors import ConfigError, DatasetError
 
-# The original LSS release nests each version one level down: DATAROOT/mini/v1.0-mini, DATAROOT/trainval/...
+# The original LSS release nests each version one level down: DATAROOT/mini/v1.0-mini,
+# DATAROOT/trainval/...
 _LSS_LAYOUT_FOLDER = {"v1.0-mini": "mini", "v1.0-trainval": "trainval", "v1.0-test": "test"}
-# Global translations of annotations beyond this many metres are corrupt (nuScenes maps span a few kilometres).
+# Global translations of annotations beyond this many metres are corrupt (nuScenes maps span a few
+# kilometres).
 MAX_TRANSLATION_M = 1e5
 Loaded = TypeVar("Loaded")
 
@@ -28,8 +31,9 @@ class MapNotFoundError(DatasetError, FileNotFoundError):
 class SampleError(DatasetError, OSError):
     """A sample cannot be read; the message names the sample and the file.
 
-    DataLoader raises it again in the main process with "Caught SampleError in DataLoader worker process N" and the
-    worker's traceback as its message; the constructor puts the original message first, in one line."""
+    DataLoader raises it again in the main process with "Caught SampleError in DataLoader worker
+    process N" and the worker's traceback as its message; the constructor puts the original message
+    first, in one line."""
 
     def __init__(self, message: str = ""):
         marker = f"{type(self).__name__}: "
@@ -52,8 +56,8 @@ def _has_tables(folder: Path) -> bool:
 def locate_dataroot(dataroot: str | Path, version: str) -> tuple[Path, str]:
     """Find the devkit dataroot (the folder holding `<version>/`) for either supported layout.
 
-    Returns (devkit dataroot, layout description). Raises DatasetNotFoundError listing what was looked for and
-    which versions were found instead.
+    Returns (devkit dataroot, layout description). Raises DatasetNotFoundError listing what was
+    looked for and which versions were found instead.
     """
     root = Path(dataroot).expanduser()
     candidates = [(root, f"DATAROOT/{version}/")]
@@ -82,9 +86,10 @@ def locate_dataroot(dataroot: str | Path, version: str) -> tuple[Path, str]:
         else f"`lss make-synthetic {root}` (and data.version=v1.0-mini)"
     )
     raise DatasetNotFoundError(
-        f"nuScenes {version} not found: looked for the tables (sample.json, scene.json, ...) in {looked}; {found}. "
-        f"Set data.dataroot to the folder holding {version}/ (or mini/{version}/), set data.version to the version "
-        f"you have, or generate a synthetic set with {synthetic}."
+        f"nuScenes {version} not found: looked for the tables (sample.json, scene.json, ...) in "
+        f"{looked}; {found}. Set data.dataroot to the folder holding {version}/ (or "
+        f"mini/{version}/), set data.version to the version you have, or generate a synthetic set "
+        f"with {synthetic}."
     )
 
 
@@ -105,7 +110,8 @@ def resolve_split(version: str, split: str) -> tuple[str, list[str]]:
 
 
 def json_file_problem(path: Path, expect: type) -> str | None:
-    """What is wrong with JSON file `path` (not readable, not JSON, top level not of type `expect`), or None."""
+    """What is wrong with JSON file `path` (not readable, not JSON, top level not of type `expect`),
+    or None."""
     try:
         with open(path) as f:
             value = json.load(f)
@@ -118,17 +124,68 @@ def json_file_problem(path: Path, expect: type) -> str | None:
     return None
 
 
+def _target_table(field: str, table: str) -> str:
+    """The table a token field points into: sample_token -> sample, first_sample_token -> sample,
+    prev / next -> the record's own table."""
+    if field in ("prev", "next"):
+        return table
+    return field.removeprefix("first_").removeprefix("last_").removesuffix("_token")
+
+
+def missing_record_problem(files: list[Path], token: str) -> str | None:
+    """What refers to the record `token` that none of the tables `files` holds (the devkit's
+    KeyError), in one sentence; None when a table holds it or nothing refers to it."""
+    tables = {}
+    for f in files:
+        try:
+            records = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(records, list):
+            tables[f.stem] = [r for r in records if isinstance(r, dict)]
+    if any(r.get("token") == token for records in tables.values() for r in records):
+        return None
+    refs = [
+        (table, field, r)
+        for table, records in tables.items()
+        for r in records
+        for field, value in r.items()
+        if value == token and field != "token"
+    ]
+    if not refs:
+        return None
+    # a scene names the problem best
+    table, field, record = next((ref for ref in refs if ref[0] == "scene"), refs[0])
+    target = _target_table(field, table)
+    folder = files[0].parent
+    source = f"scene {record.get('name')}" if table == "scene" else f"{table} {record.get('token')}"
+    others = f"{len(refs) - 1} other record(s) refer to it too"
+    if target in tables and not tables[target]:
+        return (
+            f"{folder / target}.json holds no records, but {source} refers to one (its {field} "
+            f"{token}; {others})"
+        )
+    what = "has no samples" if table == "scene" and target == "sample" else "refers to no record"
+    return (
+        f"{source} in {folder / table}.json {what}: {folder / target}.json holds no record {token} "
+        f"(its {field}; {others})"
+    )
+
+
 def loaded_or_named(
     load: Callable[[], Loaded], files: list[Path], expect: type, what: str
 ) -> Loaded:
-    """`load()` (a devkit constructor reading `files`); when it fails on their content, a DatasetError naming the
-    first file that is not a valid JSON `expect` (or all of them when each parses)."""
+    """`load()` (a devkit constructor reading `files`); when it fails on their content, a
+    DatasetError naming the first file that is not a valid JSON `expect` (or all of them when each
+    parses)."""
     try:
         return load()
     except (AssertionError, KeyError, TypeError, AttributeError, ValueError) as e:
         problem = next(
             (p for f in files if f.is_file() and (p := json_file_problem(f, expect))), None
         )
+        if problem is None and isinstance(e, KeyError) and e.args and isinstance(e.args[0], str):
+            problem = missing_record_problem(files, e.args[0])
         if problem:
             raise DatasetError(
                 f"{what}: {problem}. Restore the file from the dataset archive (or regenerate "
@@ -162,17 +219,18 @@ def load_tables(root: Path, version: str):
         ):  # an object instead of a list can load without an error, and index nothing
             if not isinstance(getattr(nusc, name), list):
                 raise DatasetError(
-                    f"the {version} tables under {root}: {Path(nusc.table_root) / name}.json holds a "
-                    f"JSON {type(getattr(nusc, name)).__name__}, expected a JSON list. Restore the file "
-                    "from the dataset archive (or regenerate a synthetic set)"
+                    f"the {version} tables under {root}: {Path(nusc.table_root) / name}.json "
+                    f"holds a JSON {type(getattr(nusc, name)).__name__}, expected a JSON list. "
+                    "Restore the file from the dataset archive (or regenerate a synthetic set)"
                 )
         _TABLES[key] = nusc
     return _TABLES[key]
 
 
 def check_annotation(ann: dict, table_file: Path) -> None:
-    """Refuse an annotation whose size or pose is not finite, whose size is negative, or whose translation is
-    beyond MAX_TRANSLATION_M: its box would be rasterized anywhere (or nowhere) without a word."""
+    """Refuse an annotation whose size or pose is not finite, whose size is negative, or whose
+    translation is beyond MAX_TRANSLATION_M: its box would be rasterized anywhere (or nowhere)
+    without a word."""
     values = [*ann["size"], *ann["translation"], *ann["rotation"]]
     finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
     problem = (

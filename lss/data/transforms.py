@@ -65,7 +65,7 @@ def sample_augmentation(
     left = int(rng.uniform(0, max(0, new_w - out_w)))
     flip = bool(rand_flip and rng.uniform() < 0.5)
     rotate = float(rng.uniform(*rot_lim))
-    return ImageAugmentation((max(new_w, 1), max(new_h, 1)), (left, top), flip, rotate)
+    return ImageAugmentation((max(new_w, 1), max(new_h, 1)), (left, top), flip, rotate, resize)
 
 
 _JPEG_SCALES = (8, 4, 2, 1)

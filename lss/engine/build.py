@@ -1,5 +1,5 @@
-"""Builders shared by training, evaluation, pictures and the demo: device, seeding and RNG state, autocast, model,
-datasets, loaders, optimizer, learning-rate schedule, and a checkpoint loaded for inference."""
+"""Builders shared by training, evaluation, pictures and the demo: device, seeding and RNG state,
+autocast, model, datasets, loaders, optimizer, learning-rate schedule, channels-last layout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import functools
 import math
 import os
 import random
-from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Optional, Union
 
 import numpy as np
@@ -19,7 +18,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from lss.config import Config, ConfigError
 from lss.data import collate
 from lss.data.loader import ensure_dataset as generate_if_missing, split_dataset
-from lss.engine.checkpoint import load_checkpoint, load_model_state
 from lss.engine.distributed import DistInfo, EpochSampler, barrier
 from lss.models import LiftSplatShoot
 
@@ -28,7 +26,7 @@ DatasetFn = Callable[[Config, str, bool], Dataset]
 AutocastFn = Callable[[], ContextManager]
 
 
-# --------------------------------------------------------------------------------------------- device, RNG, amp
+# -------------------------------------------------------------------------------- device, RNG, amp
 def device_type(cfg: Config) -> str:
     """ "cuda" or "cpu", as train.device asks ("auto": CUDA when a GPU is visible)."""
     want = cfg.train.device
@@ -83,8 +81,8 @@ def set_rng_state(state: dict) -> None:
 
 @contextlib.contextmanager
 def preserved_rng():
-    """Evaluation and pictures inside leave the training RNG stream as it was (the curve does not depend on
-    how often they run)."""
+    """Evaluation and pictures inside leave the training RNG stream as it was (the curve does not
+    depend on how often they run)."""
     state = rng_state()
     try:
         yield
@@ -93,7 +91,8 @@ def preserved_rng():
 
 
 def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype for the camera/BEV networks, or None (fp32). Autocast applies on CUDA only."""
+    """The autocast dtype for the camera/BEV networks, or None (fp32). Autocast applies on CUDA
+    only."""
     amp = cfg.train.amp
     if device.type != "cuda" or amp == "none":
         return None
@@ -101,7 +100,8 @@ def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
 
 
 def build_autocast(cfg: Config, device: torch.device) -> AutocastFn:
-    """A factory of the forward pass's autocast context (train.amp on CUDA; a no-op context otherwise)."""
+    """A factory of the forward pass's autocast context (train.amp on CUDA; a no-op context
+    otherwise)."""
     dtype = autocast_dtype(cfg, device)
     if dtype is None:
         return contextlib.nullcontext
@@ -114,7 +114,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
     }
 
 
-# ------------------------------------------------------------------------------------------------ model, data
+# ------------------------------------------------------------------------------------- model, data
 def build_model(cfg: Config) -> nn.Module:
     return LiftSplatShoot(cfg)
 
@@ -125,8 +125,8 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> Dataset:
 
 
 def ensure_dataset(cfg: Config, dist_info: Optional[DistInfo] = None) -> None:
-    """Generate the synthetic dataset at data.dataroot when data.make_synthetic_if_missing and it is absent (on rank
-    0 while the other ranks wait)."""
+    """Generate the synthetic dataset at data.dataroot when data.make_synthetic_if_missing and it
+    is absent (on rank 0 while the other ranks wait)."""
     if dist_info is None or dist_info.is_main:
         generate_if_missing(cfg)
     if dist_info is not None:
@@ -134,9 +134,10 @@ def ensure_dataset(cfg: Config, dist_info: Optional[DistInfo] = None) -> None:
 
 
 def loader_workers(cfg: Config) -> int:
-    """data.workers, with "auto" resolved on this machine: this rank's share of the usable CPUs (torchrun's
-    LOCAL_WORLD_SIZE ranks share the host) less 2 for the training process and the pinning thread, at most 12 (the
-    loop keeps up with the captured step at 12 on a 16-core H100 machine, docs/benchmarks.md), at least 1."""
+    """data.workers, with "auto" resolved on this machine: this rank's share of the usable CPUs
+    (torchrun's LOCAL_WORLD_SIZE ranks share the host) less 2 for the training process and the
+    pinning thread, at most 12 (enough for the loop to keep up with the captured step,
+    docs/training.md), at least 1."""
     if cfg.data.workers != "auto":
         return cfg.data.workers
     cpus = (
@@ -157,11 +158,12 @@ def build_loader(
     persistent: bool = False,
     collate_fn: Callable = collate,
 ) -> DataLoader:
-    """A loader of `dataset` in `sampler`'s order with data.workers workers. `persistent`: keep the worker processes
-    from epoch to epoch (the training loader: starting them again every epoch stalls training on small sets, whose
-    epochs last seconds)."""
+    """A loader of `dataset` in `sampler`'s order with data.workers workers. `persistent`: keep
+    the worker processes from epoch to epoch (the training loader: starting them again every
+    epoch stalls training on small sets, whose epochs last seconds)."""
     workers = loader_workers(cfg)
-    # an own generator keeps the loaders from drawing on the global RNG (resume then continues the same stream)
+    # an own generator keeps the loaders from drawing on the global RNG (resume then continues the
+    # same stream)
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(
         dataset,
@@ -180,9 +182,10 @@ def build_loader(
 
 
 class StreamSampler(Sampler[int]):
-    """The full batches of EpochSampler's epochs one after another, from (epoch, start): one loader pass spans
-    all epochs, so the workers prefetch across epoch boundaries, and every batch holds the samples it held when
-    each epoch was a pass of its own (each epoch's last partial batch is left out, as drop_last did)."""
+    """The full batches of EpochSampler's epochs one after another, from (epoch, start): one
+    loader pass spans all epochs, so the workers prefetch across epoch boundaries, and every
+    batch holds the samples it held when each epoch was a pass of its own (each epoch's last
+    partial batch is left out, as drop_last did)."""
 
     def __init__(self, epochs: EpochSampler, batch_size: int):
         self.epochs, self.batch_size = epochs, batch_size
@@ -208,9 +211,9 @@ def build_eval_loader(
     collate_fn: Callable = collate,
     persistent: bool = False,
 ) -> DataLoader:
-    """Every sample of `dataset` once, in order, in eval.batch_size batches (this rank's share under torchrun).
-    `persistent`: keep the workers between passes (the trainer's periodic evaluations; starting and stopping them
-    cost seconds per evaluation)."""
+    """Every sample of `dataset` once, in order, in eval.batch_size batches (this rank's share
+    under torchrun). `persistent`: keep the workers between passes (the trainer's periodic
+    evaluations; starting and stopping them cost seconds per evaluation)."""
     dist_info = dist_info or DistInfo()
     sampler = EpochSampler(
         len(dataset), shuffle=False, rank=dist_info.rank, world_size=dist_info.world_size, pad=False
@@ -228,6 +231,18 @@ def build_eval_loader(
     )
 
 
+def stop_workers(loader: DataLoader, iterator: Optional[Iterator] = None) -> None:
+    """Stop the worker processes of `iterator` (a pass over `loader`) and of the pass that a
+    persistent loader keeps, now. Left to interpreter exit, each persistent worker of a pinning
+    loader is joined with a 5 s timeout (pytorch/pytorch#81794); DataLoader has no public call
+    for this, so it uses the iterator's own `_shutdown_workers` (docs/training.md, private torch
+    APIs)."""
+    for it in (iterator, getattr(loader, "_iterator", None)):
+        if it is not None and hasattr(it, "_shutdown_workers"):  # single-process ones have none
+            it._shutdown_workers()
+    loader._iterator = None
+
+
 def _init_worker(niceness: int, worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
@@ -238,42 +253,29 @@ def _init_worker(niceness: int, worker_id: int) -> None:
 
 
 def limit_native_threads() -> None:
-    """One BLAS/OpenMP thread in a loader worker (DataLoader already sets torch's): the workers are the parallelism,
-    and every worker's numpy starting a pool of one thread per core oversubscribes the machine many times over
-    (12 workers x 16 spinning BLAS threads on 16 cores)."""
+    """One BLAS/OpenMP thread in a loader worker (DataLoader already sets torch's): the workers
+    are the parallelism, and every worker's numpy starting a pool of one thread per core
+    oversubscribes the machine many times over (12 workers x 16 spinning BLAS threads on 16
+    cores)."""
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(1)
 
 
-def load_for_inference(
-    cfg: Config,
-    ckpt: Union[str, Path],
-    device: Optional[torch.device] = None,
-    model_fn: ModelFn = build_model,
-    state: Optional[dict] = None,
-) -> tuple[nn.Module, dict]:
-    """The model of `cfg` with the weights of checkpoint `ckpt`, on `device` (default: select_device) in eval mode,
-    and the checkpoint's state (step, config, ...); `state`: the file already read by load_checkpoint."""
-    state = load_checkpoint(ckpt) if state is None else state
-    device = device or select_device(cfg)
-    model = model_fn(cfg)
-    load_model_state(model, state, ckpt)
-    return model.to(device).eval(), state
-
-
-# ------------------------------------------------------------------------------------------ optimization
+# ------------------------------------------------------------------------------------ optimization
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
-    # on the GPU the fused implementation updates all parameters in a few kernels instead of several per tensor
+    # on the GPU the fused implementation updates all parameters in a few kernels instead of several
+    # per tensor
     fused = bool(params) and all(p.is_cuda for p in params)
     optimizer = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
     return optimizer(params, lr=o.lr, weight_decay=o.weight_decay, fused=fused or None)
 
 
 def lr_factor(cfg: Config, step: int) -> float:
-    """Multiplier of optim.lr at optimizer step `step`: linear warm-up, then constant, cosine or one-cycle decay."""
+    """Multiplier of optim.lr at optimizer step `step`: linear warm-up, then constant, cosine or
+    one-cycle decay."""
     o, total = cfg.optim, max(cfg.train.max_steps, 1)
     warmup = o.warmup_steps if o.schedule != "onecycle" or o.warmup_steps else int(0.3 * total)
     if step < warmup:
@@ -293,9 +295,10 @@ def build_scheduler(
 
 
 def apply_channels_last(model: nn.Module, setting: Union[bool, str]) -> nn.Module:
-    """train.channels_last in place: True puts every convolution weight of `model` in torch.channels_last memory
-    format (cuDNN then runs those convolutions channels-last), "camera" only the camera encoder's (`model.camera`),
-    "bev" everything but the camera encoder (BEV encoder and heads), False none. Returns `model`."""
+    """train.channels_last in place: True puts every convolution weight of `model` in
+    torch.channels_last memory format (cuDNN then runs those convolutions channels-last),
+    "camera" only the camera encoder's (`model.camera`), "bev" everything but the camera encoder
+    (BEV encoder and heads), False none. Returns `model`."""
     if setting is False:
         return model
     if setting is True:
@@ -303,81 +306,10 @@ def apply_channels_last(model: nn.Module, setting: Union[bool, str]) -> nn.Modul
     camera = getattr(model, "camera", None)
     if not isinstance(camera, nn.Module):
         raise ConfigError(
-            f"train.channels_last={setting!r} picks a part of the LSS model but {type(model).__name__} "
-            "has no camera encoder (.camera); use true or false"
+            f"train.channels_last={setting!r} picks a part of the LSS model but "
+            f"{type(model).__name__} has no camera encoder (.camera); use true or false"
         )
     parts = [camera] if setting == "camera" else [m for m in model.children() if m is not camera]
     for part in parts:
         part.to(memory_format=torch.channels_last)
     return model
-
-
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# Inductor settings for a shorter first step: no benchmarking of several launch configurations per pointwise kernel,
-# no pattern-rewrite passes. With the compile workers started early, the cold first step of configs/synthetic.yaml
-# took 115 s instead of 139 s and the compiled step stayed as fast (10.87 / 10.84 ms; docs/benchmarks.md).
-FAST_START_INDUCTOR = (("triton.autotune_pointwise", False), ("pattern_matcher", False))
-
-
-def fast_start_compiler(start_workers: bool) -> list[str]:
-    """Apply FAST_START_INDUCTOR where this torch release has the setting (a missing one is skipped: these are
-    Inductor's settings, not a stable API) and, with `start_workers`, start Inductor's compile worker pool now
-    instead of at the first compiled call. Returns the names of the settings applied."""
-    import torch._inductor.config as inductor_config
-
-    applied = []
-    for name, value in FAST_START_INDUCTOR:
-        *path, leaf = name.split(".")
-        owner = functools.reduce(lambda obj, attr: getattr(obj, attr, None), path, inductor_config)
-        if owner is not None and hasattr(owner, leaf):
-            setattr(owner, leaf, value)
-            applied.append(name)
-    if start_workers:
-        from torch._inductor import async_compile
-
-        warm_pool = getattr(getattr(async_compile, "AsyncCompile", None), "warm_pool", None)
-        if callable(warm_pool):
-            warm_pool()
-    return applied
-
-
-@contextlib.contextmanager
-def uncompiled(model: nn.Module) -> Iterator[None]:
-    """Inside, the submodules that compile_encoders compiled run their eager code: evaluation and pictures use other
-    shapes and modes than the training step (each would be a compilation of its own, for a second of work)."""
-    compiled = [
-        (m, m._compiled_call_impl)
-        for m in model.modules()
-        if getattr(m, "_compiled_call_impl", None)
-    ]
-    for module, _ in compiled:
-        module._compiled_call_impl = None
-    try:
-        yield
-    finally:
-        for module, call in compiled:
-            module._compiled_call_impl = call
-
-
-def compile_encoders(model: nn.Module, mode: str = "default", memory_budget: float = 1.0) -> None:
-    """torch.compile every trainable submodule (camera and BEV encoders, heads) in place; the LUT build stays eager.
-    "reduce-overhead" replays them as CUDA graphs, which removes the host cost of launching their kernels one by
-    one. memory_budget < 1 lets the compiler recompute activations in the backward instead of keeping them, down to
-    that fraction of the activation memory (process-wide: torch._functorch's activation_memory_budget). The
-    compiler is set up for a shorter first step (fast_start_compiler), its workers started now for a CUDA model."""
-    if mode not in COMPILE_MODES:
-        raise ConfigError(
-            f"train.compile_mode={mode!r}: expected one of {', '.join(COMPILE_MODES)}"
-        )
-    if not 0.0 < memory_budget <= 1.0:
-        raise ConfigError(
-            f"train.compile_memory_budget={memory_budget}: expected a fraction in (0, 1] (1 keeps "
-            "what the compiler's default partition keeps)"
-        )
-    import torch._functorch.config as functorch_config
-
-    functorch_config.activation_memory_budget = memory_budget
-    fast_start_compiler(start_workers=any(p.is_cuda for p in model.parameters()))
-    for module in model.children():
-        if any(p.requires_grad for p in module.parameters()):
-            module.compile(mode=mode)

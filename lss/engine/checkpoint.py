@@ -1,27 +1,33 @@
-"""Checkpoints: model (unwrapped), optimizer, scheduler, scaler, step, config and version, written atomically."""
+"""Checkpoints: model (unwrapped), optimizer, scheduler, scaler, step, config and version,
+written atomically; read back with their errors in words, checked against a config, and loaded
+for inference (load_for_inference, load_checkpoint_model). A run's writer of checkpoints:
+lss.engine.checkpointer."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
-import queue
 import re
+import shutil
 import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 import lss
 from lss.config import Config, config_from_dict, config_to_dict
+from lss.engine.build import ModelFn, build_model, select_device
 from lss.errors import CheckpointError
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format", "model", "step", "config", "version")
-# Config keys that fix what the weights mean: a checkpoint is only evaluated or resumed with the same values.
+# Config keys that fix what the weights mean: a checkpoint is only evaluated or resumed with the
+# same values.
 FIXED_KEYS = (
     "grid.xbound",
     "grid.ybound",
@@ -31,25 +37,26 @@ FIXED_KEYS = (
     "data.classes",
     "model.heads",
 )
-# Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases: .<name>.<random>.tmp).
+# Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases:
+# .<name>.<random>.tmp).
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+?)\.(?:(?P<host>[^.]+)-(?P<pid>\d+)\.)?[a-z0-9_]{8}\.tmp$")
-# A temp file whose writer cannot be checked (another host, older name) is stale once untouched this long.
+# A temp file whose writer cannot be checked (another host, older name) is stale once untouched this
+# long.
 STALE_TEMP_SECONDS = 3600
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under DistributedDataParallel and torch.compile wrappers."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
+    """The plain model under DistributedDataParallel wrappers (train.compile compiles modules in
+    place: no wrapper)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
 
 
 def atomic_save(obj: Any, path: Union[str, Path]) -> None:
-    """torch.save to a temp file in the same directory, then os.replace: readers never see a partial file."""
+    """torch.save to a temp file in the same directory, then os.replace: readers never see a
+    partial file. A failed write (an OSError, or torch's writer failing on a short write) leaves
+    `path` as it was and raises CheckpointWriteError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(
@@ -61,9 +68,65 @@ def atomic_save(obj: Any, path: Union[str, Path]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) or _is_write_failure(e):
+            raise CheckpointWriteError.of(e, obj, path) from e
         raise
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint file could not be written (the file at its path is left as it was). `needed`:
+    the file's size in bytes; `free`: the bytes free in its folder once the partial file was
+    removed."""
+
+    def __init__(self, code: int, strerror: str, needed: int, free: int):
+        super().__init__(code, strerror)
+        self.needed, self.free = needed, free
+
+    @classmethod
+    def of(cls, error: BaseException, obj: Any, path: Path) -> "CheckpointWriteError":
+        needed, free = serialized_size(obj), shutil.disk_usage(path.parent).free
+        if isinstance(error, OSError) and error.errno is not None:
+            return cls(error.errno, error.strerror or str(error), needed, free)
+        if free < needed:
+            return cls(errno.ENOSPC, os.strerror(errno.ENOSPC), needed, free)
+        first_line = (str(error).strip() or type(error).__name__).splitlines()[0]
+        return cls(errno.EIO, f"the write failed ({first_line})", needed, free)
+
+
+def _is_write_failure(error: BaseException) -> bool:
+    """torch's zip writer reports a short write (a full disk) as a RuntimeError of its own."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        mark in text for mark in ("inline_container", "PytorchStreamWriter", "file write failed")
+    )
+
+
+class _ByteCounter:
+    def __init__(self):
+        self.count = 0
+
+    def write(self, data) -> int:
+        self.count += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def serialized_size(obj: Any) -> int:
+    """The bytes torch.save writes for `obj` (serialized into a counter, nothing stored)."""
+    counter = _ByteCounter()
+    torch.save(obj, counter)
+    return counter.count
+
+
+def format_size(size: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{int(size)} bytes"
 
 
 def _host() -> str:
@@ -81,8 +144,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_stale_temp(file: Path) -> bool:
-    """A temp file of atomic_save whose writer is gone: its process on this host has exited, or (writer on another
-    host, or a name without the writer) it has not been written to for STALE_TEMP_SECONDS."""
+    """A temp file of atomic_save whose writer is gone: its process on this host has exited, or
+    (writer on another host, or a name without the writer) it has not been written to for
+    STALE_TEMP_SECONDS."""
     match = _TEMP_NAME.match(file.name)
     if match is None or not file.is_file():
         return False
@@ -92,8 +156,8 @@ def _is_stale_temp(file: Path) -> bool:
 
 
 def remove_stale_temp_files(folder: Union[str, Path]) -> list[Path]:
-    """Delete the temp files that interrupted checkpoint saves left in `folder` (only names of atomic_save's
-    pattern); say so in one line. Returns the removed paths."""
+    """Delete the temp files that interrupted checkpoint saves left in `folder` (only names of
+    atomic_save's pattern); say so in one line. Returns the removed paths."""
     folder = Path(folder)
     removed, size = [], 0
     for file in sorted(folder.glob(".*.tmp")) if folder.is_dir() else []:
@@ -107,8 +171,8 @@ def remove_stale_temp_files(folder: Union[str, Path]) -> list[Path]:
             continue  # gone meanwhile, or not ours to delete: leave it
     if removed:
         print(
-            f"removed {len(removed)} stale temp file(s) of interrupted checkpoint saves in {folder} "
-            f"({size / 1e6:.1f} MB): {', '.join(f.name for f in removed)}"
+            f"removed {len(removed)} stale temp file(s) of interrupted checkpoint saves in "
+            f"{folder} ({size / 1e6:.1f} MB): {', '.join(f.name for f in removed)}"
         )
     return removed
 
@@ -137,15 +201,16 @@ def checkpoint_state(
     *,
     snapshot: bool = False,
 ) -> dict:
-    """What save_checkpoint writes. snapshot=True copies every tensor to host memory, so that training can go on
-    changing the weights and optimizer state while the copy is written (CheckpointWriter)."""
+    """What save_checkpoint writes. snapshot=True copies every tensor to host memory, so that
+    training can go on changing the weights and optimizer state while the copy is written
+    (CheckpointWriter)."""
     state = {
         "format": FORMAT_VERSION,
         "version": lss.__version__,
         "step": int(step),
         "config": config_to_dict(config),
         "model": unwrap(model).state_dict(),
-        "optimizer": _portable_optimizer(optimizer.state_dict()) if optimizer is not None else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": _portable_scheduler(scheduler.state_dict()) if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "extra": extra or {},
@@ -163,96 +228,17 @@ def _host_copy(value):
     return value
 
 
-class CheckpointWriter:
-    """Writes checkpoints (atomic_save) in one background thread, in the order submitted, so that training goes on
-    while a file is serialized and synced to disk (about 150 MB for the LSS model with its Adam state).
-
-    `submit(state, path, done, failed)` queues a write of a host snapshot (checkpoint_state(..., snapshot=True));
-    after the file is in place the thread calls `done()`. When a write fails, the later queued ones are dropped and
-    the next `submit` or `wait` raises `failed(error)` for an OSError (the error itself otherwise). At most `depth`
-    writes wait in the queue (submit blocks beyond that), so the host memory of snapshots stays bounded."""
-
-    IDLE_SECONDS = (
-        0.5  # the thread ends after this long without work (a later submit starts a new one)
-    )
-
-    def __init__(self, depth: int = 2):
-        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
-        self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-
-    def submit(
-        self,
-        state: dict,
-        path: Union[str, Path],
-        done: Callable[[], None] = lambda: None,
-        failed: Callable[[OSError], BaseException] = lambda e: e,
-    ) -> None:
-        self._raise_error()
-        with self._lock:
-            self._queue.put((state, Path(path), done, failed))
-            if self._thread is None:
-                # not a daemon: an interpreter that exits still finishes the writes (then the idle thread ends)
-                self._thread = threading.Thread(target=self._run, name="lss-checkpoint-writer")
-                self._thread.start()
-
-    def wait(self) -> None:
-        """Return once every submitted write is done; raise the error of a failed one (once)."""
-        self._queue.join()
-        self._raise_error()
-
-    def _raise_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def _run(self) -> None:
-        while True:
-            try:
-                state, path, done, failed = self._queue.get(timeout=self.IDLE_SECONDS)
-            except queue.Empty:
-                with self._lock:
-                    if self._queue.empty():
-                        self._thread = None
-                        return
-                continue
-            try:
-                if self._error is None:
-                    atomic_save(state, path)
-                    done()
-            except OSError as e:
-                self._error = failed(e)
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                self._error = e
-            finally:
-                del state
-                self._queue.task_done()
-
-
-def _plain(value):
-    return float(value) if torch.is_tensor(value) else value
-
-
-def _portable_optimizer(state: dict) -> dict:
-    """A captured training step (train.cuda_graph) keeps the learning rate as a device tensor and the optimizer
-    capturable; the checkpoint stores the plain form, which either kind of run resumes from."""
-    groups = [
-        {**g, "lr": _plain(g["lr"]), **({"capturable": False} if "capturable" in g else {})}
-        for g in state["param_groups"]
-    ]
-    return {**state, "param_groups": groups}
-
-
 def _portable_scheduler(state: dict) -> dict:
+    """The scheduler's last learning rates as numbers (a captured step keeps them as device
+    tensors)."""
     if "_last_lr" in state:
-        state = {**state, "_last_lr": [_plain(v) for v in state["_last_lr"]]}
+        state = {**state, "_last_lr": [float(v) for v in state["_last_lr"]]}
     return state
 
 
 def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> dict:
-    """Read and validate a checkpoint; raises CheckpointError naming the file and the problem. Removes the stale
-    temp files of interrupted saves next to it (remove_stale_temp_files)."""
+    """Read and validate a checkpoint; raises CheckpointError naming the file and the problem.
+    Removes the stale temp files of interrupted saves next to it (remove_stale_temp_files)."""
     path = Path(path)
     if path.is_dir():
         found = sorted(
@@ -305,18 +291,41 @@ def _config_value(config: dict, key: str):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def check_config_fits(state: dict, config: Config, path: Union[str, Path] = "checkpoint") -> None:
-    """Refuse a checkpoint whose FIXED_KEYS (grid, input size, classes, heads) differ from `config`: its weights
-    would be evaluated on another geometry or read as other classes."""
+def config_mismatches(state: dict, config: Config) -> list[tuple[str, Any, Any]]:
+    """(key, the checkpoint's value, the config's value) of every FIXED_KEYS entry that differs."""
     current = config_to_dict(config)
+    found = []
     for key in FIXED_KEYS:
         trained, wanted = _config_value(state["config"], key), _config_value(current, key)
         if trained is not None and trained != wanted:
-            raise CheckpointError(
-                f"checkpoint {path} was trained with {key}={trained}, the config has {key}="
-                f"{wanted}: set {key} to the checkpoint's value (--set '{key}={trained}') or use "
-                "the config it was trained with (it holds it under 'config')"
-            )
+            found.append((key, trained, wanted))
+    return found
+
+
+def check_config_fits(
+    state: dict,
+    config: Config,
+    path: Union[str, Path] = "checkpoint",
+    hint: Optional[str] = None,
+) -> None:
+    """Refuse a checkpoint whose FIXED_KEYS (grid, input size, classes, heads) differ from
+    `config`: its weights would be evaluated on another geometry or read as other classes. The
+    CheckpointError names every such key with both values, then `hint` (default: how to set the
+    checkpoint's values)."""
+    found = config_mismatches(state, config)
+    if not found:
+        return
+    trained = ", ".join(f"{key}={value}" for key, value, _ in found)
+    wanted = ", ".join(f"{key}={value}" for key, _, value in found)
+    if hint is None:
+        sets = " ".join(f"--set '{key}={value}'" for key, value, _ in found)
+        hint = (
+            f"set the checkpoint's values ({sets}) or use the config it was trained with (it "
+            "holds it under 'config')"
+        )
+    raise CheckpointError(
+        f"checkpoint {path} was trained with {trained}, the config has {wanted}: {hint}"
+    )
 
 
 def checkpoint_config(state: dict) -> Config:
@@ -329,7 +338,8 @@ RENAMED_STATE_KEYS = (("bev.segmentation.", "segmentation.conv."),)
 
 
 def _renamed_keys(weights: dict) -> dict:
-    """The weights with the keys of RENAMED_STATE_KEYS under their current names, so older checkpoints load."""
+    """The weights with the keys of RENAMED_STATE_KEYS under their current names, so older
+    checkpoints load."""
     renamed = {}
     for key, value in weights.items():
         for old, new in RENAMED_STATE_KEYS:
@@ -365,3 +375,40 @@ def load_model_state(model: nn.Module, state: dict, path: Union[str, Path] = "ch
             "holds it under 'config')"
         )
     target.load_state_dict(weights)
+
+
+def load_for_inference(
+    cfg: Config,
+    ckpt: Union[str, Path],
+    device: Optional[torch.device] = None,
+    model_fn: ModelFn = build_model,
+    state: Optional[dict] = None,
+) -> tuple[nn.Module, dict]:
+    """The model of `cfg` with the weights of checkpoint `ckpt`, on `device` (default:
+    select_device) in eval mode, and the checkpoint's state (step, config, ...); `state`: the
+    file already read by load_checkpoint."""
+    state = load_checkpoint(ckpt) if state is None else state
+    device = device or select_device(cfg)
+    # the checkpoint holds every weight: no ImageNet file to find or download (model.pretrained)
+    model = model_fn(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=None))
+    )
+    load_model_state(model, state, ckpt)
+    return model.to(device).eval(), state
+
+
+def load_checkpoint_model(
+    cfg: Config, path: Path, device: torch.device, state: Optional[dict] = None
+) -> tuple[nn.Module, dict]:
+    """load_for_inference, refusing a checkpoint trained with another grid, input size, classes
+    or heads (a CheckpointError naming the keys and both values, also where the weights would not
+    fit); `state`: the file already read by load_checkpoint."""
+    path = Path(path)
+    try:
+        model, state = load_for_inference(cfg, path, device, state=state)
+    except CheckpointError:
+        if path.is_file():  # the clearer reason, when it is one
+            check_config_fits(load_checkpoint(path) if state is None else state, cfg, path)
+        raise
+    check_config_fits(state, cfg, path)
+    return model, state

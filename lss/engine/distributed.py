@@ -1,4 +1,5 @@
-"""Process-group setup for `torchrun --nproc_per_node=K -m lss train ...`; a single process needs none of it."""
+"""Process-group setup for `torchrun --nproc_per_node=K -m lss train ...`; a single process needs
+none of it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class DistInfo:
 
 
 def init_distributed(device_type: str) -> DistInfo:
-    """Join the process group that torchrun describes in RANK/WORLD_SIZE/LOCAL_RANK (NCCL on GPU, gloo on CPU)."""
+    """Join the process group that torchrun describes in RANK/WORLD_SIZE/LOCAL_RANK (NCCL on GPU,
+    gloo on CPU)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return DistInfo()
@@ -38,6 +40,31 @@ def init_distributed(device_type: str) -> DistInfo:
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     return info
+
+
+# what gloo's TCP transport says when the process at the other end of a collective is gone
+GLOO_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting")
+
+
+def lost_peer(error: BaseException, info: DistInfo) -> bool:
+    """Whether `error` is a collective operation of a torchrun run that failed (a process of the
+    run ended or cannot be reached), as opposed to an error of this process's own."""
+    if not info.enabled:
+        return False
+    return isinstance(error, dist.DistError) or any(s in str(error) for s in GLOO_PEER_LOST)
+
+
+def lost_peer_message(error: BaseException, info: DistInfo, step: int, checkpoint: str) -> str:
+    """The message of ProcessGroupError for `error` (lost_peer), raised at `step` on rank
+    `info.rank`; `checkpoint`: what is on disk and how to continue (rank 0 writes checkpoints)."""
+    reason = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    where = checkpoint if info.is_main else "rank 0 writes the checkpoints (its message says which)"
+    return (
+        f"rank {info.rank} of {info.world_size} stops at step {step}: a collective operation "
+        f"with the other processes failed ({type(error).__name__}: {reason[:300]}). Most likely "
+        "another process of this run has ended or cannot be reached; its own error comes first "
+        f"in the log. {where}"
+    )
 
 
 def barrier(info: DistInfo) -> None:
@@ -51,12 +78,13 @@ def shutdown(info: DistInfo) -> None:
 
 
 class EpochSampler(Sampler[int]):
-    """Per-epoch shuffled indices, sharded over ranks, that can start mid-epoch (for exact resume).
+    """Per-epoch shuffled indices, sharded over ranks, that can start mid-epoch (for exact
+    resume).
 
-    The order is a function of (seed, epoch) only. With `pad` each rank gets ceil(len / world_size) indices (the
-    list wraps around, as DistributedSampler does); without it (evaluation) every sample is seen exactly once.
-    The first `start` indices of the rank's share are skipped.
-    """
+    The order is a function of (seed, epoch) only. With `pad` each rank gets ceil(len /
+    world_size) indices (the list wraps around, as DistributedSampler does); without it
+    (evaluation) every sample is seen exactly once. The first `start` indices of the rank's share
+    are skipped."""
 
     def __init__(
         self,

@@ -19,14 +19,12 @@ from lss.engine.build import (
     build_autocast,
     build_dataset,
     build_eval_loader,
-    load_for_inference,
     select_device,
     to_device,
 )
-from lss.engine.checkpoint import check_config_fits, load_checkpoint
+from lss.engine.checkpoint import load_checkpoint_model
 from lss.engine.detection_eval import DetectionCollector
 from lss.engine.metrics import IoUMeter, format_iou_table
-from lss.errors import CheckpointError
 
 
 @torch.no_grad()
@@ -144,22 +142,6 @@ def pad_batch(batch: dict, size: int) -> dict:
         return list(value) + [value[-1]] * extra
 
     return {k: pad(v) for k, v in batch.items()}
-
-
-def load_checkpoint_model(
-    cfg: Config, path: Path, device: torch.device, state: Optional[dict] = None
-) -> tuple[nn.Module, dict]:
-    """load_for_inference, refusing a checkpoint trained with another grid, input size, classes or heads (a
-    CheckpointError naming the key and both values, also where the weights would not fit); `state`: the file already
-    read by load_checkpoint."""
-    try:
-        model, state = load_for_inference(cfg, path, device, state=state)
-    except CheckpointError:
-        if path.is_file():  # the clearer reason, when it is one
-            check_config_fits(load_checkpoint(path) if state is None else state, cfg, path)
-        raise
-    check_config_fits(state, cfg, path)
-    return model, state
 
 
 def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -> dict:

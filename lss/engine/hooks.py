@@ -1,69 +1,94 @@
-"""Hooks around the trainer's run_step: metrics, evaluation, checkpoints and pictures. Hooks that need more than
-the trainer's own state receive callables (an evaluation function, a picture function), so the engine does not
-depend on what computes them.
+"""Hooks around the trainer's run_step: host timing, metrics, evaluation, checkpoints and pictures.
+Hooks that need more than the trainer's own state receive callables (an evaluation function, a
+picture function), so the engine does not depend on what computes them.
 
-A hook sees the trainer (lss.engine.train.Trainer: step, cfg, model, state, save) after every optimizer step and
-once after training; what `after_train` returns goes into train()'s final metrics."""
+A hook sees the trainer (lss.engine.train.Trainer: step, cfg, device, model, state, save) before and
+after every optimizer step and once after training; what `after_train` returns goes into train()'s
+final metrics."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 
-class StepLogs(Mapping):
-    """The logs of one step: host values, plus the step's loss terms as device tensors copied to pinned host memory
-    behind the step. Reading one of those waits for that copy (the one host sync of a step), so the loop reads them
-    only where it must: at the logging interval, and for the finiteness check before the next step's update."""
-
-    def __init__(self, tensors: Optional[dict] = None, **values: float):
-        self._values = dict(values)
-        self._pending: Optional[tuple] = None
-        if tensors:
-            names = sorted(tensors)
-            stacked = torch.stack([tensors[k].detach().float() for k in names])
-            if stacked.is_cuda:
-                host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-                host.copy_(stacked, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._pending = (names, host, event)
-            else:
-                self._values.update(zip(names, stacked.tolist()))
-
-    def add(self, **values: float) -> None:
-        self._values.update(values)
-
-    def _resolve(self) -> None:
-        names, host, event = self._pending
-        event.synchronize()
-        self._values.update(zip(names, host.tolist()))
-        self._pending = None
-
-    def __getitem__(self, key: str) -> float:
-        if self._pending is not None and key in self._pending[0]:
-            self._resolve()
-        return self._values[key]
-
-    def __iter__(self):
-        return iter([*self._values, *(self._pending[0] if self._pending is not None else ())])
-
-    def __len__(self) -> int:
-        return len(self._values) + (len(self._pending[0]) if self._pending is not None else 0)
-
-
 class Hook:
+    def before_step(self, trainer, batches: list[dict]) -> None:
+        """`batches`: the step's micro-batches (host memory), fetched and not yet run."""
+
     def after_step(self, trainer, logs: dict) -> None:
         """`logs`: the step's loss terms, grad_norm, lr, step_time and samples_per_s."""
 
     def after_train(self, trainer) -> Optional[dict]:
         return None
+
+    def close(self) -> None:
+        """Release what the hook holds; runs when training ends, also with an error."""
+
+
+class StepTimer(Hook):
+    """The loop's clock (register it first: it adds step_time and samples_per_s to the logs the
+    later hooks read). `phases`: each start-up phase's end in seconds since `started`
+    (time.perf_counter() when train() was called): train() marks its own, this hook "first_batch"
+    and "first_step" (after a device synchronize). `first_step_detail`: the step's own split of its
+    first call (its setup_seconds)."""
+
+    def __init__(self, started: Optional[float] = None):
+        self.started = time.perf_counter() if started is None else started
+        self.phases: dict[str, float] = {}
+        self.first_step_detail: dict[str, float] = {}
+        self._fetch_s = self._wait_s = 0.0  # host seconds since the last take_host_split
+        self._split_since, self._split_step = time.perf_counter(), 0
+
+    def mark(self, phase: str, at: Optional[float] = None) -> None:
+        """Note the end of start-up phase `phase` (default: now) in seconds since `started`."""
+        end = time.perf_counter() if at is None else at
+        self.phases[phase] = round(end - self.started, 3)
+
+    def after_step(self, trainer, logs) -> None:
+        host = logs.host
+        if "first_step" not in self.phases:
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize(trainer.device)
+            self.mark("first_batch", host["fetched"])
+            self.mark("first_step")
+            self.first_step_detail = {
+                k: round(v, 3) for k, v in trainer.train_step.setup_seconds.items()
+            }
+            self.take_host_split(trainer.step)  # the split covers the steps after the first
+            step_time = time.perf_counter() - host["start"]
+        else:
+            self._fetch_s += host["fetched"] - host["start"]
+            self._wait_s += host["wait"]
+            step_time = host["ran"] - host["start"]
+        t = trainer.cfg.train
+        samples = t.batch_size * t.grad_accum * trainer.dist.world_size
+        logs.add(step_time=step_time, samples_per_s=samples / step_time)
+
+    def take_host_split(self, step: int) -> dict:
+        """Where the loop's host time went since the last call, in mean ms per step: "fetch_ms"
+        waiting for the loader's next batch, "wait_ms" waiting for the device in a deferred loss
+        check (the captured step), "other_ms" everything else (the batch's copy, launches, logging,
+        hooks). Resets the sums."""
+        now = time.perf_counter()
+        steps = step - self._split_step
+        split = {}
+        if steps > 0:
+            total = now - self._split_since
+            split = {
+                "fetch_ms": 1e3 * self._fetch_s / steps,
+                "wait_ms": 1e3 * self._wait_s / steps,
+                "other_ms": 1e3 * (total - self._fetch_s - self._wait_s) / steps,
+            }
+        self._fetch_s = self._wait_s = 0.0
+        self._split_since, self._split_step = now, step
+        return split
 
 
 def is_due(trainer, period: int) -> bool:
@@ -73,8 +98,9 @@ def is_due(trainer, period: int) -> bool:
 
 
 class MetricsWriter:
-    """metrics.jsonl plus tensorboard events in the run directory (rank 0 only). The tensorboard writer is made at
-    the first record: its import (tensorboard, protobuf, fsspec) comes after the first step."""
+    """metrics.jsonl plus tensorboard events in the run directory (rank 0 only). The tensorboard
+    writer is made at the first record: its import (tensorboard, protobuf, fsspec) comes after the
+    first step."""
 
     def __init__(self, out_dir: Path, resume_step: Optional[int]):
         self.path = out_dir / "metrics.jsonl"
@@ -91,7 +117,8 @@ class MetricsWriter:
 
     @property
     def tb(self):
-        """The tensorboard SummaryWriter (made on first use; events past `resume_step` are purged)."""
+        """The tensorboard SummaryWriter (made on first use; events past `resume_step` are
+        purged)."""
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -123,31 +150,29 @@ def _flatten(values: dict, prefix: str = ""):
 
 
 class LogHook(Hook):
-    """A "train" record every `period` steps, with `elapsed`: seconds since `started` (time.perf_counter() when
-    train() was called, so the record shows the time to the first step, start-up included). After the first step
-    also a "startup" record: {"phases": the trainer's start-up phases, each the seconds since train() was called
-    when it ended, "first_step_detail": the parts of the first step, each its own seconds (with train.cuda_graph: the
-    warm-up steps and the capture; else empty)}. Reading the step's loss terms waits for the step (StepLogs): only at
-    the period. A "train" record also holds "host": the trainer's take_host_split() since the previous record."""
+    """A "train" record every `period` steps, with `elapsed`: seconds since the timer's start (when
+    train() was called, so the record shows the time to the first step, start-up included) and
+    "host": the timer's take_host_split() since the previous record. After the first step also a
+    "startup" record: {"phases": the timer's start-up phases, "first_step_detail": the parts of the
+    first step, each its own seconds (the captured step's warm-up steps and capture; else empty)}.
+    Reading the step's loss terms waits for the step (StepLogs): only at the period. Runs after the
+    timer (StepTimer)."""
 
-    def __init__(self, period: int, writer: MetricsWriter, started: float):
-        self.period, self.writer, self.started = period, writer, started
+    def __init__(self, period: int, writer: MetricsWriter, timer: StepTimer):
+        self.period, self.writer, self.timer = period, writer, timer
         self.startup_written = False
 
     def after_step(self, trainer, logs) -> None:
         if not self.startup_written:
-            graph_step = getattr(trainer, "graph_step", None)
-            detail = graph_step.setup_seconds if graph_step is not None else {}
             startup = {
-                "phases": dict(getattr(trainer, "phases", {})),
-                "first_step_detail": {k: round(v, 3) for k, v in detail.items()},
+                "phases": dict(self.timer.phases),
+                "first_step_detail": dict(self.timer.first_step_detail),
             }
             self.writer.write("startup", trainer.step, startup)
             self.startup_written = True
         if is_due(trainer, self.period):
-            record = {**logs, "elapsed": time.perf_counter() - self.started}
-            if hasattr(trainer, "take_host_split"):
-                record["host"] = trainer.take_host_split()
+            record = {**logs, "elapsed": time.perf_counter() - self.timer.started}
+            record["host"] = self.timer.take_host_split(trainer.step)
             self.writer.write("train", trainer.step, record)
 
     def after_train(self, trainer) -> None:
@@ -155,8 +180,8 @@ class LogHook(Hook):
 
 
 def detection_curve_point(summary: dict) -> dict:
-    """What the metrics file keeps of a detection evaluation (lss.engine.detection_eval.summarize): mAP, NDS, the
-    vehicle classes' mAP and NDS and every class's AP."""
+    """What the metrics file keeps of a detection evaluation (lss.engine.detection_eval.summarize):
+    mAP, NDS, the vehicle classes' mAP and NDS and every class's AP."""
     vehicles = summary.get("vehicles", {})
     return {
         "mAP": summary["mAP"],
@@ -168,10 +193,10 @@ def detection_curve_point(summary: dict) -> dict:
 
 
 class EvalHook(Hook):
-    """`eval_function()` (returning lss.engine.eval.evaluate's dict) every `period` steps and at the end; best.pt
-    follows the mean IoU. Every rank runs it (evaluation sums over ranks); only rank 0 has a `writer`.
-    `prepare()` (EvalPasses.arm) starts the next evaluation's data ahead: after the run's first step and after
-    each evaluation but the last."""
+    """`eval_function()` (returning lss.engine.eval.evaluate's dict) every `period` steps and at the
+    end; best.pt follows the mean IoU. Every rank runs it (evaluation sums over ranks); only rank 0
+    has a `writer`. `prepare()` (EvalPasses.arm) starts the next evaluation's data ahead: after the
+    run's first step and after each evaluation but the last."""
 
     def __init__(
         self,
@@ -244,7 +269,8 @@ class CheckpointHook(Hook):
 
 
 class VizHook(Hook):
-    """The picture of `picture_function()` (H x W x 3 uint8) into tensorboard every `period` steps and at the end."""
+    """The picture of `picture_function()` (H x W x 3 uint8) into tensorboard every `period` steps
+    and at the end."""
 
     def __init__(
         self,

@@ -1,10 +1,14 @@
-"""`lss export`: a checkpoint's segmentation network to an ONNX file (TorchScript exporter, opset >= 16)."""
+"""`lss export`: a checkpoint's segmentation network to an ONNX file (TorchScript exporter, opset
+16 or later)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import inspect
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Optional, Union
@@ -23,7 +27,8 @@ SPLATS = ("onnx", "custom")
 
 
 def trained_upsample_mode(state: dict, cfg: Config) -> str:
-    """The decoder's resize mode the checkpoint was trained with (its config), else the given config's."""
+    """The decoder's resize mode the checkpoint was trained with (its config), else the given
+    config's."""
     saved = state.get("config", {})
     saved = saved.get("model", {}) if isinstance(saved, dict) else {}
     return saved.get("upsample_mode", cfg.model.upsample_mode)
@@ -52,7 +57,8 @@ def check_options(opset: int, splat: str, rig_inputs: bool, resize_mode: Optiona
 
 
 def read_rig(path: Union[str, Path], num_cameras: int) -> dict:
-    """A rig file (JSON, as `lss export` writes next to the model): RIG_KEYS -> N x 3 x 3 / N x 3 lists."""
+    """A rig file (JSON, as `lss export` writes next to the model): RIG_KEYS -> N x 3 x 3 / N x 3
+    lists."""
     path = Path(path)
     if not path.is_file():
         raise ArgumentError(
@@ -72,7 +78,8 @@ def read_rig(path: Union[str, Path], num_cameras: int) -> dict:
 
 
 def check_rig(rig: dict, num_cameras: int, where: str = "rig") -> None:
-    """Every rig tensor has the fixed-rig shape: N x 3 x 3 (intrinsics, rotations) or N x 3 (translations)."""
+    """Every rig tensor has the fixed-rig shape: N x 3 x 3 (intrinsics, rotations) or N x 3
+    (translations)."""
     for key in RIG_KEYS:
         want = (
             (num_cameras, 3, 3)
@@ -87,12 +94,36 @@ def check_rig(rig: dict, num_cameras: int, where: str = "rig") -> None:
             )
 
 
+@contextlib.contextmanager
+def replacing(path: Path):
+    """Yields a temporary path beside `path` to write; renamed over `path` when the block ends
+    without an error, deleted otherwise: `path` never holds a partial file, and a failed write
+    leaves an existing file there as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        kept = "the existing file there is unchanged" if path.exists() else "nothing was written"
+        todo = "free some space or choose" if e.errno == errno.ENOSPC else "choose"
+        raise OSError(
+            f"could not write {path} ({e.strerror or e}); {kept}; {todo} another --out"
+        ) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_rig(rig: dict, path: Path) -> None:
-    path.write_text(json.dumps({k: rig[k].tolist() for k in RIG_KEYS}, indent=1) + "\n")
+    with replacing(path) as tmp:
+        tmp.write_text(json.dumps({k: rig[k].tolist() for k in RIG_KEYS}, indent=1) + "\n")
 
 
 def dataset_rig(cfg: Config, index: int = 0) -> dict:
-    """The rig (and evaluation augmentation) of validation sample `index`: the fixed rig by default."""
+    """The rig (and evaluation augmentation) of validation sample `index`: the fixed rig by
+    default."""
     from lss.engine.build import build_dataset
 
     dataset = build_dataset(cfg, cfg.data.val_split, False)
@@ -116,10 +147,12 @@ def export_model(
     upsample_mode: Optional[str] = None,
     resize_mode: Optional[str] = None,
 ) -> Path:
-    """Write the segmentation network of LiftSplatShoot `model` to `out` (ONNX). Inputs: "images" B x N x 3 x H x W
-    (normalised as the data path does), with rig_inputs also the RIG_KEYS B x N x ...; output "segmentation"
-    B x K x nx x ny logits. The batch size is dynamic. upsample_mode: the mode the model was trained with
-    (default cfg.model.upsample_mode); resize_mode: the Resize coordinate mode written (default: upsample_mode)."""
+    """Write the segmentation network of LiftSplatShoot `model` to `out` (ONNX; written to a
+    temporary file first, see `replacing`). Inputs: "images" B x N x 3 x H x W (normalised as the
+    data path does), with rig_inputs also the RIG_KEYS B x N x ...; output "segmentation"
+    B x K x nx x ny logits. The batch size is dynamic. upsample_mode: the mode the model was trained
+    with (default cfg.model.upsample_mode); resize_mode: the Resize coordinate mode written
+    (default: upsample_mode)."""
     check_options(opset, splat, rig_inputs, resize_mode)
     num_cameras = len(cfg.data.cameras)
     if not rig_inputs:
@@ -147,19 +180,19 @@ def export_model(
         )
         names += list(RIG_KEYS)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings(), torch.no_grad():
+    with replacing(out) as tmp, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter(
             "ignore"
         )  # the TorchScript exporter's deprecation and tracer warnings
-        # the TorchScript exporter: the default since torch 2.9 is the torch.export one (needs onnxscript)
+        # the TorchScript exporter: the default since torch 2.9 is the torch.export one (needs
+        # onnxscript)
         legacy = (
             {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
         )
         torch.onnx.export(
             deploy,
             tuple(args),
-            str(out),
+            str(tmp),
             opset_version=opset,
             input_names=names,
             output_names=["segmentation"],
@@ -171,7 +204,8 @@ def export_model(
 
 
 def _example_rig(num_cameras: int) -> list[torch.Tensor]:
-    """A rig to trace with (values do not matter: the table is computed in the graph): 1 x N x ..."""
+    """A rig to trace with (values do not matter: the table is computed in the graph):
+    1 x N x ..."""
     eye = torch.eye(3).expand(1, num_cameras, 3, 3).clone()
     zeros = torch.zeros(1, num_cameras, 3)
     K = eye.clone()
@@ -191,11 +225,11 @@ def export_checkpoint(
     opset: int = DEFAULT_OPSET,
     resize_mode: Optional[str] = None,
 ) -> dict:
-    """`lss export`: load checkpoint `ckpt`, write `out` and, for a fixed rig, OUT.rig.json (the rig baked in).
-    Returns what the check needs: {"model" (PyTorch, CPU, eval), "path", "rig", "rig_path" (None with rig inputs),
-    "upsample_mode", "resize_mode"}."""
+    """`lss export`: load checkpoint `ckpt`, write `out` and, for a fixed rig, OUT.rig.json (the rig
+    baked in). Returns what the check needs: {"model" (PyTorch, CPU, eval), "path", "rig",
+    "rig_path" (None with rig inputs), "upsample_mode", "resize_mode"}."""
     from lss.engine.checkpoint import load_checkpoint
-    from lss.engine.eval import load_checkpoint_model
+    from lss.engine.checkpoint import load_checkpoint_model
 
     check_options(opset, splat, rig_inputs, resize_mode)
     path = Path(ckpt)

@@ -2,8 +2,10 @@
 
 Each piece that the TorchScript exporter cannot write as we mean it is an autograd.Function with a `symbolic`: its
 forward runs our PyTorch op (the values the graph is traced with), its symbolic writes the ONNX node.
-- `ResizeFn`: lss.ops.upsample_bilinear -> ONNX Resize (mode "linear") with the op's coordinate mode, 1:1 (the op's
-  modes are the Resize `coordinate_transformation_mode` names, with the same arithmetic).
+- `ResizeFn`: lss.ops.upsample_bilinear -> ONNX Resize (mode "linear") with the op's coordinate
+  mode, 1:1 (the op's modes are the Resize `coordinate_transformation_mode` names; the forward
+  computes ONNX's arithmetic of the mode, which for pytorch_half_pixel differs from the op's on an
+  output axis of length 1).
 - `ScatterAddFn`: summing rows into a zero tensor -> ONNX ScatterND with reduction "add" (opset >= 16).
 - `BevPoolFn`: bev_pool with a one-sample lookup table -> one node `lss.BevPool` (see docs/export.md).
 """
@@ -16,17 +18,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lss.geometry import FrustumLUT, frustum_to_ego
-from lss.ops import UpsampleBilinear, bev_pool, upsample_bilinear
+from lss.geometry import RIG_KEYS, FrustumLUT, frustum_to_ego
+from lss.geometry.lut import cell_indices
+from lss.ops import UpsampleBilinear, bev_pool, upsample_bilinear_reference
 
-RIG_KEYS = ("intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")
 CUSTOM_DOMAIN = "lss"
 
 
 class ResizeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, size, scale_factor, mode):
-        return upsample_bilinear(x, size=size, scale_factor=scale_factor, mode=mode)
+        return upsample_bilinear_reference(x, size, scale_factor, mode, onnx_rule=True)
 
     @staticmethod
     def symbolic(g, x, size, scale_factor, mode):
@@ -165,13 +167,14 @@ class DeployModel(nn.Module):
         self.camera, self.bev, self.segmentation = model.camera, model.bev, model.segmentation
         self.splat_mode = splat
         self.grid = model.grid
+        self.binning = model.splat.binning  # model.splat_binning
         self.register_buffer("frustum", model.splat.frustum, persistent=False)
         D, fH, fW, _ = self.frustum.shape
         self.nz, self.nx, self.ny = self.grid.nz, self.grid.nx, self.grid.ny
         if splat == "rig_inputs":
             return
         points = frustum_to_ego(self.frustum, *(rig[k].float()[None] for k in RIG_KEYS))
-        lut = FrustumLUT.build(points, self.grid)
+        lut = FrustumLUT.build(points, self.grid, self.binning)
         if splat == "custom":
             self.register_buffer("sorted_points", lut.sorted_points, persistent=False)
             self.register_buffer("cell_start", lut.cell_start, persistent=False)
@@ -239,9 +242,7 @@ class DeployModel(nn.Module):
         B, C = depth.shape[0], pixels.shape[-1]
         points = frustum_to_ego(self.frustum, *rig)  # B x N x D x fH x fW x 3
         N, D, fH, fW = points.shape[1:5]
-        cell = torch.stack(
-            [torch.floor(self.grid.to_cells(points[..., a], a)) for a in range(3)], dim=-1
-        )
+        cell = cell_indices(points, self.grid, self.binning)
         bounds = torch.tensor([self.nx, self.ny, self.nz], dtype=cell.dtype, device=cell.device)
         kept = ((cell >= 0) & (cell < bounds)).all(dim=-1).reshape(B, -1)
         cell = cell.reshape(B, -1, 3).long()

@@ -16,9 +16,15 @@ class BevEncoder(nn.Module):
 
     feature_channels = 128
 
-    def __init__(self, in_channels: int, upsample_mode: str = "pytorch_half_pixel"):
+    def __init__(
+        self,
+        in_channels: int,
+        upsample_mode: str = "pytorch_half_pixel",
+        zero_init_residual: bool = False,
+    ):
         super().__init__()
-        trunk = resnet18(weights=None)
+        # model.bev_zero_init_residual: every residual block starts as the identity
+        trunk = resnet18(weights=None, zero_init_residual=zero_init_residual)
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False),
             trunk.bn1,

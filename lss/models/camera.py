@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+import urllib.parse
 from pathlib import Path
 from typing import Optional
 
@@ -11,6 +13,34 @@ from torch import nn
 
 from lss.errors import ConfigError
 from lss.models.blocks import Up
+
+# model.pretrained's value for efficientnet-pytorch's own ImageNet weights (torch.hub's cache)
+IMAGENET = "imagenet"
+
+
+def load_imagenet_from_hub(net: nn.Module, name: str) -> None:
+    """Load efficientnet-pytorch's ImageNet weights of `name` into the whole network `net` through
+    the library's loader, which reads torch.hub's cache and downloads the file there when it is
+    missing. Offline with no cached copy: a ConfigError that says where to put the file or how to
+    pass its path."""
+    from efficientnet_pytorch import utils
+
+    url = utils.url_map[name]
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urllib.parse.urlparse(url).path).name
+    try:
+        utils.load_pretrained_weights(net, name, load_fc=True, verbose=False)
+    except OSError as e:  # urllib's URLError (no network, no such file) is an OSError
+        raise ConfigError(
+            f"model.pretrained=imagenet: the {name} ImageNet weights are not in torch.hub's cache "
+            f"({cached}) and could not be downloaded from {url} ({e}). Download that file and "
+            f"pass its path (model.pretrained=/path/to/{cached.name}), or copy it to {cached}"
+        ) from None
+    except (RuntimeError, AssertionError, pickle.UnpicklingError) as e:  # a damaged or foreign file
+        raise ConfigError(
+            f"model.pretrained=imagenet: {cached} is not the {name} ImageNet state dict ({e}); "
+            "delete it so that it is downloaded again, or pass a local file's path"
+        ) from None
+
 
 # Modules of the classification network that the encoder never runs (dropping them keeps DDP free of unused params).
 _UNUSED_TRUNK_MODULES = ("_conv_head", "_bn1", "_avg_pooling", "_dropout", "_fc")
@@ -29,22 +59,25 @@ class EfficientNetTrunk(nn.Module):
     def __init__(self, name: str = "efficientnet-b0", pretrained: Optional[str] = None):
         super().__init__()
         net = EfficientNet.from_name(name)
+        if pretrained == IMAGENET:
+            load_imagenet_from_hub(net, name)
         net.set_swish(
             memory_efficient=False
         )  # plain x*sigmoid(x): traceable by torch.compile and ONNX export
         for attr in _UNUSED_TRUNK_MODULES:
             delattr(net, attr)
         self.net = net
-        if pretrained:
+        if pretrained and pretrained != IMAGENET:
             self.load_imagenet(pretrained)
 
     def load_imagenet(self, path: str) -> None:
-        """Load ImageNet weights saved by efficientnet-pytorch (a state dict file); never downloads."""
+        """Load ImageNet weights saved by efficientnet-pytorch from a local state dict file."""
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(
-                f"model.pretrained={path!r} does not exist; download efficientnet-b0 ImageNet weights "
-                "(efficientnet-b0-355c32eb.pth) to a local file and point model.pretrained at it, or set it to null"
+                f"model.pretrained={path!r} does not exist; set it to imagenet (efficientnet-"
+                "pytorch's weights, downloaded once into torch.hub's cache), to a local "
+                "efficientnet-b0 state dict (efficientnet-b0-355c32eb.pth), or to null"
             )
         state = torch.load(file, map_location="cpu", weights_only=True)
         state = {k: v for k, v in state.items() if k.split(".")[0] not in _UNUSED_TRUNK_MODULES}

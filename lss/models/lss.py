@@ -1,13 +1,9 @@
-"""LiftSplatShoot: camera images -> depth-weighted frustum features -> BEV grid -> per-class BEV logits."""
+"""LiftSplatShoot: camera images -> depth-weighted frustum features -> BEV grid -> the heads."""
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
 from torch import nn
 
-from lss.boxes import Proposals, ground_truth_proposals
 from lss.config import Config
 from lss.geometry import BevGrid
 from lss.models.bev import BevEncoder
@@ -17,27 +13,35 @@ from lss.models.splat import Splat
 
 
 class LiftSplatShoot(nn.Module):
-    """forward(batch) -> {"segmentation": B x K x nx x ny logits, "depth_logits": B x N x D x fH x fW (the camera
-    depth distribution before its softmax, for lidar depth supervision)}, K = len(config.data.classes); with
-    "detection" in model.heads also the DetectionHead outputs ("det_heatmap", "det_regression", ...;
-    lss.models.heads.detection).
+    """forward(batch) -> {"segmentation": B x K x nx x ny logits, "depth_logits":
+    B x N x D x fH x fW (the camera depth distribution before its softmax, for lidar depth
+    supervision)},
+    K = len(config.data.classes); with "detection" in model.heads also the DetectionHead outputs
+    ("det_heatmap", "det_regression", ...; lss.models.heads.detection).
 
-    batch holds "images" B x N x 3 x H x W and the rig: "intrinsics", "sensor2ego_rot", "post_rot" (B x N x 3 x 3),
-    "sensor2ego_trans", "post_trans" (B x N x 3), as produced by lss.data.collate; while training with the
-    detection head's second stage, its "det_boxes"/"det_labels" (when present) give the jittered ground-truth
-    proposals (detection.refine_gt_proposals).
+    batch holds "images" B x N x 3 x H x W and the rig (lss.geometry.RIG_KEYS): "intrinsics",
+    "sensor2ego_rot", "post_rot" (B x N x 3 x 3), "sensor2ego_trans", "post_trans" (B x N x 3), as
+    produced by lss.data.collate. Its ground-truth boxes "det_boxes" / "det_labels", when present,
+    go to the detection head as they are (its second stage adds jittered copies as proposals while
+    training, detection.refine_gt_proposals).
     """
 
     def __init__(self, config: Config):
         super().__init__()
         model, data = config.model, config.data
-        grid = BevGrid.from_config(
-            config.grid
-        )  # its sizes were checked when the config loaded (lss.config.validate)
+        # its sizes were checked when the config loaded (lss.config.validate)
+        grid = BevGrid.from_config(config.grid)
         self.classes = tuple(data.classes)
         self.grid = grid
-        self.refine_gt_proposals = config.detection.refine and config.detection.refine_gt_proposals
-        self.splat = Splat(grid, data.final_dim, model.downsample, config.grid.dbound, model.splat)
+        self.splat = Splat(
+            grid,
+            data.final_dim,
+            model.downsample,
+            config.grid.dbound,
+            model.splat,
+            model.frustum_pixels,
+            model.splat_binning,
+        )
         self.camera = CameraEncoder(
             self.splat.depth_bins,
             model.context_channels,
@@ -45,10 +49,12 @@ class LiftSplatShoot(nn.Module):
             model.pretrained,
             model.upsample_mode,
         )
-        self.bev = BevEncoder(grid.nz * model.context_channels, model.upsample_mode)
+        self.bev = BevEncoder(
+            grid.nz * model.context_channels, model.upsample_mode, model.bev_zero_init_residual
+        )
         self.segmentation = SegmentationHead(BevEncoder.feature_channels, len(self.classes))
         self.detection = (
-            DetectionHead(BevEncoder.feature_channels, config)
+            DetectionHead(BevEncoder.feature_channels, config.detection, grid)
             if "detection" in model.heads
             else None
         )
@@ -70,19 +76,6 @@ class LiftSplatShoot(nn.Module):
             "depth_logits": depth_logits.unflatten(0, (b, n)),
         }
         if self.detection is not None:
-            outputs.update(self.detection(features, self._ground_truth_proposals(batch, features)))
+            truth = {"gt_boxes": batch.get("det_boxes"), "gt_labels": batch.get("det_labels")}
+            outputs.update(self.detection(features, **truth))
         return outputs
-
-    def _ground_truth_proposals(self, batch: dict, features: torch.Tensor) -> Optional[Proposals]:
-        """The batch's jittered ground-truth boxes for the detection head's second stage, only while training."""
-        if not (self.training and self.refine_gt_proposals and "det_boxes" in batch):
-            return None
-        grid = self.grid.with_shape(features.shape[-2:])
-        with torch.no_grad():
-            return ground_truth_proposals(
-                batch["det_boxes"],
-                batch["det_labels"],
-                grid,
-                self.detection.num_classes,
-                features.device,
-            )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lss.geometry import BevGrid, FrustumLUT, FrustumLUTCache, frustum, frustum_to_ego
+from lss.geometry import RIG_KEYS, BevGrid, FrustumLUT, FrustumLUTCache, frustum, frustum_to_ego
 from lss.ops import bev_pool, bev_pool_reference
 
 
@@ -14,7 +14,9 @@ class Splat(nn.Module):
 
     lut(batch) -> FrustumLUT for the batch's camera rig and augmentation (float32 geometry, autocast off);
     forward(depth B x N x D x fH x fW, context B x N x C x fH x fW, lut) -> B x (nz*C) x nx x ny.
-    impl is model.splat ("bev_pool" or "reference", checked when the config loads).
+    impl is model.splat ("bev_pool" or "reference", checked when the config loads); frustum_pixels
+    and binning are model.frustum_pixels (lss.geometry.frustum) and model.splat_binning
+    (lss.geometry.lut.cell_indices).
     """
 
     def __init__(
@@ -24,13 +26,18 @@ class Splat(nn.Module):
         downsample: int,
         dbound: tuple[float, float, float],
         impl: str = "bev_pool",
+        frustum_pixels: str = "centres",
+        binning: str = "floor",
     ):
         super().__init__()
         self.grid = grid
         self.impl = impl
+        self.binning = binning
         # D x fH x fW x 3 (u, v, depth) in augmented-image pixels; a constant that follows the module's device
         self.register_buffer(
-            "frustum", frustum(final_dim, downsample, dbound).float(), persistent=False
+            "frustum",
+            frustum(final_dim, downsample, dbound, frustum_pixels).float(),
+            persistent=False,
         )
         self.lut_cache = FrustumLUTCache()
 
@@ -39,14 +46,14 @@ class Splat(nn.Module):
         return self.frustum.shape[0]
 
     def lut(self, batch: dict) -> FrustumLUT:
-        names = ("intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")
-        rig = [batch[k].to(device=self.frustum.device, dtype=torch.float32) for k in names]
+        rig = [batch[k].to(device=self.frustum.device, dtype=torch.float32) for k in RIG_KEYS]
         with torch.autocast(device_type=self.frustum.device.type, enabled=False):
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 # inside a captured training step (train.cuda_graph) the rig changes every replay and the cache's
                 # comparison would need a host sync: build every time
-                return FrustumLUT.build(frustum_to_ego(self.frustum.contiguous(), *rig), self.grid)
-            return self.lut_cache.get(self.frustum.contiguous(), *rig, self.grid)
+                points = frustum_to_ego(self.frustum.contiguous(), *rig)
+                return FrustumLUT.build(points, self.grid, self.binning)
+            return self.lut_cache.get(self.frustum.contiguous(), *rig, self.grid, self.binning)
 
     def forward(self, depth: torch.Tensor, context: torch.Tensor, lut: FrustumLUT) -> torch.Tensor:
         if self.impl == "reference":

@@ -7,22 +7,26 @@ from typing import Sequence, Union
 
 import torch
 
+from lss.ops._args import real_number, whole_number
+
 Rois = Union[torch.Tensor, Sequence[torch.Tensor]]
 
-# Most bilinear samples per bin side for an explicit sampling_ratio: 64 x 64 samples a bin is far beyond what any
-# detector uses (0 or 2) and still finishes quickly; larger values only burn time (100000 runs for minutes).
+# Most bilinear samples per bin side for an explicit sampling_ratio: 64 x 64 samples a bin is far
+# beyond what any detector uses (0 or 2) and still finishes quickly; larger values only burn time.
 MAX_SAMPLING_RATIO = 64
 
 
 def output_hw(output_size, op: str) -> tuple[int, int]:
     """(PH, PW) from an int or an (h, w) pair."""
-    if isinstance(output_size, int):
+    if isinstance(output_size, int) and not isinstance(output_size, bool):
         if output_size > 0:  # the common case: no pair to check
             return output_size, output_size
         size = (output_size, output_size)
     else:
-        size = tuple(output_size)
-    if len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
+        size = tuple(output_size) if isinstance(output_size, (tuple, list, torch.Size)) else ()
+    if len(size) != 2 or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size
+    ):
         raise ValueError(
             f"lss.ops.{op}: output_size must be a positive int or an (h, w) pair of positive ints, "
             f"got {output_size!r}"
@@ -31,21 +35,20 @@ def output_hw(output_size, op: str) -> tuple[int, int]:
 
 
 def check_spatial_scale(spatial_scale: float, op: str) -> float:
-    """spatial_scale as a float, finite and > 0 (NaN would pool to NaN or zeros, <= 0 collapses every roi)."""
-    scale = float(spatial_scale)
+    """spatial_scale as a float, finite and > 0 (NaN would pool to NaN or zeros, <= 0 collapses
+    every roi)."""
+    scale = real_number(spatial_scale, "spatial_scale", op)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(
-            f"lss.ops.{op}: spatial_scale must be a finite number > 0 (feature-map pixels per input "
-            f"pixel, e.g. 1/8 for a stride-8 map), got {spatial_scale!r}"
+            f"lss.ops.{op}: spatial_scale must be a finite number > 0 (feature-map pixels per "
+            f"input pixel, e.g. 1/8 for a stride-8 map), got {spatial_scale!r}"
         )
     return scale
 
 
 def check_sampling_ratio(sampling_ratio: int, op: str) -> int:
     """sampling_ratio as an int, at most MAX_SAMPLING_RATIO (<= 0 is the adaptive rule)."""
-    if isinstance(sampling_ratio, bool) or int(sampling_ratio) != sampling_ratio:
-        raise ValueError(f"lss.ops.{op}: sampling_ratio must be an integer, got {sampling_ratio!r}")
-    ratio = int(sampling_ratio)
+    ratio = whole_number(sampling_ratio, "sampling_ratio", op)
     if ratio > MAX_SAMPLING_RATIO:
         raise ValueError(
             f"lss.ops.{op}: sampling_ratio must be <= {MAX_SAMPLING_RATIO} samples per bin side "
@@ -65,9 +68,9 @@ def check_input(input: torch.Tensor, op: str) -> None:
 
 
 def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
-    """K x 5 (batch index, x1, y1, x2, y2) rois from a K x 5 tensor or a list of L_i x 4 boxes (one per image),
-    in float32 (float64 for float64 features) on the features' device. Values are checked by the kernels
-    (raise_on_bad_rois) or check_roi_values."""
+    """K x 5 (batch index, x1, y1, x2, y2) rois from a K x 5 tensor or a list of L_i x 4 boxes (one
+    per image), in float32 (float64 for float64 features) on the features' device. Values are
+    checked by the kernels (raise_on_bad_rois) or check_roi_values."""
     dtype = torch.float64 if input.dtype == torch.float64 else torch.float32
     if isinstance(rois, torch.Tensor):
         if rois.dim() != 2 or rois.shape[1] != 5:
@@ -103,7 +106,8 @@ def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
             raise ValueError(
                 f"lss.ops.{op}: rois[{i}] is on {boxes.device} but input is on {input.device}"
             )
-    # One copy per image into a preallocated K x 5 tensor and one fill per image for its index column.
+    # One copy per image into a preallocated K x 5 tensor and one fill per image for its index
+    # column.
     out = torch.empty(sum(b.shape[0] for b in rois), 5, dtype=dtype, device=input.device)
     start = 0
     for i, boxes in enumerate(rois):
@@ -116,9 +120,9 @@ def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def check_roi_values(rois: torch.Tensor, batch_size: int, op: str) -> None:
-    """Raise on non-finite coordinates or batch indices that are not integers in [0, batch_size), with the errors of
-    raise_on_bad_rois. The references' check (the kernels report bad rois in their record instead). Skipped while
-    tracing (torch.compile)."""
+    """Raise on non-finite coordinates or batch indices that are not integers in [0, batch_size),
+    with the errors of raise_on_bad_rois. The references' check (the kernels report bad rois in
+    their record instead). Skipped while tracing (torch.compile)."""
     if rois.shape[0] == 0 or torch.compiler.is_compiling():
         return
     index = rois[:, 0]
@@ -129,17 +133,18 @@ def check_roi_values(rois: torch.Tensor, batch_size: int, op: str) -> None:
 
 
 def should_validate(validate, input: torch.Tensor) -> bool:
-    """validate=None (the ops' default) reads the bad-roi record only where that costs no host sync (CPU). The
-    wrappers pass the answer to the forward op as record_bad_rois: a record nobody reads is not kept (on CUDA, no
-    allocation and memset of it per call)."""
+    """validate=None (the ops' default) reads the bad-roi record only where that costs no host sync
+    (CPU). The wrappers pass the answer to the forward op as record_bad_rois: a record nobody reads
+    is not kept (on CUDA, no allocation and memset of it per call)."""
     return (not input.is_cuda) if validate is None else bool(validate)
 
 
 def raise_on_bad_rois(bad_rois: torch.Tensor, rois: torch.Tensor, batch_size: int, op: str) -> None:
-    """Raise for the first bad roi in a forward op's record (its third output with record_bad_rois=True: the first
-    roi with non-finite coordinates and the first with a bad batch index, -1 for none), non-finite coordinates first.
-    Reading the record waits for the kernel (a host sync); skipped while tracing (torch.compile) or capturing a CUDA
-    graph, where bad rois just pool to zeros."""
+    """Raise for the first bad roi in a forward op's record (its third output with
+    record_bad_rois=True: the first roi with non-finite coordinates and the first with a bad batch
+    index, -1 for none), non-finite coordinates first. Reading the record waits for the kernel (a
+    host sync); skipped while tracing (torch.compile) or capturing a CUDA graph, where bad rois just
+    pool to zeros."""
     if torch.compiler.is_compiling() or (
         bad_rois.is_cuda and torch.cuda.is_current_stream_capturing()
     ):
@@ -157,6 +162,6 @@ def _raise_first_bad_roi(
         )
     if bad_index >= 0:
         raise ValueError(
-            f"lss.ops.{op}: roi {bad_index} has batch index {rois[bad_index, 0].item()}, expected an "
-            f"integer in [0, {batch_size}) (the input batch size)"
+            f"lss.ops.{op}: roi {bad_index} has batch index {rois[bad_index, 0].item()}, expected "
+            f"an integer in [0, {batch_size}) (the input batch size)"
         )

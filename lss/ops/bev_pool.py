@@ -34,6 +34,7 @@ def _check_inputs(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> None:
         raise TypeError(
             f"bev_pool: lut must be a lss.geometry.FrustumLUT (FrustumLUT.build), got {type(lut).__name__}"
         )
+    lut.check_unchanged()
     for name, t in (("depth", depth), ("feat", feat)):
         if not isinstance(t, Tensor):
             raise TypeError(f"bev_pool: {name} must be a tensor, got {type(t).__name__}")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lss.ops import _ext
+from lss.ops._args import real_number
 
 # Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
 torch.fx.wrap("sigmoid_focal_loss")
@@ -47,10 +48,11 @@ def _check_common(op: str, logits: Tensor, alpha: float, gamma: float, reduction
         raise TypeError(f"{op}: logits must be a floating-point tensor, got {got}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not math.isfinite(alpha):
+    if not math.isfinite(real_number(alpha, "alpha", op)):
         raise ValueError(
             f"{op}: alpha must be finite (a negative alpha disables the class balancing), got {alpha}"
         )
+    gamma = real_number(gamma, "gamma", op)
     if not (math.isfinite(gamma) and gamma >= 0):
         raise ValueError(f"{op}: gamma must be a finite number >= 0, got {gamma}")
 

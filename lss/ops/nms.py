@@ -1,9 +1,11 @@
-"""Non-maximum suppression over axis-aligned boxes (x1, y1, x2, y2), as torchvision.ops.nms / batched_nms.
+"""Non-maximum suppression over axis-aligned boxes (x1, y1, x2, y2), as torchvision.ops.nms /
+batched_nms.
 
-Boxes are visited by decreasing score (a stable sort, so equal scores keep index order); a box is dropped when
-its IoU with an already kept box is strictly greater than iou_threshold. IoU is computed in float32 (float64 for
-float64 boxes), fp16/bf16 boxes included. NaN scores sort above every number (torch.sort's order), so NaN-scored
-boxes are visited first; filter them out beforehand if that is not wanted.
+Boxes are visited by decreasing score (a stable sort, so equal scores keep index order); a box is
+dropped when its IoU with an already kept box is strictly greater than iou_threshold. IoU is
+computed in float32 (float64 for float64 boxes), fp16/bf16 boxes included. NaN scores sort above
+every number (torch.sort's order), so NaN-scored boxes are visited first; filter them out beforehand
+if that is not wanted.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import torch
 
 from lss.ops import _ext
+from lss.ops._args import real_number
 
-# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call
+# node per op.
 torch.fx.wrap("nms")
 torch.fx.wrap("batched_nms")
 
@@ -50,31 +54,35 @@ def _check(boxes, scores, idxs, op):
 
 
 def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float) -> torch.Tensor:
-    """Greedy NMS of boxes (N x 4) with scores (N). Returns the kept indices (int64) by decreasing score.
-    On CUDA the suppression bitmap (its upper triangle) takes about N^2 / 16 bytes (0.63 GB at 100k boxes)."""
+    """Greedy NMS of boxes (N x 4) with scores (N). Returns the kept indices (int64) by decreasing
+    score. On CUDA the suppression bitmap (its upper triangle) takes about N^2 / 16 bytes (0.63 GB
+    at 100k boxes)."""
     _check(boxes, scores, None, "nms")
+    iou_threshold = real_number(iou_threshold, "iou_threshold", "nms")
     if _ext.use_reference("nms"):
         return nms_reference(boxes, scores, iou_threshold)
     _ext.check_device("nms", boxes, scores)
-    return torch.ops.lss.nms(boxes, scores, float(iou_threshold))
+    return torch.ops.lss.nms(boxes, scores, iou_threshold)
 
 
 def batched_nms(
     boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou_threshold: float
 ) -> torch.Tensor:
-    """NMS where only boxes of the same category (idxs, N integers) suppress each other. Returns the kept indices
-    by decreasing score. Classes are compared directly instead of shifting boxes apart by a class offset, so any
-    coordinates work (negative BEV coordinates included) and no precision is lost to large offsets. On CUDA, from
-    2,048 boxes each class runs as a segment of its own, all classes at once (bitmap about sum N_c^2 / 16 bytes).
-    As torchvision's, boxes with no elements (N x 4 with N = 0, or any empty tensor such as a 1-D one) give an empty
-    int64 result whatever scores and idxs are."""
+    """NMS where only boxes of the same category (idxs, N integers) suppress each other. Returns the
+    kept indices by decreasing score. Classes are compared directly instead of shifting boxes apart
+    by a class offset, so any coordinates work (negative BEV coordinates included) and no precision
+    is lost to large offsets. On CUDA, from 2,048 boxes each class runs as a segment of its own, all
+    classes at once (bitmap about sum N_c^2 / 16 bytes). As torchvision's, boxes with no elements (N
+    x 4 with N = 0, or any empty tensor such as a 1-D one) give an empty int64 result whatever
+    scores and idxs are."""
     if isinstance(boxes, torch.Tensor) and boxes.numel() == 0:
         return torch.empty((0,), dtype=torch.int64, device=boxes.device)
     _check(boxes, scores, idxs, "batched_nms")
+    iou_threshold = real_number(iou_threshold, "iou_threshold", "batched_nms")
     if _ext.use_reference("batched_nms"):
         return nms_reference(boxes, scores, iou_threshold, idxs)
     _ext.check_device("batched_nms", boxes, scores, idxs)
-    return torch.ops.lss.batched_nms(boxes, scores, idxs, float(iou_threshold))
+    return torch.ops.lss.batched_nms(boxes, scores, idxs, iou_threshold)
 
 
 def nms_reference(
@@ -83,9 +91,10 @@ def nms_reference(
     iou_threshold: float,
     idxs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pure-PyTorch greedy NMS (test oracle and fallback): one vectorised IoU row per kept box, O(N) memory.
-    With idxs, boxes of different classes never suppress each other."""
+    """Pure-PyTorch greedy NMS (test oracle and fallback): one vectorised IoU row per kept box, O(N)
+    memory. With idxs, boxes of different classes never suppress each other."""
     _check(boxes, scores, idxs, "nms")
+    iou_threshold = real_number(iou_threshold, "iou_threshold", "nms")
     n = boxes.shape[0]
     if n == 0:
         return torch.zeros(0, dtype=torch.long, device=boxes.device)

@@ -1,17 +1,22 @@
-"""Bilinear upsampling (and downsampling) of N x C x H x W feature maps with the ONNX Resize coordinate modes.
+"""Bilinear upsampling (and downsampling) of N x C x H x W feature maps with the ONNX Resize
+coordinate modes.
 
-Along each axis, output index o reads the input at the source coordinate x(o) of `mode` (the ONNX Resize
-`coordinate_transformation_mode` names for linear interpolation), clamped to [0, in - 1]:
+Along each axis, output index o reads the input at the source coordinate x(o) of `mode` (the ONNX
+Resize `coordinate_transformation_mode` names for linear interpolation), clamped to [0, in - 1]:
 
-- "pytorch_half_pixel": x = (o + 0.5) * s - 0.5; x = o (a copy) when the output length equals the input length,
-                        whatever the scale factor (as F.interpolate does); x = 0 when the output length is 1;
+- "pytorch_half_pixel": F.interpolate(align_corners=False): x = (o + 0.5) * s - 0.5, and x = o (a
+                        copy) when the output length equals the input length, whatever the scale
+                        factor; an output of length 1 samples the centre. (ONNX Resize's rule of
+                        this name samples index 0 there instead: `onnx_rule=True` of the reference,
+                        what an exported graph computes.)
 - "half_pixel":         x = (o + 0.5) * s - 0.5;
 - "align_corners":      x = o * (in - 1) / (out - 1), and x = 0 when the output length is 1;
 - "asymmetric":         x = o * s (TensorFlow 1.x `resize_bilinear` without align_corners).
 
-The step s is 1 / scale_factor when the output size comes from `scale_factor` (as in F.interpolate without
-recompute_scale_factor, and in ONNX Resize given `scales`), else in / out (ONNX Resize given `sizes`). The value is
-(1 - f) * x[floor(x)] + f * x[min(floor(x) + 1, in - 1)] with f = x - floor(x), per axis.
+The step s is 1 / scale_factor when the output size comes from `scale_factor` (as in F.interpolate
+without recompute_scale_factor, and in ONNX Resize given `scales`), else in / out (ONNX Resize given
+`sizes`). The value is (1 - f) * x[floor(x)] + f * x[min(floor(x) + 1, in - 1)] with
+f = x - floor(x), per axis.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from torch import nn
 
 from lss.ops import _ext
 
-# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call
+# node per op.
 torch.fx.wrap("upsample_bilinear")
 
 MODES = ("pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric")
@@ -44,7 +50,8 @@ def _pair(value, name: str) -> tuple:
 
 
 def _wants_channels_last(x: torch.Tensor) -> bool:
-    """The kernels keep channels_last inputs channels_last and return every other input contiguous."""
+    """The kernels keep channels_last inputs channels_last and return every other input
+    contiguous."""
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -55,20 +62,22 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
 def resolve_output(
     input: torch.Tensor, size: Optional[_Size], scale_factor: Optional[_Scale], mode: str
 ):
-    """Validates the arguments. Returns ((out_h, out_w), (scale_h, scale_w)); the scales are None with `size`."""
+    """Validates the arguments. Returns ((out_h, out_w), (scale_h, scale_w)); the scales are None
+    with `size`."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(
             f"upsample_bilinear: input must be a torch.Tensor, got {type(input).__name__}"
         )
     if input.dim() != 4:
         raise ValueError(
-            f"upsample_bilinear: input must be 4-D (N x C x H x W), got shape {tuple(input.shape)}; "
-            "add a batch dimension with input[None] for a single C x H x W map"
+            "upsample_bilinear: input must be 4-D (N x C x H x W), got shape "
+            f"{tuple(input.shape)}; add a batch dimension with input[None] for a single C x H x W "
+            "map"
         )
     if not input.is_floating_point():
         raise TypeError(
-            f"upsample_bilinear: input must be float32, float16, bfloat16 or float64, got {input.dtype}; "
-            "convert it with input.float()"
+            "upsample_bilinear: input must be float32, float16, bfloat16 or float64, got "
+            f"{input.dtype}; convert it with input.float()"
         )
     if mode not in MODES:
         raise ValueError(
@@ -82,7 +91,8 @@ def resolve_output(
     in_h, in_w = input.shape[2], input.shape[3]
     if in_h == 0 or in_w == 0:
         raise ValueError(
-            f"upsample_bilinear: input height and width must be positive, got shape {tuple(input.shape)}"
+            "upsample_bilinear: input height and width must be positive, got shape "
+            f"{tuple(input.shape)}"
         )
     if size is not None:
         out = _pair(size, "size")
@@ -111,22 +121,22 @@ def resolve_output(
     return out, scales
 
 
-def _axis_taps(n_in: int, n_out: int, scale: Optional[float], mode: str, device, dtype):
+def _axis_taps(
+    n_in: int, n_out: int, scale: Optional[float], mode: str, device, dtype, onnx_rule: bool
+):
     """Per output index along one axis: (i0, i1, w0, w1) with value = w0 * x[i0] + w1 * x[i1]."""
     o = torch.arange(n_out, device=device, dtype=dtype)
+    onnx_pytorch = onnx_rule and mode == "pytorch_half_pixel"
     if mode == "align_corners":
         step = (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
         x = o * step
-    elif mode == "pytorch_half_pixel" and n_in == n_out:
-        x = o  # F.interpolate copies an axis whose length does not change, even when scale_factor != 1
+    elif mode == "pytorch_half_pixel" and n_in == n_out and not onnx_rule:
+        x = o  # F.interpolate copies an axis that keeps its length, even when scale_factor != 1
+    elif onnx_pytorch and n_out == 1:
+        x = torch.zeros_like(o)
     else:
         step = 1.0 / scale if scale is not None else n_in / n_out
-        if mode == "asymmetric":
-            x = o * step
-        elif mode == "pytorch_half_pixel" and n_out == 1:
-            x = torch.zeros_like(o)
-        else:
-            x = (o + 0.5) * step - 0.5
+        x = o * step if mode == "asymmetric" else (o + 0.5) * step - 0.5
     x = x.clamp(0, n_in - 1)
     i0 = x.floor().long()
     i1 = (i0 + 1).clamp(max=n_in - 1)
@@ -139,13 +149,19 @@ def upsample_bilinear_reference(
     size: Optional[_Size] = None,
     scale_factor: Optional[_Scale] = None,
     mode: str = "pytorch_half_pixel",
+    *,
+    onnx_rule: bool = False,
 ) -> torch.Tensor:
-    """Pure-PyTorch bilinear resize (gathers along H, then W; differentiable). Same contract as upsample_bilinear."""
+    """Pure-PyTorch bilinear resize (gathers along H, then W; differentiable). Same contract as
+    upsample_bilinear. `onnx_rule`: ONNX Resize's arithmetic of `mode`, what an exported graph
+    computes (it differs only for "pytorch_half_pixel", which in ONNX samples index 0 on an output
+    axis of length 1 and resamples an axis whose length a scale factor != 1 leaves unchanged)."""
     (out_h, out_w), (scale_h, scale_w) = resolve_output(input, size, scale_factor, mode)
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
     x = input.to(compute)
-    h0, h1, hw0, hw1 = _axis_taps(input.shape[2], out_h, scale_h, mode, input.device, compute)
-    w0, w1, ww0, ww1 = _axis_taps(input.shape[3], out_w, scale_w, mode, input.device, compute)
+    in_h, in_w, device = input.shape[2], input.shape[3], input.device
+    h0, h1, hw0, hw1 = _axis_taps(in_h, out_h, scale_h, mode, device, compute, onnx_rule)
+    w0, w1, ww0, ww1 = _axis_taps(in_w, out_w, scale_w, mode, device, compute, onnx_rule)
     rows = x.index_select(2, h0) * hw0[:, None] + x.index_select(2, h1) * hw1[:, None]
     out = rows.index_select(3, w0) * ww0 + rows.index_select(3, w1) * ww1
     return out.to(input.dtype).contiguous(memory_format=_memory_format(input))
@@ -159,13 +175,14 @@ def upsample_bilinear(
 ) -> torch.Tensor:
     """Bilinear resize of `input` (N x C x H x W, float32/float16/bfloat16/float64, CPU or CUDA).
 
-    Give exactly one of `size` (int or (H, W)) and `scale_factor` (float or (sh, sw); the output size is
-    floor(in * scale_factor)). `mode` is one of MODES (see the module docstring). Returns N x C x H' x W' in the
-    input's dtype; channels_last inputs give channels_last outputs. Differentiable.
-    "pytorch_half_pixel" equals F.interpolate(mode="bilinear", align_corners=False) (with or without
-    recompute_scale_factor) except on an axis of output length 1 (ONNX samples index 0 there, PyTorch the centre);
-    "half_pixel" equals it except that it resamples an axis whose length a scale factor != 1 leaves unchanged (ONNX
-    Resize's rule, which F.interpolate does not follow); "align_corners" equals align_corners=True.
+    Give exactly one of `size` (int or (H, W)) and `scale_factor` (float or (sh, sw); the output
+    size is floor(in * scale_factor)). `mode` is one of MODES (see the module docstring). Returns
+    N x C x H' x W' in the input's dtype; channels_last inputs give channels_last outputs.
+    Differentiable. "pytorch_half_pixel" equals F.interpolate(mode="bilinear", align_corners=False)
+    (with or without recompute_scale_factor), an output axis of length 1 included; "half_pixel"
+    equals it except that it resamples an axis whose length a scale factor != 1 leaves unchanged
+    (ONNX Resize's rule, which F.interpolate does not follow); "align_corners" equals
+    align_corners=True.
     """
     out_size, (scale_h, scale_w) = resolve_output(input, size, scale_factor, mode)
     if _ext.use_reference("upsample_bilinear"):
@@ -175,7 +192,8 @@ def upsample_bilinear(
 
 
 class UpsampleBilinear(nn.Module):
-    """Module form of upsample_bilinear, e.g. UpsampleBilinear(scale_factor=2, mode="align_corners")."""
+    """Module form of upsample_bilinear, e.g. UpsampleBilinear(scale_factor=2,
+    mode="align_corners")."""
 
     def __init__(
         self,

@@ -104,7 +104,7 @@ bool fits_int32(std::initializer_list<int64_t> sizes) {
 }
 
 // A zero-filled accumulator through one cudaMemsetAsync (all-zero bits are 0.0 in float and double): at::zeros
-// goes through the dispatcher's fill_ kernel, several microseconds more host time per backward call.
+// goes through the dispatcher's fill_ kernel, more host time per backward call.
 at::Tensor zeros_by_memset(at::IntArrayRef sizes, const at::TensorOptions& options) {
   auto out = at::empty(sizes, options);
   if (out.numel() > 0) {

@@ -1,7 +1,8 @@
-"""A 32-beam spinning lidar (like the nuScenes Velodyne HDL-32E) ray-cast against the ground plane and the boxes.
+"""A 32-beam spinning lidar (like the nuScenes Velodyne HDL-32E) ray-cast against the ground plane
+and the boxes.
 
-Points are written as nuScenes does (samples/LIDAR_TOP/*.pcd.bin): float32 x, y, z (sensor frame), intensity,
-ring index.
+Points are written as nuScenes does (samples/LIDAR_TOP/*.pcd.bin): float32 x, y, z (sensor frame),
+intensity, ring index.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ BOX_INTENSITY[[CAR, TRUCK, BUS, MOTORCYCLE, BICYCLE, PEDESTRIAN, CONE, BARRIER, 
 
 
 def beam_directions() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Unit ray directions in the lidar frame, BEAMS x AZIMUTH_STEPS x 3, with their azimuths (radians, per
-    column) and ring indices (per row)."""
+    """Unit ray directions in the lidar frame, BEAMS x AZIMUTH_STEPS x 3, with their azimuths
+    (radians, per column) and ring indices (per row)."""
     el = np.radians(ELEVATION_DEG)[:, None]
     az = np.linspace(-math.pi, math.pi, AZIMUTH_STEPS, endpoint=False)[None, :]
     d = np.stack(
@@ -84,8 +85,8 @@ def sweep(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cast one sweep from a lidar whose frame maps to global by (rot, pos).
 
-    Returns (points P x 5 float32 [x, y, z, intensity, ring] in the lidar frame, box index per point P (-1 for
-    ground))."""
+    Returns (points P x 5 float32 [x, y, z, intensity, ring] in the lidar frame, box index per point
+    P (-1 for ground))."""
     d_lidar, az, rings = beam_directions()
     d = d_lidar @ rot.T  # B x A x 3 global
     rng_t = np.full(d.shape[:2], np.inf)

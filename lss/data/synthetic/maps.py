@@ -1,7 +1,9 @@
-"""Map geometry of a synthetic location and its nuScenes files: the map-expansion JSON (v1.3 schema, loaded by
-nuscenes.map_expansion.map_api.NuScenesMap) and the semantic-prior PNG named by the map table.
+"""Map geometry of a synthetic location and its nuScenes files: the map-expansion JSON (v1.3 schema,
+loaded by nuscenes.map_expansion.map_api.NuScenesMap) and the semantic-prior PNG named by the map
+table.
 
-The same geometry drives the ground texture the cameras see (render.py), so what the map says is what is drawn.
+The same geometry drives the ground texture the cameras see (render.py), so what the map says is
+what is drawn.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ SEMANTIC_PRIOR_RESOLUTION = 0.1  # metres per pixel, what nuscenes.utils.map_mas
 
 @dataclass
 class Marking:
-    """A painted line on the road: polyline (global x, y), width (m), colour name, dash (on, off) metres or None."""
+    """A painted line on the road: polyline (global x, y), width (m), colour name, dash (on, off)
+    metres or None."""
 
     points: np.ndarray
     width: float
@@ -114,7 +117,8 @@ def location_geometry(location: Location) -> LocationGeometry:
                             "to_edge": LineString(
                                 [tuple(r.point(b, c - half)), tuple(r.point(b, c + half))]
                             ),
-                            # Divider nodes on the lane's left and right edges (seen in its direction of travel).
+                            # Divider nodes on the lane's left and right edges (seen in its
+                            # direction of travel).
                             "left": [
                                 tuple(r.point(a, c + d * half)),
                                 tuple(r.point(b, c + d * half)),
@@ -155,7 +159,8 @@ def location_geometry(location: Location) -> LocationGeometry:
                     markings.append(
                         Marking(np.array(_line(r, c0 + 0.2, c1 - 0.2, lat).coords), 0.5, "white")
                     )
-                # The stop line spans the carriageway arriving at the crossing (direction -sign along s).
+                # The stop line spans the carriageway arriving at the crossing (direction -sign
+                # along s).
                 stop_s = s_edge + sign * (zone + STOP_LINE_GAP)
                 s_a, s_b = sorted((stop_s, stop_s + sign * 0.4))
                 arriving = -sign  # direction of the traffic that reaches this crossing
@@ -346,8 +351,9 @@ def write_map_expansion(
 
 
 def write_semantic_prior(path: Path, location: Location, geometry: LocationGeometry) -> Path:
-    """The semantic prior (drivable surface and sidewalks, 255 on 0) at 10 px/m, row 0 at the top (max y), as
-    MapMask reads it. The image covers the map origin up to the road grid plus a margin."""
+    """The semantic prior (drivable surface and sidewalks, 255 on 0) at 10 px/m, row 0 at the top
+    (max y), as MapMask reads it. The image covers the map origin up to the road grid plus a
+    margin."""
     xmin, ymin, xmax, ymax = location.bounds
     res = SEMANTIC_PRIOR_RESOLUTION
     width, height = int(math.ceil((xmax + 50.0) / res)), int(math.ceil((ymax + 50.0) / res))

@@ -1,16 +1,21 @@
-"""`generate`: write a synthetic dataset in the nuScenes on-disk format (tables, images, lidar, maps)."""
+"""`generate`: write a synthetic dataset in the nuScenes on-disk format (tables, images, lidar,
+maps)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 from multiprocessing import get_context
 from pathlib import Path
 
 import cv2
 import numpy as np
 
+from lss import file_lock
 from lss.errors import ArgumentError
+from lss.memory_estimate import check_render_memory
 
 from . import lidar as lidar_mod
 from .maps import location_geometry, write_map_expansion, write_semantic_prior
@@ -21,14 +26,20 @@ from .world import LOCATIONS, build_location, build_scene, stable_seed
 
 VERSIONS = ("v1.0-mini", "v1.0-trainval")
 OUTPUTS = ("samples", "sweeps", "maps")  # what generate writes next to the tables directory
-MANIFEST = ".lss-synthetic.json"  # the files generate wrote into a directory: what --force may delete there
+# the files generate wrote into a directory: what --force may delete there
+MANIFEST = ".lss-synthetic.json"
+# generate writes into OUT_DIR/STAGING<host>-<pid>, holding its STAGING_LOCK (lss.file_lock), and
+# moves the finished set into place
+STAGING = ".lss-synthetic-partial-"
+STAGING_LOCK = ".lock"
 MIN_SCENES = 2  # one for the training split, one for the validation split
 JPEG_QUALITY = 92
 
 
 def scene_names(version: str, scenes: int) -> list[str]:
-    """Official scene names such that create_splits_scenes() puts about a fifth of them in the validation split
-    (mini_val / val) and the rest in the training split (mini_train / train); at least one of each from 2 on."""
+    """Official scene names such that create_splits_scenes() puts about a fifth of them in the
+    validation split (mini_val / val) and the rest in the training split (mini_train / train); at
+    least one of each from 2 on."""
     from nuscenes.utils import splits
 
     train, val = (
@@ -40,8 +51,8 @@ def scene_names(version: str, scenes: int) -> list[str]:
     if scenes > limit:
         raise ArgumentError(
             f"{scenes} scenes requested for {version}, but its official split lists name only "
-            f"{limit} ({len(train)} train + {len(val)} val): pass --scenes {limit} or fewer, or use "
-            f"{'v1.0-trainval' if version == 'v1.0-mini' else 'fewer scenes'}"
+            f"{limit} ({len(train)} train + {len(val)} val): pass --scenes {limit} or fewer, or "
+            f"use {'v1.0-trainval' if version == 'v1.0-mini' else 'fewer scenes'}"
         )
     n_val = 0 if scenes < 2 else max(1, round(scenes * len(val) / limit))
     n_val = min(n_val, len(val))
@@ -58,7 +69,8 @@ def scene_location(version: str, name: str, index: int) -> str:
 
 
 def _written_files(out: Path, version: str) -> list[Path]:
-    """Every file under the folders that generate writes (the tables of `version`, samples/, sweeps/, maps/)."""
+    """Every file under the folders that generate writes (the tables of `version`, samples/,
+    sweeps/, maps/)."""
     return sorted(
         f
         for sub in (version,) + OUTPUTS
@@ -68,8 +80,8 @@ def _written_files(out: Path, version: str) -> list[Path]:
     )
 
 
-def remove_previous_output(out: Path, version: str) -> None:
-    """Delete what an earlier generate wrote into `out` (listed in its MANIFEST); refuse, deleting nothing, when
+def previous_output(out: Path, version: str) -> set[Path]:
+    """The files an earlier generate wrote into `out` (listed in its MANIFEST); FileExistsError when
     the folders generate writes hold any other file."""
     manifest = out / MANIFEST
     owned = (
@@ -84,6 +96,14 @@ def remove_previous_output(out: Path, version: str) -> None:
             f"`lss make-synthetic` (not listed in {manifest}); --force only replaces a synthetic "
             "set: move those files away or choose another directory"
         )
+    return owned
+
+
+def remove_previous_output(out: Path, version: str) -> None:
+    """Delete what an earlier generate wrote into `out` (previous_output); refuse, deleting nothing,
+    when the folders generate writes hold any other file."""
+    manifest = out / MANIFEST
+    owned = previous_output(out, version)
     for f in owned:
         f.unlink(missing_ok=True)
     manifest.unlink(missing_ok=True)
@@ -118,11 +138,14 @@ def _check_args(
         raise ArgumentError(
             f"image_size {w}x{h} is too small: expected at least 32x18 (nuScenes is 1600x900)"
         )
+    check_render_memory((w, h), "image_size (--image-size)", error=ArgumentError)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(
             f"output path {out} exists and is not a directory: choose a directory"
         )
+    if out.is_dir():
+        _remove_stale_staging(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(
             f"output directory {out} is not empty: choose an empty or new directory, or pass "
@@ -141,6 +164,25 @@ def _check_args(
     return out, (w, h)
 
 
+def _remove_stale_staging(out: Path) -> None:
+    """Delete the staging folders in `out` of killed generates (no process holds their lock)."""
+    for folder in out.glob(f"{STAGING}*"):
+        fd = file_lock.try_lock(folder / STAGING_LOCK) if folder.is_dir() else None
+        if fd is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+            file_lock.release(fd)
+
+
+def _move_into(source: Path, target: Path) -> None:
+    """Move `source` to `target`, merging folders into an existing folder of that name."""
+    if target.is_dir() and source.is_dir():
+        for child in source.iterdir():
+            _move_into(child, target / child.name)
+        source.rmdir()
+    else:
+        os.replace(source, target)
+
+
 # Per-process state of the render workers: scenes, rig and caches of what is expensive to rebuild.
 _STATE: dict = {}
 
@@ -153,7 +195,8 @@ def _init_worker(state: dict) -> None:
 
 
 def _scene_assets(scene_index: int):
-    """Location, geometry and ground texture of a scene (the last scene's kept: tasks come scene by scene)."""
+    """Location, geometry and ground texture of a scene (the last scene's kept: tasks come scene by
+    scene)."""
     cache = _STATE["cache"]
     scene = _STATE["scenes"][scene_index]
     seed = _STATE["seed"]
@@ -173,7 +216,8 @@ def _scene_assets(scene_index: int):
 
 
 def render_sample(task: tuple[int, int]) -> tuple[tuple[int, int], dict]:
-    """Render the six cameras and the lidar of key frame k of a scene and write them; return per-agent stats."""
+    """Render the six cameras and the lidar of key frame k of a scene and write them; return
+    per-agent stats."""
     scene_index, k = task
     scene, loc, texture, cameras = _scene_assets(scene_index)
     rig, root = _STATE["rig"], _STATE["root"]
@@ -212,20 +256,49 @@ def generate(
     """Write a synthetic nuScenes-format dataset into `out_dir` and return the dataroot (= out_dir).
 
     Tables go to out_dir/<version>/, key-frame images and lidar sweeps to out_dir/samples/, maps to
-    out_dir/maps/. The same seed gives byte-identical tables whatever the number of workers.
+    out_dir/maps/. The same seed gives byte-identical tables whatever the number of workers. The set
+    is written into a staging folder inside out_dir and moved into place when it is complete: a
+    generate that fails or is killed part-way leaves no half set (and, with force, the earlier set
+    stays until the new one is done).
     """
-    from tqdm import tqdm
-
     out, size = _check_args(out_dir, version, scenes, samples_per_scene, image_size, force)
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ArgumentError(f"workers must be >= 1, got {workers}")
     names = scene_names(version, scenes)
-    remove_previous_output(out, version)
+    previous_output(out, version)  # refuses before any work when --force would delete foreign files
+    staging = out / f"{STAGING}{socket.gethostname()}-{os.getpid()}"
+    staging.mkdir()
+    lock = file_lock.try_lock(staging / STAGING_LOCK)
+    try:
+        _write_set(staging, version, names, samples_per_scene, size, seed, workers)
+        remove_previous_output(out, version)
+        # the tables and the manifest last: until they are in place, out holds no dataset
+        for name in OUTPUTS + (version, MANIFEST):
+            _move_into(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        file_lock.release(lock)
+    return out
+
+
+def _write_set(
+    root: Path,
+    version: str,
+    names: list[str],
+    samples_per_scene: int,
+    size: tuple[int, int],
+    seed: int,
+    workers: int,
+) -> None:
+    """Everything generate writes (maps, samples, sweeps, tables, MANIFEST), into the folder
+    `root`."""
+    from tqdm import tqdm
+
     rig = load_rig(size)
     for ch in CAMERAS + (LIDAR,):
-        (out / "samples" / ch).mkdir(parents=True, exist_ok=True)
-        (out / "sweeps" / ch).mkdir(parents=True, exist_ok=True)
+        (root / "samples" / ch).mkdir(parents=True, exist_ok=True)
+        (root / "sweeps" / ch).mkdir(parents=True, exist_ok=True)
 
     scene_locations = [scene_location(version, n, i) for i, n in enumerate(names)]
     locations, tok = {}, TokenFactory(seed)
@@ -234,15 +307,15 @@ def generate(
         loc = build_location(name, seed)
         geom = location_geometry(loc)
         locations[name] = loc
-        write_map_expansion(out, loc, geom, seed)
+        write_map_expansion(root, loc, geom, seed)
         map_tokens[name] = tok("map", name)
-        write_semantic_prior(out / "maps" / f"{map_tokens[name]}.png", loc, geom)
+        write_semantic_prior(root / "maps" / f"{map_tokens[name]}.png", loc, geom)
     scene_list = [
         build_scene(i, n, locations[scene_locations[i]], samples_per_scene, seed)
         for i, n in enumerate(names)
     ]
 
-    state = {"scenes": scene_list, "rig": rig, "root": out, "seed": seed}
+    state = {"scenes": scene_list, "rig": rig, "root": root, "seed": seed}
     tasks = [(i, k) for i in range(len(scene_list)) for k in range(samples_per_scene)]
     stats = {}
     bar = tqdm(total=len(tasks), desc="synthetic samples", unit="sample")
@@ -254,13 +327,13 @@ def generate(
             bar.update()
     else:
         with get_context("fork").Pool(workers, initializer=_init_worker, initargs=(state,)) as pool:
-            # Chunks small enough that every worker gets some: 24 tasks in chunks of 8 kept 13 of 16 workers idle.
+            # Chunks small enough that every worker gets some: 24 tasks in chunks of 8 kept 13 of 16
+            # workers idle.
             chunk = max(1, min(8, len(tasks) // (4 * workers)))
             for key, st in pool.imap_unordered(render_sample, tasks, chunksize=chunk):
                 stats[key] = st
                 bar.update()
     bar.close()
-    write_tables(out / version, build_tables(scene_list, rig, stats, seed, map_tokens))
-    files = [str(f.relative_to(out)) for f in _written_files(out, version)]
-    (out / MANIFEST).write_text(json.dumps({"version": version, "files": files}, indent=0))
-    return out
+    write_tables(root / version, build_tables(scene_list, rig, stats, seed, map_tokens))
+    files = [str(f.relative_to(root)) for f in _written_files(root, version)]
+    (root / MANIFEST).write_text(json.dumps({"version": version, "files": files}, indent=0))

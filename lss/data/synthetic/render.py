@@ -1,10 +1,10 @@
 """Camera rendering of the synthetic world through the real intrinsics/extrinsics.
 
-The ground is drawn by intersecting every pixel's ray with the plane z = 0 and sampling a top-down texture
-rasterized from the map geometry (asphalt, markings, sidewalks, verges); above the horizon there is sky. Objects
-are lit 3-D boxes (per-face shading by the sun, a colour per instance, windows, wheels, clothes...) drawn face by
-face into a depth buffer, so occlusion is exact; an object-id buffer gives each annotation's visible fraction.
-Shadows of the boxes darken the ground.
+The ground is drawn by intersecting every pixel's ray with the plane z = 0 and sampling a top-down
+texture rasterized from the map geometry (asphalt, markings, sidewalks, verges); above the horizon
+there is sky. Objects are lit 3-D boxes (per-face shading by the sun, a colour per instance,
+windows, wheels, clothes...) drawn face by face into a depth buffer, so occlusion is exact; an
+object-id buffer gives each annotation's visible fraction. Shadows of the boxes darken the ground.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from .maps import LocationGeometry
 from .rig import Sensor
-from .world import SIDEWALK_WIDTH, Location, Scene
+from .world import Location, Scene
 
 # Object kinds: how a box is painted (and what the lidar intensity looks like).
 CAR, TRUCK, BUS, MOTORCYCLE, BICYCLE, PEDESTRIAN, CONE, BARRIER, BUILDING = range(9)
@@ -55,9 +55,10 @@ TEXTURE_MARGIN = (
 FOG_DISTANCE = 220.0
 NEAR_PLANE = 0.1
 
-# Box faces in the box frame (x along the heading, unit half-sizes): outward normal, origin corner, and the
-# corners that the face coordinates s (across) and t (up) reach at 1. On the sides s runs from back to front; on
-# the ends and sides t is the height fraction. Bottoms are never seen from above the ground.
+# Box faces in the box frame (x along the heading, unit half-sizes): outward normal, origin corner,
+# and the corners that the face coordinates s (across) and t (up) reach at 1. On the sides s runs
+# from back to front; on the ends and sides t is the height fraction. Bottoms are never seen from
+# above the ground.
 FRONT, BACK, LEFT, RIGHT, TOP = range(5)
 _FACES = np.array(
     [
@@ -74,8 +75,8 @@ _FACES = np.array(
 
 @dataclass
 class BoxSet:
-    """Boxes in the global frame: centre N x 3, size N x 3 (w, l, h), yaw N, colour N x 3 (RGB), kind N,
-    agent index N (-1 for buildings)."""
+    """Boxes in the global frame: centre N x 3, size N x 3 (w, l, h), yaw N, colour N x 3 (RGB),
+    kind N, agent index N (-1 for buildings)."""
 
     center: np.ndarray
     size: np.ndarray
@@ -136,8 +137,9 @@ def box_corners(center, size, yaw) -> np.ndarray:
 
 @dataclass
 class GroundTexture:
-    """Top-down ground appearance over a rectangle of the location: RGB texture (sharp and blurred for distant
-    ground, to avoid aliasing) and the class of every texel. Texel (0, 0) is at (xmin, ymax)."""
+    """Top-down ground appearance over a rectangle of the location: RGB texture (sharp and blurred
+    for distant ground, to avoid aliasing) and the class of every texel. Texel (0, 0) is at (xmin,
+    ymax)."""
 
     xmin: float
     ymax: float
@@ -219,8 +221,8 @@ def build_ground_texture(
                     shift,
                 )
                 s = e + off
-    # Grain from a tiled noise patch, large blotches, and seams between sidewalk slabs (integer maths: the
-    # texture has tens of millions of texels).
+    # Grain from a tiled noise patch, large blotches, and seams between sidewalk slabs (integer
+    # maths: the texture has tens of millions of texels).
     tile = rng.normal(0.0, 5.0, size=(256, 256)).astype(np.int16)
     grain = np.tile(tile, (h // 256 + 1, w // 256 + 1))[:h, :w]
     blotch = cv2.resize(
@@ -263,8 +265,9 @@ def _project(points_cam: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 class CameraModel:
-    """What does not change while the ego moves on the ground plane, per camera: the pixel rays, where each
-    pixel meets the ground in the ego frame, its inverse depth, and the sky / fog / distance-blend weights."""
+    """What does not change while the ego moves on the ground plane, per camera: the pixel rays,
+    where each pixel meets the ground in the ego frame, its inverse depth, and the sky / fog /
+    distance-blend weights."""
 
     def __init__(self, sensor: Sensor):
         w, h = sensor.size
@@ -369,7 +372,8 @@ def render_camera(
 
 
 def _shadow_mask(boxes: BoxSet, rot, pos, k, w, h, sun) -> np.ndarray:
-    """Pixels where the ground lies in the shadow of a box (its corners projected along the sun onto z = 0)."""
+    """Pixels where the ground lies in the shadow of a box (its corners projected along the sun onto
+    z = 0)."""
     mask = np.zeros((h, w), np.uint8)
     shift = 4
     for i in range(len(boxes)):
@@ -397,9 +401,10 @@ def _shadow_mask(boxes: BoxSet, rot, pos, k, w, h, sun) -> np.ndarray:
 def _rasterize_faces(
     boxes: BoxSet, rot, pos, cam: CameraModel, sun, inv_depth, face_id, face_st, projected
 ) -> dict:
-    """Depth-test every camera-facing box face into (inv_depth, face_id) and record the face coordinates (s, t)
-    of the pixels it wins in face_st. A planar face's inverse depth is affine in the pixel coordinates and its
-    face coordinates are a homography of them, so each face costs a few operations on its bounding rectangle.
+    """Depth-test every camera-facing box face into (inv_depth, face_id) and record the face
+    coordinates (s, t) of the pixels it wins in face_st. A planar face's inverse depth is affine in
+    the pixel coordinates and its face coordinates are a homography of them, so each face costs a
+    few operations on its bounding rectangle.
 
     Returns per-face arrays: box index, kind, face type, colour, shade, metric size (across, up)."""
     k = cam.k
@@ -453,7 +458,8 @@ def _rasterize_faces(
             fidx = len(recs["box"])
             np.copyto(sub, inv_z, where=win)
             np.copyto(face_id[y0 : y1 + 1, x0 : x1 + 1], fidx, where=win)
-            # [u, v, 1] ~ K [e_s, e_t, origin] [s, t, 1] (camera frame), so [s, t, 1] ~ M^-1 [u, v, 1].
+            # [u, v, 1] ~ K [e_s, e_t, origin] [s, t, 1] (camera frame), so [s, t, 1] ~ M^-1 [u, v,
+            # 1].
             hinv = _inverse3(k @ np.stack([e_s @ rot, e_t @ rot, (origin_g - pos) @ rot], 1))
             uu, vv = cam.u[x0 : x1 + 1][None, :], cam.v[y0 : y1 + 1][:, None]
             q = [hinv[r, 0] * uu + (hinv[r, 1] * vv + hinv[r, 2]) for r in range(3)]
@@ -475,15 +481,17 @@ def _rasterize_faces(
 
 
 def _inverse3(m: np.ndarray) -> np.ndarray:
-    """Inverse of a 3 x 3 matrix by cross products (LAPACK's per-call overhead dominates at this size)."""
+    """Inverse of a 3 x 3 matrix by cross products (LAPACK's per-call overhead dominates at this
+    size)."""
     a, b, c = m[:, 0], m[:, 1], m[:, 2]
     rows = np.stack([np.cross(b, c), np.cross(c, a), np.cross(a, b)])
     return rows / np.dot(a, rows[0])
 
 
 def _paint_pixels(faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Colour of object pixels showing faces `fid` at face coordinates (s, t): the face's base colour with its
-    details (windows, wheels, lamps, clothes, stripes), times the face's sun shading. Returns M x 3 float32."""
+    """Colour of object pixels showing faces `fid` at face coordinates (s, t): the face's base
+    colour with its details (windows, wheels, lamps, clothes, stripes), times the face's sun
+    shading. Returns M x 3 float32."""
     s = np.clip(s, 0.0, 1.0)
     t = np.clip(t, 0.0, 1.0)
     kind, ftype = faces["kind"][fid], faces["type"][fid]

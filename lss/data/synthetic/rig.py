@@ -1,4 +1,5 @@
-"""The sensor rig: the real nuScenes cameras (lss/data/nuscenes_rig.json) and a LIDAR_TOP on the roof."""
+"""The sensor rig: the real nuScenes cameras (lss/data/nuscenes_rig.json) and a LIDAR_TOP on the
+roof."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ CAMERAS = (
 )
 LIDAR = "LIDAR_TOP"
 NATIVE_SIZE = (1600, 900)  # width, height of the nuScenes images the intrinsics belong to
-# The nuScenes LIDAR_TOP extrinsics (sensor -> ego): on the roof, x axis pointing to the ego's right.
+# The nuScenes LIDAR_TOP extrinsics (sensor -> ego): on the roof, x axis pointing to the ego's
+# right.
 LIDAR_TRANSLATION = (0.943713, 0.0, 1.84023)
 LIDAR_ROTATION = (
     0.7077955119163518,
@@ -32,7 +34,8 @@ RIG_FILE = Path(__file__).resolve().parent.parent / "nuscenes_rig.json"
 
 @dataclass(frozen=True)
 class Sensor:
-    """One calibrated sensor: sensor -> ego translation (m) and rotation (w, x, y, z); intrinsics for cameras."""
+    """One calibrated sensor: sensor -> ego translation (m) and rotation (w, x, y, z); intrinsics
+    for cameras."""
 
     channel: str
     translation: tuple[float, float, float]
@@ -47,8 +50,8 @@ class Sensor:
 
 
 def scaled_intrinsic(k: np.ndarray, image_size: tuple[int, int]) -> np.ndarray:
-    """Intrinsics of a 1600 x 900 camera resized to `image_size` (width, height): focal lengths and principal
-    point scale with the image. Returns 3 x 3."""
+    """Intrinsics of a 1600 x 900 camera resized to `image_size` (width, height): focal lengths and
+    principal point scale with the image. Returns 3 x 3."""
     sx, sy = image_size[0] / NATIVE_SIZE[0], image_size[1] / NATIVE_SIZE[1]
     out = np.array(k, dtype=np.float64).copy()
     out[0] *= sx
@@ -82,7 +85,8 @@ def load_rig(image_size: tuple[int, int] = NATIVE_SIZE) -> dict[str, Sensor]:
 def sensor_pose(
     sensor: Sensor, ego_x: float, ego_y: float, ego_yaw: float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Sensor -> global rotation (3 x 3) and sensor position (3,) for an ego pose on the ground plane."""
+    """Sensor -> global rotation (3 x 3) and sensor position (3,) for an ego pose on the ground
+    plane."""
     c, s = np.cos(ego_yaw), np.sin(ego_yaw)
     ego_rot = np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
     rot = ego_rot @ sensor.rotation_matrix

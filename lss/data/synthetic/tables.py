@@ -108,7 +108,8 @@ START_TIME_US = 1532402927000000  # 2018-07-24, when scene-0061 was recorded
 
 
 def visibility_token(fraction: float) -> str:
-    """nuScenes visibility level ("1".."4") of the visible fraction of an object in all camera images."""
+    """nuScenes visibility level ("1".."4") of the visible fraction of an object in all camera
+    images."""
     return "1" if fraction < 0.4 else "2" if fraction < 0.6 else "3" if fraction < 0.8 else "4"
 
 
@@ -138,7 +139,8 @@ def sample_timestamp(scene: Scene, k: int) -> int:
 
 def sample_filename(scene: Scene, k: int, channel: str) -> str:
     ext = "pcd.bin" if channel == LIDAR else "jpg"
-    return f"samples/{channel}/{logfile_name(scene, scene.location)}__{channel}__{sample_timestamp(scene, k)}.{ext}"
+    log, stamp = logfile_name(scene, scene.location), sample_timestamp(scene, k)
+    return f"samples/{channel}/{log}__{channel}__{stamp}.{ext}"
 
 
 def _yaw_quaternion(yaw: float) -> list[float]:
@@ -149,8 +151,8 @@ def _yaw_quaternion(yaw: float) -> list[float]:
 def build_tables(
     scenes: list[Scene], rig: dict[str, Sensor], stats: dict, seed: int, map_tokens: dict[str, str]
 ) -> dict[str, list[dict]]:
-    """All 13 tables. `stats[(scene index, k)]` holds per-agent "visible", "projected" (pixels over all cameras)
-    and "lidar" (points) dicts; `map_tokens` maps location -> map token."""
+    """All 13 tables. `stats[(scene index, k)]` holds per-agent "visible", "projected" (pixels over
+    all cameras) and "lidar" (points) dicts; `map_tokens` maps location -> map token."""
     tok = TokenFactory(seed)
     category = [
         {"token": tok("category", n), "name": n, "description": d, "index": i}

@@ -1,9 +1,11 @@
-"""The synthetic world: a road grid per nuScenes location, and per scene the ego route and the agents around it.
+"""The synthetic world: a road grid per nuScenes location, and per scene the ego route and the
+agents around it.
 
-Everything lives in the global frame of a location (metres, x east, y north, z up, ground at z = 0), as in
-nuScenes. A location is a grid of straight two-way roads with lanes, optional parking shoulders, sidewalks and
-buildings; a scene is the ego driving along one lane of one road, with moving, stopped and parked vehicles,
-walking pedestrians, parked bicycles and traffic cones / barriers around it.
+Everything lives in the global frame of a location (metres, x east, y north, z up, ground at z = 0),
+as in nuScenes. A location is a grid of straight two-way roads with lanes, optional parking
+shoulders, sidewalks and buildings; a scene is the ego driving along one lane of one road, with
+moving, stopped and parked vehicles, walking pedestrians, parked bicycles and traffic cones /
+barriers around it.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ class Road:
         return self.lane_half_width + self.parking
 
     def point(self, s, lateral) -> np.ndarray:
-        """Global x, y at distance s along the road and `lateral` metres to its left. Returns ... x 2."""
+        """Global x, y at distance s along the road and `lateral` metres to its left.
+        Returns ... x 2."""
         s = np.asarray(s, dtype=np.float64)[..., None]
         lateral = np.asarray(lateral, dtype=np.float64)[..., None]
         return self.start + s * self.direction + lateral * self.left
@@ -102,8 +105,8 @@ class Road:
         return out
 
     def lane_offset(self, direction: int, lane: int, drive_side: int) -> float:
-        """Lateral offset (to the left) of the centre of lane `lane` (0 = next to the centreline) of the
-        carriageway travelling along (+1) or against (-1) the road."""
+        """Lateral offset (to the left) of the centre of lane `lane` (0 = next to the centreline) of
+        the carriageway travelling along (+1) or against (-1) the road."""
         return -drive_side * direction * (lane + 0.5) * self.lane_width
 
 
@@ -134,8 +137,8 @@ class Location:
 
 
 def build_location(name: str, seed: int) -> Location:
-    """A grid of 4 x 4 straight roads with 1-2 lanes per direction, placed like a real map (hundreds of metres
-    from the map origin), with buildings lining the blocks."""
+    """A grid of 4 x 4 straight roads with 1-2 lanes per direction, placed like a real map (hundreds
+    of metres from the map origin), with buildings lining the blocks."""
     rng = np.random.default_rng(stable_seed("location", name, seed))
     x0, y0 = rng.uniform(200.0, 320.0, size=2)
     xs = x0 + np.concatenate([[0.0], np.cumsum(rng.uniform(120.0, 170.0, size=3))])
@@ -316,8 +319,8 @@ def _size(rng, category):
 
 
 def build_scene(index: int, name: str, location: Location, num_samples: int, seed: int) -> Scene:
-    """The ego drives one lane of one road at 4-9 m/s; traffic fills the road, vehicles wait on the crossing
-    roads, cars park on the shoulders, pedestrians walk the sidewalks."""
+    """The ego drives one lane of one road at 4-9 m/s; traffic fills the road, vehicles wait on the
+    crossing roads, cars park on the shoulders, pedestrians walk the sidewalks."""
     rng = np.random.default_rng(stable_seed("scene", name, seed))
     t = np.arange(num_samples) * SAMPLE_PERIOD
     duration = float(t[-1])
@@ -344,7 +347,8 @@ def build_scene(index: int, name: str, location: Location, num_samples: int, see
 
     def add_track(category, size, color, s, lat, rd, yaw, attrs):
         if category == "vehicle.motorcycle":
-            # nuScenes gives cycles the rider attribute, never vehicle.moving/stopped (the detection metric's AAE)
+            # nuScenes gives cycles the rider attribute, never vehicle.moving/stopped (the detection
+            # metric's AAE)
             attrs = ["cycle.with_rider"] * len(attrs)
         xy = rd.point(s, lat)
         agents.append(
@@ -406,7 +410,8 @@ def build_scene(index: int, name: str, location: Location, num_samples: int, see
                     ["vehicle.moving"] * num_samples,
                 )
 
-    # Roads of the location near the route: crossing roads get queues and parked cars, all get parking.
+    # Roads of the location near the route: crossing roads get queues and parked cars, all get
+    # parking.
     route_xy = np.stack([ego_xy[0], ego_xy[-1]])
     near_lo = route_xy.min(0) - ANNOTATION_RANGE - 10.0
     near_hi = route_xy.max(0) + ANNOTATION_RANGE + 10.0
@@ -478,7 +483,8 @@ def yaw_of_road(rd: Road, d: int) -> float:
 
 
 def _in_section(rd: Road, s0: float, s1: float, margin: float):
-    """Yields (a, b) free stretches of s of the road's sections, `margin` away from intersections/crossings."""
+    """Yields (a, b) free stretches of s of the road's sections, `margin` away from
+    intersections/crossings."""
     for a, b, at_start, at_end in rd.sections():
         lo = a + (CROSSING_GAP + CROSSING_DEPTH + STOP_LINE_GAP + margin if at_start else margin)
         hi = b - (CROSSING_GAP + CROSSING_DEPTH + STOP_LINE_GAP + margin if at_end else margin)
@@ -488,7 +494,8 @@ def _in_section(rd: Road, s0: float, s1: float, margin: float):
 
 
 def _place_roadside(rng, rd: Road, window, t, side, agents, num_samples):
-    """Parked cars, cone rows and barriers on the parking shoulders of `rd`; parked bicycles on the sidewalk."""
+    """Parked cars, cone rows and barriers on the parking shoulders of `rd`; parked bicycles on the
+    sidewalk."""
     for lat_sign in (-1, 1):
         if rd.parking > 0:
             lat = lat_sign * (rd.lane_half_width + rd.parking / 2)
@@ -574,8 +581,8 @@ def _add_static(agents, rd, s, lat, yaw, category, size, color, attribute, t):
 
 
 def _place_pedestrians(rng, location: Location, ego_road: Road, window_of, t, agents, num_samples):
-    """Pedestrians on both sidewalks of every road near the route, walking along it (crossing side roads on the
-    zebra crossings) or standing."""
+    """Pedestrians on both sidewalks of every road near the route, walking along it (crossing side
+    roads on the zebra crossings) or standing."""
     for rd in location.roads:
         window = window_of(rd)
         if window is None:
@@ -598,8 +605,8 @@ def _place_pedestrians(rng, location: Location, ego_road: Road, window_of, t, ag
                 s = s0 + v * t
                 if np.any((s < 0) | (s > rd.length)):
                     continue
-                # The sidewalk is interrupted by crossing roads: walkers on the ego road's sidewalks keep clear of
-                # the ego road itself, others keep to sidewalk stretches only.
+                # The sidewalk is interrupted by crossing roads: walkers on the ego road's sidewalks
+                # keep clear of the ego road itself, others keep to sidewalk stretches only.
                 if rd is not ego_road and _crosses_station(rd, s, lat):
                     continue
                 color = SHIRT_COLORS[int(rng.integers(len(SHIRT_COLORS)))]

@@ -1,11 +1,12 @@
-"""3D object detection on the BEV features: CenterPoint-style centre heatmaps and box regression, decoding by top-K
-heatmap peaks and batched NMS, and a second stage that pools the BEV features around each proposal with RoIAlign and
-refines its score and box with a small MLP. Boxes and their coding: lss.boxes."""
+"""3D object detection on the BEV features: CenterPoint-style centre heatmaps and box regression,
+decoding by top-K heatmap peaks and batched NMS, and a second stage that pools the BEV features
+around each proposal with RoIAlign and refines its score and box with a small MLP. Boxes and their
+coding: lss.boxes."""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -13,21 +14,23 @@ from torch import nn
 
 from lss.boxes import (
     BOX_DIM,
+    DETECTION_CLASSES,
     REGRESSION_CHANNELS,
     Proposals,
     apply_residuals,
     bev_envelopes,
+    ground_truth_proposals,
     regression_to_boxes,
 )
-from lss.config import DETECTION_CLASSES, Config, DetectionConfig
+from lss.config import Config, DetectionConfig
 from lss.geometry import BevGrid
 from lss.models.blocks import conv_bn_relu
 from lss.ops import batched_nms, roi_align
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Decoding
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def decode_peaks(
@@ -35,9 +38,9 @@ def decode_peaks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top_k local maxima (3 x 3) over all classes of each sample's heatmap.
 
-    heatmap_logits B x K x H x W, regression B x 10 x H x W on the H x W map of `grid`. Returns boxes B x k x 9
-    (ego frame), scores B x k (sigmoid probabilities, descending), labels B x k (int64), with k = min(top_k, K H W).
-    """
+    heatmap_logits B x K x H x W, regression B x 10 x H x W on the H x W map of `grid`. Returns
+    boxes B x k x 9 (ego frame), scores B x k (sigmoid probabilities, descending), labels B x k
+    (int64), with k = min(top_k, K H W)."""
     if (
         heatmap_logits.dim() != 4
         or regression.dim() != 4
@@ -68,8 +71,8 @@ def decode_peaks(
 def _pad_per_sample(
     batch_index: torch.Tensor, order_key: torch.Tensor, batch: int, limit: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Slots for items grouped by sample and ranked by descending `order_key`: returns (item, sample, slot) for
-    the first `limit` items of each sample."""
+    """Slots for items grouped by sample and ranked by descending `order_key`: returns (item,
+    sample, slot) for the first `limit` items of each sample."""
     order = torch.argsort(order_key, descending=True)
     order = order[torch.argsort(batch_index[order], stable=True)]
     sample = batch_index[order]
@@ -87,8 +90,9 @@ def propose(
     cfg: DetectionConfig,
     max_per_sample: int,
 ) -> Proposals:
-    """First-stage detections: top-K peaks, score threshold, per-class batched NMS on the BEV envelopes (ego
-    metres, negative coordinates included), then the best `max_per_sample` of each sample."""
+    """First-stage detections: top-K peaks, score threshold, per-class batched NMS on the BEV
+    envelopes (ego metres, negative coordinates included), then the best `max_per_sample` of each
+    sample."""
     B = heatmap_logits.shape[0]
     boxes, scores, labels = decode_peaks(heatmap_logits, regression, grid, cfg.top_k)
     num_classes = heatmap_logits.shape[1]
@@ -118,8 +122,9 @@ def propose(
 def score_by_heatmap(
     proposals: Proposals, heatmap_logits: torch.Tensor, grid: BevGrid
 ) -> Proposals:
-    """The proposals with the first-stage score (sigmoid of the heatmap B x K x H x W at their class and centre
-    cell) as their score; each valid proposal's centre must lie on the grid's H x W map."""
+    """The proposals with the first-stage score (sigmoid of the heatmap B x K x H x W at their class
+    and centre cell) as their score; each valid proposal's centre must lie on the grid's H x W
+    map."""
     sample, slot = torch.nonzero(proposals.valid, as_tuple=True)
     boxes = proposals.boxes[sample, slot]
     u, v = grid.xy_to_cells(boxes[:, 0], boxes[:, 1])
@@ -130,12 +135,12 @@ def score_by_heatmap(
 
 
 def decode_detections(outputs: dict, config: Config) -> list[dict]:
-    """Final boxes of each sample from the head's outputs (in eval mode): a list of dicts with "boxes" M x 9 (ego
-    frame), "scores" M (descending) and "labels" M (int64 into DETECTION_CLASSES).
+    """Final boxes of each sample from the head's outputs (in eval mode): a list of dicts with
+    "boxes" M x 9 (ego frame), "scores" M (descending) and "labels" M (int64 into
+    DETECTION_CLASSES).
 
-    With the second stage the proposals' boxes get the residuals and the score is sqrt(first stage x second stage);
-    without it the first-stage proposals are the detections.
-    """
+    With the second stage the proposals' boxes get the residuals and the score is
+    sqrt(first stage x second stage); without it the first-stage proposals are the detections."""
     cfg = config.detection
     if "det_refine_scores" in outputs:
         proposals = outputs["det_proposals"]
@@ -172,17 +177,18 @@ def decode_detections(outputs: dict, config: Config) -> list[dict]:
     return detections
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Second stage
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def proposal_rois(
     proposals: Proposals, grid: BevGrid, enlarge: float, min_cells: float = 2.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoIAlign boxes R x 5 [batch, x1, y1, x2, y2] for the valid proposals, in the cell units of the grid's map
-    with RoIAlign's x along the columns (ego y) and y along the rows (ego x); each the proposal's axis-aligned
-    envelope scaled by `enlarge` and at least `min_cells` wide. Also returns the (sample, slot) index of each row."""
+    """RoIAlign boxes R x 5 [batch, x1, y1, x2, y2] for the valid proposals, in the cell units of
+    the grid's map with RoIAlign's x along the columns (ego y) and y along the rows (ego x); each
+    the proposal's axis-aligned envelope scaled by `enlarge` and at least `min_cells` wide. Also
+    returns the (sample, slot) index of each row."""
     sample, slot = torch.nonzero(proposals.valid, as_tuple=True)
     env = bev_envelopes(proposals.boxes[sample, slot], enlarge)
     centre_x, centre_y = (env[:, 0] + env[:, 2]) / 2, (env[:, 1] + env[:, 3]) / 2
@@ -196,8 +202,9 @@ def proposal_rois(
 
 
 class BoxRefiner(nn.Module):
-    """Second stage: RoIAlign pools the BEV features over each proposal's envelope; an MLP on the pooled features,
-    the class and the proposal's own geometry predicts a score logit and box residuals (lss.boxes.box_residuals)."""
+    """Second stage: RoIAlign pools the BEV features over each proposal's envelope; an MLP on the
+    pooled features, the class and the proposal's own geometry predicts a score logit and box
+    residuals (lss.boxes.box_residuals)."""
 
     def __init__(
         self,
@@ -229,19 +236,19 @@ class BoxRefiner(nn.Module):
     def forward(
         self, bev_features: torch.Tensor, proposals: Proposals, grid: BevGrid
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """bev_features B x C x H x W (the H x W map of `grid`). Returns score logits B x P and residuals B x P x 9
-        (zero where invalid)."""
+        """bev_features B x C x H x W (the H x W map of `grid`). Returns score logits B x P and
+        residuals B x P x 9 (zero where invalid)."""
         B, P = proposals.valid.shape
         rois, (sample, slot) = proposal_rois(proposals, grid, self.enlarge)
         score_logits = bev_features.new_zeros(B, P, dtype=torch.float32)
         residuals = bev_features.new_zeros(B, P, BOX_DIM, dtype=torch.float32)
         if not len(rois):
-            # Zero-valued use of every parameter: DDP expects gradients for all of them on every step.
+            # Zero-valued use of every parameter: DDP expects gradients for all of them every step.
             unused = sum(p.sum() for p in self.parameters()).float() * 0
             return score_logits + unused, residuals + unused
-        # float32: in bf16 a roi corner near cell 200 would be off by a whole cell. validate=False skips a host
-        # sync: the rois are our own decoding (batch indices from nonzero(), boxes finite unless the network's
-        # outputs are not, and then the loss stops training anyway).
+        # float32: in bf16 a roi corner near cell 200 would be off by a whole cell. validate=False
+        # skips a host sync: the rois are our own decoding (batch indices from nonzero(), boxes
+        # finite unless the network's outputs are not, and then the loss stops training anyway).
         pooled = roi_align(
             bev_features.float(),
             rois,
@@ -270,27 +277,36 @@ class BoxRefiner(nn.Module):
         return score_logits, residuals
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The head
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class DetectionHead(nn.Module):
-    """CenterPoint-style head on B x C x H x W BEV features (H x W covering config.grid's x/y bounds).
+    """CenterPoint-style head on B x C x H x W BEV features (H x W covering the x/y bounds of
+    `grid`), configured by `cfg` (config.detection).
 
-    forward(bev_features, extra_proposals=None) returns "det_heatmap" B x K x H x W logits and "det_regression"
-    B x 10 x H x W (REGRESSION_CHANNELS); with config.detection.refine also "det_proposals" (Proposals: the detached
-    first-stage boxes, followed by `extra_proposals` scored by the heatmap, e.g. the jittered ground truth of
-    lss.boxes.ground_truth_proposals while training), "det_refine_scores" B x P logits and "det_refine_residuals"
-    B x P x 9.
+    forward(bev_features, extra_proposals=None, gt_boxes=None, gt_labels=None) returns
+    "det_heatmap" B x K x H x W logits and "det_regression" B x 10 x H x W (REGRESSION_CHANNELS);
+    with cfg.refine also "det_proposals" (Proposals: the detached first-stage boxes, followed by
+    `extra_proposals` and, while training with cfg.refine_gt_proposals, jittered copies of the
+    ground truth gt_boxes / gt_labels (one M_b x 9 / M_b tensor per sample,
+    lss.boxes.ground_truth_proposals), all scored by the heatmap), "det_refine_scores" B x P
+    logits and "det_refine_residuals" B x P x 9.
     """
 
-    def __init__(self, in_channels: int, config: Config, num_classes: int = len(DETECTION_CLASSES)):
+    def __init__(
+        self,
+        in_channels: int,
+        cfg: DetectionConfig,
+        grid: BevGrid,
+        num_classes: int = len(DETECTION_CLASSES),
+    ):
         super().__init__()
-        self.cfg = config.detection
-        self.grid = BevGrid.from_config(config.grid)
+        self.cfg = cfg
+        self.grid = grid
         self.num_classes = num_classes
-        hc = self.cfg.head_channels
+        hc = cfg.head_channels
         self.shared = nn.Sequential(*conv_bn_relu(in_channels, hc))
         self.heatmap = nn.Sequential(*conv_bn_relu(hc, hc), nn.Conv2d(hc, num_classes, 1))
         self.regression = nn.Sequential(
@@ -299,19 +315,22 @@ class DetectionHead(nn.Module):
         # Heatmap prior 0.1 (focal-loss practice): the loss starts small on the mostly empty map.
         nn.init.constant_(self.heatmap[-1].bias, -math.log((1 - 0.1) / 0.1))
         self.refiner = (
-            BoxRefiner(
-                hc, num_classes, self.cfg.roi_size, self.cfg.refine_hidden, self.cfg.roi_enlarge
-            )
-            if self.cfg.refine
+            BoxRefiner(hc, num_classes, cfg.roi_size, cfg.refine_hidden, cfg.roi_enlarge)
+            if cfg.refine
             else None
         )
 
     def forward(
-        self, bev_features: torch.Tensor, extra_proposals: Optional[Proposals] = None
+        self,
+        bev_features: torch.Tensor,
+        extra_proposals: Optional[Proposals] = None,
+        gt_boxes: Optional[Sequence[torch.Tensor]] = None,
+        gt_labels: Optional[Sequence[torch.Tensor]] = None,
     ) -> dict:
         if bev_features.dim() != 4:
             raise ValueError(
-                f"DetectionHead: expected BEV features B x C x H x W, got {tuple(bev_features.shape)}"
+                "DetectionHead: expected BEV features B x C x H x W, got "
+                f"{tuple(bev_features.shape)}"
             )
         features = self.shared(bev_features)
         out = {"det_heatmap": self.heatmap(features), "det_regression": self.regression(features)}
@@ -321,12 +340,20 @@ class DetectionHead(nn.Module):
         limit = self.cfg.refine_proposals if self.training else self.cfg.max_detections
         with torch.no_grad():
             proposals = propose(out["det_heatmap"], out["det_regression"], grid, self.cfg, limit)
-            if extra_proposals is not None:
-                proposals = proposals.cat(
-                    score_by_heatmap(extra_proposals, out["det_heatmap"], grid)
-                )
+            truth = self._ground_truth(gt_boxes, gt_labels, grid, bev_features.device)
+            for extra in (extra_proposals, truth):
+                if extra is not None:
+                    proposals = proposals.cat(score_by_heatmap(extra, out["det_heatmap"], grid))
         out["det_proposals"] = proposals
         out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(
             features, proposals, grid
         )
         return out
+
+    def _ground_truth(self, gt_boxes, gt_labels, grid: BevGrid, device) -> Optional[Proposals]:
+        """Jittered ground-truth proposals: positives for the second stage early in training."""
+        if not (self.training and self.cfg.refine_gt_proposals and gt_boxes is not None):
+            return None
+        if gt_labels is None:
+            raise ValueError("DetectionHead: gt_boxes were given without gt_labels")
+        return ground_truth_proposals(gt_boxes, gt_labels, grid, self.num_classes, device)

@@ -1,1 +1,0 @@
-"""Benchmark suites for `lss bench`: each module exposes run(ctx: lss.bench.BenchContext) -> list of row dicts."""
