@@ -45,6 +45,11 @@ REGRESSION_CHANNELS = (
     "vy",
 )
 BOX_DIM = 9
+# Where each quantity sits in a box's BOX_DIM values.
+BOX_CENTRE = slice(0, 3)  # x, y, z
+BOX_SIZE = slice(3, 6)  # w, l, h
+BOX_YAW = 6
+BOX_VELOCITY = slice(7, 9)  # vx, vy
 # The regression channel whose code weight each second-stage box residual takes (yaw: sin's).
 RESIDUAL_WEIGHT_CHANNELS = (0, 1, 2, 3, 4, 5, 6, 8, 9)
 # Sizes are clamped here when decoded so that an untrained head cannot produce inf boxes.
@@ -185,13 +190,14 @@ def box_residuals(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     """What the second stage learns, ... x 9: centre and velocity differences, log size ratios,
     wrapped yaw difference (so that apply_residuals(proposals, box_residuals(proposals, targets)) ==
     targets)."""
-    d_yaw = torch.remainder(targets[..., 6] - proposals[..., 6] + math.pi, 2 * math.pi) - math.pi
+    d_yaw = targets[..., BOX_YAW] - proposals[..., BOX_YAW]
+    d_yaw = torch.remainder(d_yaw + math.pi, 2 * math.pi) - math.pi
     return torch.cat(
         [
-            targets[..., 0:3] - proposals[..., 0:3],
-            torch.log(targets[..., 3:6] / proposals[..., 3:6]),
+            targets[..., BOX_CENTRE] - proposals[..., BOX_CENTRE],
+            torch.log(targets[..., BOX_SIZE] / proposals[..., BOX_SIZE]),
             d_yaw.unsqueeze(-1),
-            targets[..., 7:9] - proposals[..., 7:9],
+            targets[..., BOX_VELOCITY] - proposals[..., BOX_VELOCITY],
         ],
         dim=-1,
     )
@@ -203,10 +209,10 @@ def apply_residuals(proposals: torch.Tensor, residuals: torch.Tensor) -> torch.T
     residuals = residuals.float()
     return torch.cat(
         [
-            proposals[..., 0:3] + residuals[..., 0:3],
-            proposals[..., 3:6] * torch.exp(residuals[..., 3:6].clamp(max=MAX_LOG_SIZE)),
-            (proposals[..., 6] + residuals[..., 6]).unsqueeze(-1),
-            proposals[..., 7:9] + residuals[..., 7:9],
+            proposals[..., BOX_CENTRE] + residuals[..., BOX_CENTRE],
+            proposals[..., BOX_SIZE] * torch.exp(residuals[..., BOX_SIZE].clamp(max=MAX_LOG_SIZE)),
+            (proposals[..., BOX_YAW] + residuals[..., BOX_YAW]).unsqueeze(-1),
+            proposals[..., BOX_VELOCITY] + residuals[..., BOX_VELOCITY],
         ],
         dim=-1,
     )

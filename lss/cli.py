@@ -1,4 +1,5 @@
-"""The `lss` command line: train / eval / viz / demo / bench / export / make-synthetic / config / env."""
+"""The `lss` command line:
+train / eval / viz / demo / bench / export / make-synthetic / config / env."""
 
 from __future__ import annotations
 
@@ -206,8 +207,8 @@ def cmd_export(args) -> int:
     )
     rig_note = "rig inputs" if done["rig_path"] is None else f"fixed rig in {done['rig_path']}"
     print(
-        f"wrote {done['path']} (opset {args.opset}, bev_pool {args.bev_pool}, {rig_note}, Resize mode "
-        f"{done['resize_mode']}; trained with {done['upsample_mode']})"
+        f"wrote {done['path']} (opset {args.opset}, bev_pool {args.bev_pool}, {rig_note}, Resize "
+        f"mode {done['resize_mode']}; trained with {done['upsample_mode']})"
     )
     if not args.check:
         return 0
@@ -263,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="delete the earlier run in RUN_DIR (metrics, checkpoints, tensorboard) and start again",
+        help=(
+            "delete the earlier run in RUN_DIR (metrics, checkpoints, tensorboard) and start again"
+        ),
     )
     p.set_defaults(func=cmd_train)
 
@@ -279,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--ckpt", required=True)
     p.add_argument(
-        "--out", default=None, help="default: viz.out_dir, else viz/ in the checkpoint's run directory"
+        "--out",
+        default=None,
+        help="default: viz.out_dir, else viz/ in the checkpoint's run directory",
     )
     p.add_argument(
         "--num", type=_sample_count, default=None, help="number of samples (default: viz.num)"
@@ -340,7 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bev-pool",
         default="onnx",
-        help="onnx: standard operators (default); custom: one lss.BevPool node (needs a runtime plugin)",
+        help=(
+            "onnx: standard operators (default); custom: one lss.BevPool node "
+            "(needs a runtime plugin)"
+        ),
     )
     p.add_argument(
         "--resize-mode",
@@ -350,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check",
         action="store_true",
-        help="compare onnxruntime with PyTorch on validation samples (logits and IoU); exit 1 if off",
+        help=(
+            "compare onnxruntime with PyTorch on validation samples (logits and IoU); exit 1 if off"
+        ),
     )
     p.add_argument(
         "--check-samples", type=int, default=8, help="validation samples for --check (default 8)"
@@ -360,10 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Run one command. User errors (LssError: config, arguments, dataset, checkpoint; OSError: a file that is
-    missing, unreadable or not writable; FloatingPointError: a NaN/inf loss or non-finite weights, its message names
-    the step) print one line and return 2; anything else is a bug and raises with its traceback. Ctrl-C prints one
-    line (for `lss train`: the last checkpoint and how to resume) and returns 130."""
+    """Run one command. User errors (LssError: config, arguments, dataset, checkpoint; OSError: a
+    file that is missing, unreadable or not writable; FloatingPointError: a NaN/inf loss or
+    non-finite weights, its message names the step) print one line and return 2; anything else is a
+    bug and raises with its traceback. Ctrl-C prints one line (for `lss train`: the last checkpoint
+    and how to resume) and returns 130."""
     from lss.errors import LssError
 
     args = build_parser().parse_args(_join_dash_values(sys.argv[1:] if argv is None else argv))

@@ -3,27 +3,26 @@
 (lss.engine.step.EagerStep: batch copy from pinned memory, autocast forward, loss, backward, its
 loss check, clipping, fused AdamW, schedule), its time, and where the host's part goes.
 
-    python scripts/profile_eager_step.py [--amp bf16|none] [--channels-last bev|true|false]
+    python scripts/profile_eager_step.py [--amp bf16|fp16|none] [--channels-last bev|true|false]
         [--variants base,graphed,captured] [--steps 30] [--top 20]
 
-Variants, each on a fresh model:
-  base      the step as the trainer runs it
-  graphed   the camera trunk and the BEV encoder as CUDA graphs inside the eager step
-            (torch.cuda.make_graphed_callables): a partial capture, which gradient accumulation,
-            fp16 and the detection head's second stage allow; what it saves says whether the
-            eager step should take it
+Variants, each on a fresh model, each built by lss.engine.step.build_step as the trainer builds it:
+  base      the plain eager step (EagerStep without CUDA graphs), for the ratio
+  graphed   the eager step that the trainer runs on CUDA: the camera trunk and the BEV encoder
+            replay CUDA graphs captured after its first step (lss.engine.step.partial), the rest
+            eager, as gradient accumulation, fp16 and the detection head's second stage need
   captured  the whole step as one CUDA graph (train.cuda_graph), for the ratio
 
 One JSON line per variant: the step's median ms (synchronized after every step), the GPU's kernel
-time per step (far below the step: the host bounds it), kernel launches, host syncs, casts
-(aten::_to_copy: autocast's weight casts and their backward) and the host time of the optimizer
-and of the backward, all per step from torch.profiler; then the base variant's top host operators
-(self CPU ms per step) and top kernels. On a CPU it runs at the quick sizes (a smoke test)."""
+time per step, kernel launches, host syncs, casts (aten::_to_copy: autocast's weight casts and
+their backward) and the host time of the optimizer and of the backward, all per step from
+torch.profiler, and for the eager variants "encoder_graphs" ("captured", "off" or why not); then
+each eager variant's top host operators (self CPU ms per step) and top kernels. On a CPU it runs
+at the quick sizes (a smoke test); --amp fp16 leaves out the captured variant (no loss scaler)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -31,15 +30,20 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
 from benchmarks.train_step import LSS_CONFIG, QUICK_CONFIG, random_batches  # noqa: E402
 from lss.config import load_config  # noqa: E402
-from lss.engine.build import apply_channels_last, build_optimizer, build_scheduler  # noqa: E402
+from lss.engine.build import (  # noqa: E402
+    apply_channels_last,
+    autocast_dtype,
+    build_autocast,
+    build_optimizer,
+    build_scheduler,
+)
 from lss.engine.distributed import DistInfo  # noqa: E402
-from lss.engine.step import CapturedStep, EagerStep, StepParts  # noqa: E402
+from lss.engine.step import StepChoice, StepParts, build_step  # noqa: E402
 from lss.models import LiftSplatShoot  # noqa: E402
 from lss.models.losses import TotalLoss  # noqa: E402
 
@@ -48,54 +52,27 @@ LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuL
 VARIANTS = ("base", "graphed", "captured")
 
 
-def build(cfg, device, amp: str, variant: str, batch: dict):
+def build(cfg, device, variant: str):
+    """The step of `variant` on a fresh model, with the trainer's parts and its step factory."""
     torch.manual_seed(0)
     model = apply_channels_last(LiftSplatShoot(cfg).to(device), cfg.train.channels_last).train()
-    dtype = torch.bfloat16 if amp == "bf16" and device.type == "cuda" else None
-    if variant == "graphed":
-        graph_encoders(model, batch, dtype)
     optimizer = build_optimizer(cfg, model)
-
-    def autocast():
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=dtype, cache_enabled=variant != "graphed")
-
+    dtype = autocast_dtype(cfg, device)
     parts = StepParts(
         model,
         TotalLoss(cfg).to(device),
         optimizer,
         build_scheduler(cfg, optimizer),
-        torch.amp.GradScaler(device.type, enabled=False),
+        torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
         dtype,
-        autocast,
+        build_autocast(cfg, device),
         cfg.optim.grad_clip,
         device,
         DistInfo(),
     )
-    return CapturedStep(parts) if variant == "captured" else EagerStep(parts)
-
-
-def graph_encoders(model: nn.Module, batch: dict, dtype) -> None:
-    """The camera trunk and the BEV encoder replaced in place by their graphed versions (forward
-    and backward each one graph), captured on `batch`'s shapes."""
-
-    def autocast():  # make_graphed_callables refuses autocast's weight cache
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=dtype, cache_enabled=False)
-
-    seen = {}
-    hook = model.bev.register_forward_pre_hook(lambda m, args: seen.update(bev=args[0]))
-    with autocast():
-        model(batch)
-    hook.remove()
-    images = batch["images"].flatten(0, 1).detach()
-    bev_in = seen["bev"].detach().clone().requires_grad_(True)
-    with autocast():
-        torch.cuda.make_graphed_callables(
-            (model.camera.trunk, model.bev), ((images,), (bev_in,)), num_warmup_iters=3
-        )
+    if variant == "captured":
+        return build_step(cfg, StepChoice("captured"), parts)
+    return build_step(cfg, StepChoice("eager", encoder_graphs=variant == "graphed"), parts)
 
 
 def timed_steps(step, batches, n: int, device) -> list[float]:
@@ -146,7 +123,7 @@ def summary(events, n: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--amp", default="bf16", choices=("bf16", "none"))
+    p.add_argument("--amp", default="bf16", choices=("bf16", "fp16", "none"))
     p.add_argument("--channels-last", default="true", choices=("true", "false", "bev", "camera"))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--steps", type=int, default=30)
@@ -157,7 +134,10 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = device.type != "cuda"
     channels = {"true": "true", "false": "false"}.get(a.channels_last, a.channels_last)
-    overrides = (QUICK_CONFIG if quick else LSS_CONFIG) + [f"train.channels_last={channels}"]
+    overrides = (QUICK_CONFIG if quick else LSS_CONFIG) + [
+        f"train.channels_last={channels}",
+        f"train.amp={a.amp}",
+    ]
     cfg = load_config(None, overrides + a.set)
     on_device = random_batches(cfg, 2 if quick else 4, device)
     # the trainer's batches come from the loader's pinned host memory
@@ -171,10 +151,12 @@ def main() -> None:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if quick:  # CUDA graphs need a GPU
         variants = [v for v in variants if v not in ("graphed", "captured")]
+    if a.amp == "fp16":  # the captured step has no loss scaler (train.cuda_graph refuses fp16)
+        variants = [v for v in variants if v != "captured"]
     steps = 3 if quick else a.steps
-    base_events = None
+    eager_events = {}
     for variant in variants:
-        step = build(cfg, device, a.amp, variant, on_device[0])
+        step = build(cfg, device, variant)
         timed_steps(step, host, 3, device)  # warm-up: cuDNN autotuning, optimizer state, capture
         times = timed_steps(step, host, steps, device)
         events = profiled(step, host, a.profile_steps, device)
@@ -188,23 +170,27 @@ def main() -> None:
             "step_ms_min": min(times),
             **{k: round(v, 3) for k, v in summary(events, a.profile_steps).items()},
         }
+        if variant != "captured":
+            graphs = step.graphs
+            row["encoder_graphs"] = "off" if graphs is None else graphs.problem or "captured"
+            eager_events[variant] = events
         print(json.dumps(row), flush=True)
-        if variant == "base":
-            base_events = events
         del step
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if base_events is None:
-        return
-    n = a.profile_steps
-    print("base: top host operators by self CPU time (ms per step, calls per step)")
-    host_ops = sorted(base_events, key=lambda e: -e.self_cpu_time_total)[: a.top]
-    for e in host_ops:
+    for variant, events in eager_events.items():
+        print_top(variant, events, a.profile_steps, a.top)
+
+
+def print_top(variant: str, events, n: int, top: int) -> None:
+    """The variant's top host operators and top kernels, per step."""
+    print(f"{variant}: top host operators by self CPU time (ms per step, calls per step)")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"  {e.self_cpu_time_total / n / 1e3:8.3f}  x{e.count / n:6.0f}  {e.key[:90]}")
-    kernels = [e for e in base_events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     if kernels:
-        print("base: top kernels by device time (ms per step, launches per step)")
-        for e in sorted(kernels, key=lambda e: -e.device_time_total)[: a.top]:
+        print(f"{variant}: top kernels by device time (ms per step, launches per step)")
+        for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
             print(f"  {e.device_time_total / n / 1e3:8.3f}  x{e.count / n:6.0f}  {e.key[:90]}")
 
 

@@ -1,4 +1,6 @@
-"""The synthetic dataset against the real nuscenes-devkit: tables, images, lidar and maps load and agree."""
+"""The synthetic dataset against the real nuscenes-devkit: tables, images, lidar and maps load and
+agree."""
+
 import json
 from pathlib import Path
 
@@ -17,10 +19,24 @@ from nuscenes.utils.splits import create_splits_scenes  # noqa: E402
 
 from lss.data.synthetic import generate, scene_names  # noqa: E402
 from lss.data.synthetic.rig import CAMERAS, load_rig  # noqa: E402
-from lss.data.synthetic.world import build_location, build_scene  # noqa: E402
+from lss.data.synthetic.roads import build_location  # noqa: E402
+from lss.data.synthetic.world import build_scene  # noqa: E402
 
-TABLES = ("category", "attribute", "visibility", "instance", "sensor", "calibrated_sensor", "ego_pose", "log",
-          "scene", "sample", "sample_data", "sample_annotation", "map")
+TABLES = (
+    "category",
+    "attribute",
+    "visibility",
+    "instance",
+    "sensor",
+    "calibrated_sensor",
+    "ego_pose",
+    "log",
+    "scene",
+    "sample",
+    "sample_data",
+    "sample_annotation",
+    "map",
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +50,14 @@ def test_devkit_loads_tables_and_splits(nusc):
     assert len(names) == 2
     assert sum(n in splits["mini_train"] for n in names) == 1
     assert sum(n in splits["mini_val"] for n in names) == 1
-    assert {c["name"] for c in nusc.category} >= {"vehicle.car", "vehicle.truck", "vehicle.bus.rigid",
-                                                 "human.pedestrian.adult", "movable_object.barrier",
-                                                 "movable_object.trafficcone"}
+    assert {c["name"] for c in nusc.category} >= {
+        "vehicle.car",
+        "vehicle.truck",
+        "vehicle.bus.rigid",
+        "human.pedestrian.adult",
+        "movable_object.barrier",
+        "movable_object.trafficcone",
+    }
     assert sorted(v["token"] for v in nusc.visibility) == ["1", "2", "3", "4"]
     for scene in nusc.scene:
         tokens, token = [], scene["first_sample_token"]
@@ -73,7 +94,9 @@ def test_sample_data_files_and_boxes(nusc, synthetic_root):
 
 
 def test_intrinsics_scale_with_image_size(nusc):
-    rig = json.loads((Path(__file__).resolve().parent.parent / "lss/data/nuscenes_rig.json").read_text())
+    rig = json.loads(
+        (Path(__file__).resolve().parent.parent / "lss/data/nuscenes_rig.json").read_text()
+    )
     sd = nusc.get("sample_data", nusc.sample[0]["data"]["CAM_FRONT"])
     cs = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
     expected = np.array(rig["CAM_FRONT"]["camera_intrinsic"]) * np.array([[0.25], [0.25], [1.0]])
@@ -83,8 +106,12 @@ def test_intrinsics_scale_with_image_size(nusc):
 
 def test_render_functions_headless(nusc, tmp_path):
     sample = nusc.sample[1]
-    nusc.render_sample_data(sample["data"]["CAM_FRONT"], out_path=str(tmp_path / "cam.png"), verbose=False)
-    nusc.render_sample_data(sample["data"]["LIDAR_TOP"], out_path=str(tmp_path / "lidar.png"), verbose=False)
+    nusc.render_sample_data(
+        sample["data"]["CAM_FRONT"], out_path=str(tmp_path / "cam.png"), verbose=False
+    )
+    nusc.render_sample_data(
+        sample["data"]["LIDAR_TOP"], out_path=str(tmp_path / "lidar.png"), verbose=False
+    )
     assert (tmp_path / "cam.png").stat().st_size > 0 and (tmp_path / "lidar.png").stat().st_size > 0
 
 
@@ -113,11 +140,22 @@ def test_map_expansion_and_semantic_prior(nusc, synthetic_root):
         log = nusc.get("log", scene["log_token"])
         nmap = NuScenesMap(str(synthetic_root), log["location"])
         sample = nusc.get("sample", scene["first_sample_token"])
-        pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+        pose = nusc.get(
+            "ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"]
+        )
         x, y = pose["translation"][:2]
-        masks = nmap.get_map_mask((x, y, 100, 100), 0.0, ["drivable_area", "lane_divider", "road_divider",
-                                                         "ped_crossing", "walkway"], (200, 200))
-        assert masks[0].mean() > 0.1 and masks[1].sum() > 0 and masks[2].sum() > 0 and masks[4].sum() > 0
+        masks = nmap.get_map_mask(
+            (x, y, 100, 100),
+            0.0,
+            ["drivable_area", "lane_divider", "road_divider", "ped_crossing", "walkway"],
+            (200, 200),
+        )
+        assert (
+            masks[0].mean() > 0.1
+            and masks[1].sum() > 0
+            and masks[2].sum() > 0
+            and masks[4].sum() > 0
+        )
         assert nmap.record_on_point(x, y, "drivable_area") != ""
         assert nmap.record_on_point(x, y, "lane") != ""
         # The semantic prior of the map table covers the ego pose.
@@ -132,19 +170,22 @@ def test_map_expansion_and_semantic_prior(nusc, synthetic_root):
 
 
 def _colour_match(pixels: np.ndarray, colour: np.ndarray) -> np.ndarray:
-    """Pixels (M x 3 RGB) that are the base colour under some sun shading (0.45..1.1) and JPEG noise."""
+    """Pixels (M x 3 RGB) that are the base colour under some sun shading (0.45..1.1) and JPEG
+    noise."""
     c = colour.astype(np.float64)
     f = np.clip(pixels @ c / max(c @ c, 1.0), 0.45, 1.1)
     return np.linalg.norm(pixels - f[:, None] * c, axis=1) < 25.0
 
 
 def _instance_colours(nusc, seed=0):
-    """Rebuild the world of each scene (it depends only on the seed and the scene name) and map annotation
-    tokens to their agent's colour (RGB)."""
+    """Rebuild the world of each scene (it depends only on the seed and the scene name) and map
+    annotation tokens to their agent's colour (RGB)."""
     colours = {}
     for scene in nusc.scene:
         location = nusc.get("log", scene["log_token"])["location"]
-        world = build_scene(0, scene["name"], build_location(location, seed), scene["nbr_samples"], seed)
+        world = build_scene(
+            0, scene["name"], build_location(location, seed), scene["nbr_samples"], seed
+        )
         token, k = scene["first_sample_token"], 0
         while token:
             sample = nusc.get("sample", token)
@@ -164,26 +205,37 @@ def test_projected_boxes_land_on_their_object(nusc, synthetic_root):
     by_visibility = {"1": [], "4": []}
     for sample in nusc.sample:
         for ch in CAMERAS:
-            path, boxes, k = nusc.get_sample_data(sample["data"][ch], box_vis_level=BoxVisibility.ALL)
+            path, boxes, k = nusc.get_sample_data(
+                sample["data"][ch], box_vis_level=BoxVisibility.ALL
+            )
             img = cv2.imread(path)[..., ::-1].astype(np.float64)
             for box in boxes:
                 ann = nusc.get("sample_annotation", box.token)
                 if ann["visibility_token"] not in by_visibility:
                     continue
-                if not (box.name.startswith("vehicle.car") or box.name.startswith("vehicle.bus")
-                        or box.name.startswith("vehicle.truck")):
+                if not (
+                    box.name.startswith("vehicle.car")
+                    or box.name.startswith("vehicle.bus")
+                    or box.name.startswith("vehicle.truck")
+                ):
                     continue
                 corners = view_points(box.corners(), k, normalize=True)[:2].T
                 mask = np.zeros(img.shape[:2], np.uint8)
-                cv2.fillConvexPoly(mask, np.round(cv2.convexHull(corners.astype(np.float32))).astype(np.int32)
-                                   .reshape(-1, 2), 1)
+                cv2.fillConvexPoly(
+                    mask,
+                    np.round(cv2.convexHull(corners.astype(np.float32)))
+                    .astype(np.int32)
+                    .reshape(-1, 2),
+                    1,
+                )
                 if mask.sum() < 30:
                     continue
                 match = _colour_match(img[mask > 0], colours[box.token]).mean()
                 by_visibility[ann["visibility_token"]].append(match)
     vis4, vis1 = np.array(by_visibility["4"]), np.array(by_visibility["1"])
     assert len(vis4) >= 3
-    # Fully visible vehicles: most of the box's projection shows its body colour (windows and wheels aside).
+    # Fully visible vehicles: most of the box's projection shows its body colour (windows and wheels
+    # aside).
     assert np.median(vis4) > 0.45, vis4
     if len(vis1):
         assert np.median(vis1) < np.median(vis4) - 0.2, (vis1, vis4)
@@ -196,21 +248,30 @@ def test_same_seed_same_tables(tmp_path):
     b = generate(tmp_path / "b", workers=2, **kwargs)
     c = generate(tmp_path / "c", workers=1, **{**kwargs, "seed": 4})
     for name in TABLES:
-        assert (a / "v1.0-mini" / f"{name}.json").read_bytes() == (b / "v1.0-mini" / f"{name}.json").read_bytes()
-    assert (a / "v1.0-mini/sample_annotation.json").read_bytes() != (c / "v1.0-mini/sample_annotation.json").read_bytes()
+        assert (a / "v1.0-mini" / f"{name}.json").read_bytes() == (
+            b / "v1.0-mini" / f"{name}.json"
+        ).read_bytes()
+    assert (a / "v1.0-mini/sample_annotation.json").read_bytes() != (
+        c / "v1.0-mini/sample_annotation.json"
+    ).read_bytes()
     lidar = sorted((a / "samples/LIDAR_TOP").iterdir())
     assert lidar[0].read_bytes() == (b / "samples/LIDAR_TOP" / lidar[0].name).read_bytes()
 
 
 def test_scene_names_follow_official_splits():
     splits = create_splits_scenes()
-    for version, train, val in (("v1.0-mini", "mini_train", "mini_val"), ("v1.0-trainval", "train", "val")):
+    for version, train, val in (
+        ("v1.0-mini", "mini_train", "mini_val"),
+        ("v1.0-trainval", "train", "val"),
+    ):
         for n in (1, 2, 5, 10):
             names = scene_names(version, n)
             assert len(set(names)) == n
             assert all(x in splits[train] or x in splits[val] for x in names)
             if n >= 2:
-                assert any(x in splits[train] for x in names) and any(x in splits[val] for x in names)
+                assert any(x in splits[train] for x in names) and any(
+                    x in splits[val] for x in names
+                )
     assert len(scene_names("v1.0-trainval", 850)) == 850
 
 
@@ -237,7 +298,18 @@ def test_cli_refuses_non_empty_dir(tmp_path, capsys):
     from lss.cli import main
 
     (tmp_path / "x.txt").write_text("")
-    rc = main(["make-synthetic", str(tmp_path), "--scenes", "2", "--samples-per-scene", "1", "--image-size", "64x36"])
+    rc = main(
+        [
+            "make-synthetic",
+            str(tmp_path),
+            "--scenes",
+            "2",
+            "--samples-per-scene",
+            "1",
+            "--image-size",
+            "64x36",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "is not empty" in err and "--force" in err
@@ -255,8 +327,18 @@ def test_load_rig_sizes():
 def test_one_scene_is_refused_with_the_minimum(tmp_path, capsys):
     from lss.cli import main
 
-    rc = main(["make-synthetic", str(tmp_path / "one"), "--scenes", "1", "--samples-per-scene", "1",
-               "--image-size", "64x36"])
+    rc = main(
+        [
+            "make-synthetic",
+            str(tmp_path / "one"),
+            "--scenes",
+            "1",
+            "--samples-per-scene",
+            "1",
+            "--image-size",
+            "64x36",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err.splitlines()[0]
     assert "at least 2" in err and "--scenes 2" in err
@@ -276,5 +358,8 @@ def test_force_replaces_only_its_own_files(tmp_path):
     foreign.write_bytes(b"precious")
     with pytest.raises(FileExistsError, match=rf"{foreign}.*not written by `lss make-synthetic`"):
         generate(out, force=True, **kwargs)
-    assert foreign.read_bytes() == b"precious" and sorted(p.relative_to(out) for p in out.rglob("*")
-                                                          if p.is_file() and p != foreign) == first
+    assert (
+        foreign.read_bytes() == b"precious"
+        and sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file() and p != foreign)
+        == first
+    )

@@ -266,7 +266,7 @@ def _dataset(root, *extra):
 
 
 def test_a_cached_index_gives_the_same_dataset_without_the_tables(synthetic_root, tmp_path, monkeypatch):
-    import lss.data.nuscenes as nuscenes
+    import lss.data.sample_index as sample_index
     from lss.data.index_cache import cache_dir
 
     monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
@@ -276,7 +276,7 @@ def test_a_cached_index_gives_the_same_dataset_without_the_tables(synthetic_root
     def no_tables(*args):
         raise RuntimeError("the tables were read although the index is cached")
 
-    monkeypatch.setattr(nuscenes, "load_tables", no_tables)
+    monkeypatch.setattr(sample_index, "load_tables", no_tables)
     cached = _dataset(synthetic_root)
     assert set(vars(built)) == set(vars(cached))
     for name, a in vars(built).items():
@@ -292,7 +292,7 @@ def test_an_edited_table_invalidates_the_cached_index(synthetic_root, tmp_path, 
     import os
     import shutil
 
-    import lss.data.nuscenes as nuscenes
+    import lss.data.sample_index as sample_index
 
     monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
     root = tmp_path / "data"
@@ -301,7 +301,7 @@ def test_an_edited_table_invalidates_the_cached_index(synthetic_root, tmp_path, 
     table = root / "v1.0-mini" / "sample.json"
     stat = table.stat()
     os.utime(table, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    monkeypatch.setattr(nuscenes, "load_tables", lambda *a: (_ for _ in ()).throw(RuntimeError("tables read")))
+    monkeypatch.setattr(sample_index, "load_tables", lambda *a: (_ for _ in ()).throw(RuntimeError("tables read")))
     with pytest.raises(RuntimeError, match="tables read"):
         _dataset(root)
 
@@ -320,7 +320,7 @@ def test_a_cached_index_does_not_import_the_devkit(synthetic_root, tmp_path):
 
 def test_lss_train_builds_the_index_in_a_child_and_the_datasets_load_it(synthetic_root, tmp_path, monkeypatch,
                                                                           capsys):
-    import lss.data.nuscenes as nuscenes
+    import lss.data.sample_index as sample_index
     from lss.data.index_cache import cache_dir
     from lss.data.loader import index_splits_in_background, split_dataset
 
@@ -331,7 +331,7 @@ def test_lss_train_builds_the_index_in_a_child_and_the_datasets_load_it(syntheti
     monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "background"))
     assert index_splits_in_background(cfg)
     # the tables are read in the child only: this process waits for it and loads both splits from the cache
-    monkeypatch.setattr(nuscenes, "load_tables", lambda *a: (_ for _ in ()).throw(RuntimeError("tables read here")))
+    monkeypatch.setattr(sample_index, "load_tables", lambda *a: (_ for _ in ()).throw(RuntimeError("tables read here")))
     capsys.readouterr()
     there = [split_dataset(cfg, "train", True), split_dataset(cfg, "val", False)]
     assert capsys.readouterr().out.count("(cached index)") == 2

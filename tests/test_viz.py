@@ -351,6 +351,13 @@ def test_eval_and_viz_of_a_checkpoint_go_through_load_for_inference(synthetic_ro
         assert gif.n_frames == 2 and gif.size == png.size
 
 
+def test_eval_and_viz_write_into_the_run_directory_of_a_checkpoint(tmp_path):
+    from lss.engine.checkpoint import run_directory
+
+    assert run_directory(tmp_path / "run" / "checkpoints" / "last.pt") == tmp_path / "run"
+    assert run_directory(str(tmp_path / "exported" / "model.pt")) == tmp_path / "exported"
+
+
 @pytest.mark.slow
 def test_demo_trains_evaluates_and_renders_on_synthetic_data(synthetic_root, tmp_path):
     from lss.demo import demo

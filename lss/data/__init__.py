@@ -1,16 +1,9 @@
 """nuScenes data pipeline: dataset, augmentation, BEV targets, batching."""
 
+from lss.boxes import DETECTION_CLASSES
+from lss.data.classes import MAP_LINE_LAYERS, MAP_POLYGON_LAYERS, OBJECT_CLASSES
 from lss.data.loader import collate
-from lss.data.nuscenes import (
-    DETECTION_CLASSES,
-    MAP_LINE_LAYERS,
-    MAP_POLYGON_LAYERS,
-    OBJECT_CLASSES,
-    DatasetNotFoundError,
-    MapNotFoundError,
-    NuScenesBEV,
-    locate_dataroot,
-)
+from lss.data.nuscenes import DatasetNotFoundError, MapNotFoundError, NuScenesBEV, locate_dataroot
 
 __all__ = [
     "NuScenesBEV",

@@ -1,6 +1,6 @@
-"""Batching of NuScenesBEV items, the datasets of a config's splits (their indexes built ahead in the background
-for `lss train`), and the synthetic set generated where the config asks for it (the loaders themselves:
-lss.engine.build)."""
+"""Batching of NuScenesBEV items, the datasets of a config's splits (their indexes built ahead in
+the background for `lss train`), and the synthetic set generated where the config asks for it (the
+loaders themselves: lss.engine.build)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ VARIABLE_LENGTH_FIELDS = frozenset({"det_boxes", "det_labels"})
 
 
 def collate(items: Sequence[dict]) -> dict:
-    """Stack tensor fields of equal shape into a batch; keep strings, VARIABLE_LENGTH_FIELDS and tensors of
-    differing shapes as lists with one entry per sample."""
+    """Stack tensor fields of equal shape into a batch; keep strings, VARIABLE_LENGTH_FIELDS and
+    tensors of differing shapes as lists with one entry per sample."""
     if not items:
         raise ValueError("collate needs at least one item")
     keys = list(items[0])
@@ -46,7 +46,8 @@ def collate(items: Sequence[dict]) -> dict:
 
 
 def split_dataset(cfg: Config, split: str, is_train: bool, verbose: bool = True) -> NuScenesBEV:
-    """NuScenesBEV of `split`. Evaluation reads no lidar: its depth targets feed only the training loss."""
+    """NuScenesBEV of `split`. Evaluation reads no lidar: its depth targets feed only the training
+    loss."""
     if not is_train and cfg.data.depth_targets:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, depth_targets=False))
     return NuScenesBEV(
@@ -60,12 +61,13 @@ def split_dataset(cfg: Config, split: str, is_train: bool, verbose: bool = True)
 
 
 def index_splits_in_background(cfg: Config) -> bool:
-    """Build the dataset indexes of cfg's train and val splits into the on-disk index cache in a child process
-    (lss.data.index_cache.build_in_background), while this one goes on starting up: `lss train` calls it before it
-    imports the trainer and builds the model, so a run whose index is not cached yet does not wait for nuscenes-devkit's
-    import and the walk over the tables (seconds) on its own. The datasets built afterwards wait for the child
-    and load what it wrote; if it failed (no dataset yet, a bad table), they build the index themselves and raise
-    the error. No child without a dataset at data.dataroot. Returns whether the child started."""
+    """Build the dataset indexes of cfg's train and val splits into the on-disk index cache in a
+    child process (lss.data.index_cache.build_in_background), while this one goes on starting up:
+    `lss train` calls it before it imports the trainer and builds the model, so a run whose index is
+    not cached yet does not wait for nuscenes-devkit's import and the walk over the tables (seconds)
+    on its own. The datasets built afterwards wait for the child and load what it wrote; if it
+    failed (no dataset yet, a bad table), they build the index themselves and raise the error. No
+    child without a dataset at data.dataroot. Returns whether the child started."""
     try:
         locate_dataroot(cfg.data.dataroot, cfg.data.version)
     except (
@@ -81,7 +83,8 @@ def index_splits_in_background(cfg: Config) -> bool:
 
 
 def ensure_dataset(config: Config) -> None:
-    """Generate the synthetic set into data.dataroot when it holds no dataset and make_synthetic_if_missing."""
+    """Generate the synthetic set into data.dataroot when it holds no dataset and
+    make_synthetic_if_missing."""
     data = config.data
     try:
         locate_dataroot(data.dataroot, data.version)
@@ -97,12 +100,13 @@ def ensure_dataset(config: Config) -> None:
         if root.is_dir() and any(not p.name.startswith(STAGING) for p in root.iterdir()):
             raise DatasetError(
                 f"no nuScenes {data.version} at {root}, and the directory holds other files, so no "
-                "synthetic set is generated there (data.make_synthetic_if_missing): set data.dataroot "
-                "to the nuScenes root or to a new directory"
+                "synthetic set is generated there (data.make_synthetic_if_missing): set "
+                "data.dataroot to the nuScenes root or to a new directory"
             ) from None
         print(
             f"no nuScenes {data.version} at {data.dataroot}: generating a synthetic set there "
-            f"({syn.scenes} scenes x {syn.samples_per_scene} samples, data.make_synthetic_if_missing)"
+            f"({syn.scenes} scenes x {syn.samples_per_scene} samples, "
+            "data.make_synthetic_if_missing)"
         )
         generate(
             data.dataroot,

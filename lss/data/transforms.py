@@ -1,14 +1,16 @@
 """Camera image augmentation (the LSS recipe) with exact bookkeeping of the image-plane affine.
 
-Pixel convention (owned by lss.geometry, which builds every matrix used here): integer (u, v) is the CENTRE of a
-pixel (as in OpenCV and in the nuScenes intrinsics), u to the right, v down, and a resize scales pixel EDGES. Every
-augmentation is one affine map `A` from source pixels to augmented pixels; `post_rot` / `post_trans` are that map
-lifted to 3-D so that `post_rot @ (u, v, d) + post_trans = (A(u, v), d)`.
+Pixel convention (owned by lss.geometry, which builds every matrix used here): integer (u, v) is the
+CENTRE of a pixel (as in OpenCV and in the nuScenes intrinsics), u to the right, v down, and a
+resize scales pixel EDGES. Every augmentation is one affine map `A` from source pixels to augmented
+pixels; `post_rot` / `post_trans` are that map lifted to 3-D so that
+`post_rot @ (u, v, d) + post_trans = (A(u, v), d)`.
 
-Decoding path (fast and anti-aliased): JPEG DCT-domain downscaling by 1/2, 1/4 or 1/8 (OpenCV's reduced-size
-libjpeg decode, as PIL's `draft` picks the scale), an area resize to the sampled resize size, then one
-`cv2.warpAffine` for crop + flip + rotation straight to final_dim.
-The reported matrix is the composition of exactly these maps, so projected points land on the same content.
+Decoding path (fast and anti-aliased): JPEG DCT-domain downscaling by 1/2, 1/4 or 1/8 (OpenCV's
+reduced-size libjpeg decode, as PIL's `draft` picks the scale), an area resize to the sampled resize
+size, then one `cv2.warpAffine` for crop + flip + rotation straight to final_dim.
+The reported matrix is the composition of exactly these maps, so projected points land on the same
+content.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from lss.geometry import (
     val_augmentation,
 )
 
-# One OpenCV thread per process (forked loader workers inherit it): parallelism comes from the workers, and a
-# thread pool started in the parent before DataLoader forks them can deadlock them (seen on a 16-core machine).
+# One OpenCV thread per process (forked loader workers inherit it): parallelism comes from the
+# workers, and a thread pool started in the parent before DataLoader forks them can deadlock them
+# (seen on a 16-core machine).
 cv2.setNumThreads(1)
 
 
@@ -44,12 +47,14 @@ def sample_augmentation(
     is_train: bool,
     rng: Optional[np.random.Generator] = None,
 ) -> ImageAugmentation:
-    """Draw the LSS augmentation for a source image of `image_size` (W, H) and output `final_dim` (H, W).
+    """Draw the LSS augmentation for a source image of `image_size` (W, H) and output `final_dim`
+    (H, W).
 
-    Train: resize by U(resize_lim), crop a final_dim window whose bottom edge is U(bot_pct_lim) of the resized
-    height above the image bottom (horizontally uniform), flip with p=0.5 when rand_flip, rotate by U(rot_lim).
-    Validation: the smallest resize that covers final_dim, the mean bottom crop, centred horizontally; no flip
-    or rotation.
+    Train: resize by U(resize_lim), crop a final_dim window whose bottom edge is U(bot_pct_lim) of
+    the resized height above the image bottom (horizontally uniform), flip with p=0.5 when
+    rand_flip, rotate by U(rot_lim).
+    Validation: the smallest resize that covers final_dim, the mean bottom crop, centred
+    horizontally; no flip or rotation.
     """
     width, height = image_size
     out_h, out_w = final_dim
@@ -90,7 +95,8 @@ def image_size_from_header(data: bytes) -> tuple[int, int]:
 
 
 def jpeg_scale(image_size: tuple[int, int], resize_dims: tuple[int, int]) -> int:
-    """The largest DCT scale denominator k in {1, 2, 4, 8} whose decoded image still covers resize_dims."""
+    """The largest DCT scale denominator k in {1, 2, 4, 8} whose decoded image still covers
+    resize_dims."""
     ratio = min(image_size[0] // max(resize_dims[0], 1), image_size[1] // max(resize_dims[1], 1))
     return next((k for k in _JPEG_SCALES if ratio >= k), 1)
 
@@ -104,9 +110,10 @@ def scaled_shape(image_size: tuple[int, int], scale: int) -> tuple[int, int, int
 def decode_scaled(
     data: bytes, image_size: tuple[int, int], resize_dims: tuple[int, int]
 ) -> tuple[np.ndarray, int]:
-    """Decode an encoded image of `image_size` (W, H), a JPEG at the largest DCT scale 1/k that still covers
-    resize_dims (W, H). Returns (BGR uint8 array, k); libjpeg's output pixel r covers source pixels [k*r, k*(r+1))
-    (the last one padded), so the decoded image's edges scale by exactly 1/k.
+    """Decode an encoded image of `image_size` (W, H), a JPEG at the largest DCT scale 1/k that
+    still covers resize_dims (W, H). Returns (BGR uint8 array, k); libjpeg's output pixel r covers
+    source pixels [k*r, k*(r+1)) (the last one padded), so the decoded image's edges scale by
+    exactly 1/k.
     Raises OSError when the data cannot be decoded or its size is not `image_size`.
     """
     width, height = image_size
@@ -125,8 +132,9 @@ def decode_scaled(
         raise OSError(f"not a decodable image ({len(data)} bytes; expected a JPEG or PNG file)")
     if decoded.shape != scaled_shape(image_size, k):
         raise OSError(
-            f"image is {decoded.shape[1] * k}x{decoded.shape[0] * k} pixels, expected {width}x{height} "
-            f"(the size recorded for it); re-extract the file or fix the sample_data table"
+            f"image is {decoded.shape[1] * k}x{decoded.shape[0] * k} pixels, expected "
+            f"{width}x{height} (the size recorded for it); re-extract the file or fix the "
+            "sample_data table"
         )
     return decoded, k
 
@@ -134,7 +142,8 @@ def decode_scaled(
 def resize_decoded(
     decoded: np.ndarray, scale: int, resize_dims: tuple[int, int]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Resize an image decoded at DCT scale 1/scale to resize_dims (W, H), anti-aliased (area when shrinking).
+    """Resize an image decoded at DCT scale 1/scale to resize_dims (W, H), anti-aliased (area when
+    shrinking).
     Returns (H x W x 3 uint8 array, 3 x 3 affine from source pixels to the returned pixels)."""
     dec_h, dec_w = decoded.shape[:2]
     new_w, new_h = resize_dims
@@ -149,9 +158,9 @@ def resize_decoded(
 def decode_resized(
     data: bytes, image_size: tuple[int, int], resize_dims: tuple[int, int]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode an encoded image of `image_size` (W, H) to BGR uint8 of size resize_dims (W, H), anti-aliased
-    (decode_scaled, then resize_decoded). Returns (H x W x 3 uint8 BGR array, 3 x 3 affine from source pixels to
-    the returned pixels)."""
+    """Decode an encoded image of `image_size` (W, H) to BGR uint8 of size resize_dims (W, H),
+    anti-aliased (decode_scaled, then resize_decoded). Returns (H x W x 3 uint8 BGR array, 3 x 3
+    affine from source pixels to the returned pixels)."""
     return resize_decoded(*decode_scaled(data, image_size, resize_dims), resize_dims)
 
 
@@ -160,8 +169,8 @@ def load_augmented_image(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decode, resize, crop, flip and rotate one encoded camera image of `image_size` (W, H).
 
-    Returns (final_dim H x W x 3 uint8 RGB, post_rot 3 x 3, post_trans 3) with post_* mapping source pixels
-    to the returned image's pixels. Areas outside the source image are black.
+    Returns (final_dim H x W x 3 uint8 RGB, post_rot 3 x 3, post_trans 3) with post_* mapping source
+    pixels to the returned image's pixels. Areas outside the source image are black.
     """
     return augment_decoded(*decode_scaled(data, image_size, aug.resize_dims), aug, final_dim)
 

@@ -236,6 +236,13 @@ def _portable_scheduler(state: dict) -> dict:
     return state
 
 
+def run_directory(ckpt: Union[str, Path]) -> Path:
+    """The run directory of a checkpoint: RUN_DIR for RUN_DIR/checkpoints/NAME.pt, else its
+    folder."""
+    ckpt = Path(ckpt)
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
 def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> dict:
     """Read and validate a checkpoint; raises CheckpointError naming the file and the problem.
     Removes the stale temp files of interrupted saves next to it (remove_stale_temp_files)."""

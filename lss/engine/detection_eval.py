@@ -1,6 +1,7 @@
-"""nuScenes detection evaluation of the detection head: ego-frame detections -> the official submission JSON (global
-frame) -> nuscenes.eval.detection's DetectionEval (config "detection_cvpr_2019") -> mAP, NDS and the true-positive
-errors per class, as a markdown table and JSON."""
+"""nuScenes detection evaluation of the detection head: ego-frame detections -> the official
+submission JSON (global frame) -> nuscenes.eval.detection's DetectionEval (config
+"detection_cvpr_2019") -> mAP, NDS and the true-positive errors per class, as a markdown table and
+JSON."""
 
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ _TABLE_COLUMNS = {
     "vel_err": "AVE (m/s)",
     "attr_err": "AAE (1-acc)",
 }
-# A box slower than this (m/s) gets the "standing still" attribute (the devkit's baselines use the same cut).
+# A box slower than this (m/s) gets the "standing still" attribute (the devkit's baselines use the
+# same cut).
 _MOVING_SPEED = 0.2
-# The nuScenes vehicle classes; the "vehicles" summary scores those of them with ground truth in the split.
+# The nuScenes vehicle classes; the "vehicles" summary scores those of them with ground truth in the
+# split.
 VEHICLE_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle")
 SUBMISSION_META = {
     "use_camera": True,
@@ -54,7 +57,8 @@ def default_attribute(name: str, speed: float) -> str:
 
 
 def lidar_ego_pose(nusc, sample_token: str) -> tuple[np.ndarray, Quaternion]:
-    """Translation (3,) and rotation of the ego pose at the sample's LIDAR_TOP sweep (the frame of det_boxes)."""
+    """Translation (3,) and rotation of the ego pose at the sample's LIDAR_TOP sweep (the frame of
+    det_boxes)."""
     sample = nusc.get("sample", sample_token)
     pose = nusc.get(
         "ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"]
@@ -71,8 +75,8 @@ def ego_boxes_to_submission(
     ego_rotation: Quaternion,
     classes: tuple[str, ...] = DETECTION_CLASSES,
 ) -> list[dict]:
-    """Submission entries (global frame) of one sample's boxes M x 9 [x, y, z, w, l, h, yaw, vx, vy] (ego frame),
-    scores M and labels M (indices into `classes`)."""
+    """Submission entries (global frame) of one sample's boxes M x 9 [x, y, z, w, l, h, yaw, vx, vy]
+    (ego frame), scores M and labels M (indices into `classes`)."""
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 9)
     entries = []
     rotation = ego_rotation.rotation_matrix
@@ -109,15 +113,15 @@ def split_sample_tokens(nusc, eval_set: str) -> list[str]:
 def build_submission(
     detections: dict, nusc, eval_set: str, classes: tuple[str, ...] = DETECTION_CLASSES
 ) -> dict:
-    """The submission JSON object: `detections` maps sample tokens to {"boxes" M x 9 (ego frame), "scores" M,
-    "labels" M} (tensors or arrays); samples of the split without detections get an empty list, as the evaluation
-    requires every sample of the split."""
+    """The submission JSON object: `detections` maps sample tokens to {"boxes" M x 9 (ego frame),
+    "scores" M, "labels" M} (tensors or arrays); samples of the split without detections get an
+    empty list, as the evaluation requires every sample of the split."""
     results = {token: [] for token in split_sample_tokens(nusc, eval_set)}
     for token, det in detections.items():
         if token not in results:
             raise DatasetError(
-                f"sample {token} is not in the evaluation split {eval_set!r}; evaluate the split the "
-                "detections were made on (config data.val_split)"
+                f"sample {token} is not in the evaluation split {eval_set!r}; evaluate the split "
+                "the detections were made on (config data.val_split)"
             )
         translation, rotation = lidar_ego_pose(nusc, token)
         results[token] = ego_boxes_to_submission(
@@ -141,8 +145,9 @@ def _finite_or_none(x: float) -> Optional[float]:
 
 
 def summarize(metrics, classes_with_gt: Iterable[str]) -> dict:
-    """Plain-JSON summary of the devkit's DetectionMetrics: mAP, NDS, mean TP errors and per class AP (mean over the
-    distance thresholds), AP per threshold and the TP errors (None where the devkit leaves them undefined)."""
+    """Plain-JSON summary of the devkit's DetectionMetrics: mAP, NDS, mean TP errors and per class
+    AP (mean over the distance thresholds), AP per threshold and the TP errors (None where the
+    devkit leaves them undefined)."""
     classes_with_gt = sorted(set(classes_with_gt), key=list(metrics.cfg.class_names).index)
     mean_dist_aps = metrics.mean_dist_aps
     per_class = {}
@@ -172,8 +177,9 @@ def summarize(metrics, classes_with_gt: Iterable[str]) -> dict:
 
 
 def subset_scores(per_class: dict, classes: Iterable[str], mean_ap_weight: float = 5.0) -> dict:
-    """mAP and NDS over a subset of the classes, by the devkit's formulas: mAP the mean of the classes' AP, each TP
-    error the mean over the classes where it is defined, NDS = (w mAP + sum of max(0, 1 - error)) / (w + 5)."""
+    """mAP and NDS over a subset of the classes, by the devkit's formulas: mAP the mean of the
+    classes' AP, each TP error the mean over the classes where it is defined, NDS = (w mAP + sum of
+    max(0, 1 - error)) / (w + 5)."""
     classes = list(classes)
     if not classes:
         return {"mAP": 0.0, "NDS": 0.0, "tp_errors": {m: None for m in TP_ERRORS}}
@@ -192,7 +198,8 @@ def subset_scores(per_class: dict, classes: Iterable[str], mean_ap_weight: float
 
 
 def format_table(summary: dict) -> str:
-    """Markdown table of a summary(): one row per class (AP and TP errors), then the means, mAP and NDS."""
+    """Markdown table of a summary(): one row per class (AP and TP errors), then the means, mAP and
+    NDS."""
 
     def cell(v):
         return "-" if v is None else f"{v:.3f}"
@@ -214,8 +221,8 @@ def format_table(summary: dict) -> str:
     lines.append("")
     lines.append(
         f"mAP {summary['mAP']:.4f}, NDS {summary['NDS']:.4f} on {summary['eval_set']} "
-        f"({summary['num_samples']} samples); mAP over the {len(summary['classes_with_gt'])} classes with "
-        f"ground truth: {summary['mAP_classes_with_gt']:.4f}"
+        f"({summary['num_samples']} samples); mAP over the {len(summary['classes_with_gt'])} "
+        f"classes with ground truth: {summary['mAP_classes_with_gt']:.4f}"
     )
     vehicles = summary.get("vehicles")
     if vehicles and vehicles["classes"]:
@@ -236,9 +243,10 @@ def evaluate_submission(
 ) -> dict:
     """Run the official DetectionEval (detection_cvpr_2019) on a submission (object or JSON path).
 
-    Writes OUT_DIR/detection_submission.json (when given an object), detection_metrics.json and detection_metrics.md;
-    returns summarize()'s dict plus "eval_set" and "num_samples". With `sample_tokens`, the evaluation is
-    restricted to those samples of the split (e.g. when eval.max_batches stopped early).
+    Writes OUT_DIR/detection_submission.json (when given an object), detection_metrics.json and
+    detection_metrics.md; returns summarize()'s dict plus "eval_set" and "num_samples". With
+    `sample_tokens`, the evaluation is restricted to those samples of the split (e.g. when
+    eval.max_batches stopped early).
     """
     from nuscenes.eval.common.config import config_factory
     from nuscenes.eval.detection.evaluate import DetectionEval
@@ -276,10 +284,11 @@ def evaluate_submission(
 
 
 class DetectionCollector:
-    """Gathers the decoded detections of an evaluation loop by sample token, then runs the nuScenes evaluation.
+    """Gathers the decoded detections of an evaluation loop by sample token, then runs the nuScenes
+    evaluation.
 
-    Use: `collector.add(outputs, batch)` after each forward (model in eval mode; the batch carries "sample_token"),
-    then `collector.evaluate(nusc, eval_set, out_dir)`.
+    Use: `collector.add(outputs, batch)` after each forward (model in eval mode; the batch carries
+    "sample_token"), then `collector.evaluate(nusc, eval_set, out_dir)`.
     """
 
     def __init__(self, config: Config):
@@ -291,14 +300,15 @@ class DetectionCollector:
         decoded = decode_detections(outputs, self.config)
         if len(tokens) != len(decoded):
             raise ValueError(
-                f"DetectionCollector.add: {len(tokens)} sample tokens but {len(decoded)} samples of "
-                "detections; pass the batch the outputs were computed on"
+                f"DetectionCollector.add: {len(tokens)} sample tokens but {len(decoded)} samples "
+                "of detections; pass the batch the outputs were computed on"
             )
         for token, det in zip(tokens, decoded):
             self.detections[token] = {k: v.detach().cpu() for k, v in det.items()}
 
     def gather(self) -> None:
-        """Merge the detections of every distributed rank into each rank's collector (no-op when not distributed)."""
+        """Merge the detections of every distributed rank into each rank's collector (no-op when not
+        distributed)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         parts: list = [None] * dist.get_world_size()
@@ -321,8 +331,9 @@ class DetectionCollector:
         return summary
 
     def evaluate_dataset(self, dataset, out_dir: Optional[Union[str, Path]] = None) -> dict:
-        """Metrics on the split of `dataset` (a lss.data.NuScenesBEV), gathered over distributed ranks: rank 0
-        evaluates and shares the result. Files go to `out_dir` (default: a temporary folder, removed after)."""
+        """Metrics on the split of `dataset` (a lss.data.NuScenesBEV), gathered over distributed
+        ranks: rank 0 evaluates and shares the result. Files go to `out_dir` (default: a temporary
+        folder, removed after)."""
         if not all(hasattr(dataset, a) for a in ("root", "version", "devkit_split")):
             raise TypeError(
                 f"DetectionCollector.evaluate_dataset: expected a lss.data.NuScenesBEV, got "

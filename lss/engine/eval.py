@@ -1,4 +1,5 @@
-"""`lss eval`: dataset-level IoU per class of a checkpoint on the validation split, written to eval.json."""
+"""`lss eval`: dataset-level IoU per class of a checkpoint on the validation split, written to
+eval.json."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from lss.engine.build import (
     select_device,
     to_device,
 )
-from lss.engine.checkpoint import load_checkpoint_model
+from lss.engine.checkpoint import load_checkpoint_model, run_directory
 from lss.engine.detection_eval import DetectionCollector
 from lss.engine.metrics import IoUMeter, format_iou_table
 
@@ -39,10 +40,11 @@ def evaluate(
     timing: Optional[dict] = None,
     batches: Optional[Iterable[dict]] = None,
 ) -> dict:
-    """IoU per class over every batch of `loader` (summed over distributed ranks); see IoUMeter.compute. With the
-    detection head, also "detection": the nuScenes detection metrics (files in `detection_dir` when given).
-    `timing`, when given, receives "samples", "seconds" (the IoU pass, workers' start included), "first_batch_s"
-    and "samples_per_s" (the samples after the first batch over the time after it: the steady rate).
+    """IoU per class over every batch of `loader` (summed over distributed ranks); see
+    IoUMeter.compute. With the detection head, also "detection": the nuScenes detection metrics
+    (files in `detection_dir` when given). `timing`, when given, receives "samples", "seconds" (the
+    IoU pass, workers' start included), "first_batch_s" and "samples_per_s" (the samples after the
+    first batch over the time after it: the steady rate).
     `batches`: a pass over `loader` already started (EvalPasses), instead of a new one."""
     meter = IoUMeter(cfg.data.classes, cfg.eval.threshold, cfg.eval.sweep)
     detections = (
@@ -100,11 +102,12 @@ def evaluate(
 
 
 class EvalPasses:
-    """Passes over an evaluation loader with persistent workers, started ahead of time. `arm()` starts the next
-    pass: its workers decode the first batches while training goes on, so an evaluation does not wait for them
-    (seconds at the first one, when the workers start). `take()` hands out the armed pass as it is (iter() on such
-    a loader would reset it and drop what the workers prefetched), else starts one. `first_batch()`: the loader's
-    first batch, kept (the armed pass still yields it)."""
+    """Passes over an evaluation loader with persistent workers, started ahead of time. `arm()`
+    starts the next pass: its workers decode the first batches while training goes on, so an
+    evaluation does not wait for them (seconds at the first one, when the workers start). `take()`
+    hands out the armed pass as it is (iter() on such a loader would reset it and drop what the
+    workers prefetched), else starts one. `first_batch()`: the loader's first batch, kept (the armed
+    pass still yields it)."""
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
@@ -131,9 +134,10 @@ class EvalPasses:
 
 
 def pad_batch(batch: dict, size: int) -> dict:
-    """`batch` filled up to `size` samples with copies of its last one (the model then always sees the shapes of
-    a full batch: no new cuDNN autotuning, no new kernels for the last batch of a split). Per-sample results are
-    unchanged (BatchNorm in eval mode treats every sample alone); the caller drops the copies' outputs."""
+    """`batch` filled up to `size` samples with copies of its last one (the model then always sees
+    the shapes of a full batch: no new cuDNN autotuning, no new kernels for the last batch of a
+    split). Per-sample results are unchanged (BatchNorm in eval mode treats every sample alone); the
+    caller drops the copies' outputs."""
 
     def pad(value):
         extra = size - len(value)
@@ -145,18 +149,14 @@ def pad_batch(batch: dict, size: int) -> dict:
 
 
 def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -> dict:
-    """Evaluate checkpoint `ckpt` on data.val_split; writes eval.json to `out_dir` (default: the run directory
-    that holds the checkpoint) and prints the IoU table."""
+    """Evaluate checkpoint `ckpt` on data.val_split; writes eval.json to `out_dir` (default: the run
+    directory that holds the checkpoint) and prints the IoU table."""
     path = Path(ckpt)
     device = select_device(cfg)
     model, state = load_checkpoint_model(cfg, path, device)
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     loader = build_eval_loader(cfg, dataset, device)
-    out = (
-        Path(out_dir)
-        if out_dir
-        else (path.parent.parent if path.parent.name == "checkpoints" else path.parent)
-    )
+    out = Path(out_dir) if out_dir else run_directory(path)
     out.mkdir(parents=True, exist_ok=True)
     timing: dict = {}
     result = evaluate(

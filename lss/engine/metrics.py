@@ -1,4 +1,5 @@
-"""Dataset-level IoU: per class, the sum of intersections over the sum of unions across the whole split."""
+"""Dataset-level IoU: per class, the sum of intersections over the sum of unions across the whole
+split."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch.distributed as dist
 class IoUMeter:
     """Accumulates per-class intersection and union counts at several probability thresholds.
 
-    update(logits B x K x nx x ny, targets B x K x nx x ny in {0, 1}); compute() -> dict with "iou" (per class at
-    `threshold`), "mean_iou" and "sweep" (threshold -> per-class IoU). A class with an empty union has IoU 0.
+    update(logits B x K x nx x ny, targets B x K x nx x ny in {0, 1}); compute() -> dict with "iou"
+    (per class at `threshold`), "mean_iou" and "sweep" (threshold -> per-class IoU). A class with an
+    empty union has IoU 0.
     """
 
     def __init__(self, classes: Sequence[str], threshold: float = 0.5, sweep: Sequence[float] = ()):
@@ -37,8 +39,8 @@ class IoUMeter:
             or logits.shape[1] != len(self.classes)
         ):
             raise ValueError(
-                f"IoUMeter.update: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must "
-                f"both be B x {len(self.classes)} x nx x ny"
+                f"IoUMeter.update: logits {tuple(logits.shape)} and targets {tuple(targets.shape)} "
+                f"must both be B x {len(self.classes)} x nx x ny"
             )
         probs = logits.float().sigmoid()
         truth = targets > 0.5
@@ -97,7 +99,8 @@ def _collective_device() -> torch.device:
 
 
 def format_iou_table(result: dict, title: Optional[str] = None) -> str:
-    """A plain-text table: one row per class, one column per threshold of the sweep, IoU in percent."""
+    """A plain-text table: one row per class, one column per threshold of the sweep, IoU in
+    percent."""
     sweep = result["sweep"]
     thresholds = list(sweep)
     classes = list(result["iou"])

@@ -1,4 +1,5 @@
-"""Deployment: the segmentation network to ONNX (`lss export`), checked against PyTorch in onnxruntime."""
+"""Deployment: the segmentation network to ONNX (`lss export`), checked against PyTorch in
+onnxruntime."""
 
 from lss.export.exporter import export_checkpoint, export_model
 

@@ -1,4 +1,5 @@
-"""`lss export --check`: the exported model in onnxruntime against the PyTorch model on validation samples."""
+"""`lss export --check`: the exported model in onnxruntime against the PyTorch model on validation
+samples."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ IOU_TOLERANCE = 0.1  # IoU points
 
 
 def onnxruntime_session(path: Union[str, Path], threads: Optional[int] = None):
-    """An onnxruntime CPU session of the model at `path`; a clear error where onnxruntime is missing or the graph
-    holds our custom node (stock onnxruntime has no kernel for it)."""
+    """An onnxruntime CPU session of the model at `path`; a clear error where onnxruntime is missing
+    or the graph holds our custom node (stock onnxruntime has no kernel for it)."""
     try:
         import onnx
         import onnxruntime as ort
@@ -49,10 +50,11 @@ def check_export(
     rig: Optional[dict] = None,
     samples: int = 8,
 ) -> dict:
-    """Run the PyTorch `model` (CPU, fp32) and the ONNX file `path` in onnxruntime on the first `samples` validation
-    samples, one at a time. A fixed-rig export (rig given) is compared with PyTorch run on that rig, and the largest
-    difference between the samples' own rig and it is reported ("rig_deviation"). Returns max_abs_diff,
-    max_abs_logit, the IoU of both (IoUMeter.compute), the largest IoU difference in points and "passed"."""
+    """Run the PyTorch `model` (CPU, fp32) and the ONNX file `path` in onnxruntime on the first
+    `samples` validation samples, one at a time. A fixed-rig export (rig given) is compared with
+    PyTorch run on that rig, and the largest difference between the samples' own rig and it is
+    reported ("rig_deviation"). Returns max_abs_diff, max_abs_logit, the IoU of both
+    (IoUMeter.compute), the largest IoU difference in points and "passed"."""
     from lss.data import collate
     from lss.engine.build import build_dataset
     from lss.engine.metrics import IoUMeter
@@ -99,16 +101,18 @@ def check_export(
 
 def format_check(result: dict, path: Union[str, Path]) -> str:
     lines = [
-        f"check of {path}: {result['samples']} validation samples, onnxruntime CPU vs PyTorch CPU (fp32)",
-        f"max |logit difference| {result['max_abs_diff']:.3g} (largest |logit| {result['max_abs_logit']:.3g}; "
-        f"target <= {LOGIT_TOLERANCE:g})",
+        f"check of {path}: {result['samples']} validation samples, onnxruntime CPU vs PyTorch CPU "
+        "(fp32)",
+        f"max |logit difference| {result['max_abs_diff']:.3g} (largest |logit| "
+        f"{result['max_abs_logit']:.3g}; target <= {LOGIT_TOLERANCE:g})",
     ]
     width = max(len(c) for c in result["iou_torch"])
     lines.append(f"{'class':<{width}}  IoU torch  IoU onnx")
     for c, iou in result["iou_torch"].items():
         lines.append(f"{c:<{width}}  {100 * iou:9.2f}  {100 * result['iou_onnx'][c]:8.2f}")
     lines.append(
-        f"largest IoU difference {result['max_iou_diff_points']:.3f} points (target <= {IOU_TOLERANCE:g})"
+        f"largest IoU difference {result['max_iou_diff_points']:.3f} points "
+        f"(target <= {IOU_TOLERANCE:g})"
     )
     if result["rig_deviation"]:
         lines.append(

@@ -1,13 +1,17 @@
-"""The inference network in a form that exports to ONNX: camera encoder -> splat -> BEV encoder -> segmentation head.
+"""The inference network in a form that exports to ONNX: camera encoder -> splat -> BEV
+encoder -> segmentation head.
 
-Each piece that the TorchScript exporter cannot write as we mean it is an autograd.Function with a `symbolic`: its
-forward runs our PyTorch op (the values the graph is traced with), its symbolic writes the ONNX node.
+Each piece that the TorchScript exporter cannot write as we mean it is an autograd.Function with a
+`symbolic`: its forward runs our PyTorch op (the values the graph is traced with), its symbolic
+writes the ONNX node.
 - `ResizeFn`: lss.ops.upsample_bilinear -> ONNX Resize (mode "linear") with the op's coordinate
   mode, 1:1 (the op's modes are the Resize `coordinate_transformation_mode` names; the forward
   computes ONNX's arithmetic of the mode, which for pytorch_half_pixel differs from the op's on an
   output axis of length 1).
-- `ScatterAddFn`: summing rows into a zero tensor -> ONNX ScatterND with reduction "add" (opset >= 16).
-- `BevPoolFn`: bev_pool with a one-sample lookup table -> one node `lss.BevPool` (see docs/export.md).
+- `ScatterAddFn`: summing rows into a zero tensor -> ONNX ScatterND with reduction "add"
+  (opset >= 16).
+- `BevPoolFn`: bev_pool with a one-sample lookup table -> one node `lss.BevPool` (see
+  docs/export.md).
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ class ScatterAddFn(torch.autograd.Function):
 
 
 class BevPoolFn(torch.autograd.Function):
-    """bev_pool of every sample of the batch with one one-sample table (sorted_points, cell_start, point_cell)."""
+    """bev_pool of every sample of the batch with one one-sample table (sorted_points, cell_start,
+    point_cell)."""
 
     @staticmethod
     def forward(ctx, depth, feat, sorted_points, cell_start, point_cell, nz, nx, ny):
@@ -131,7 +136,8 @@ class BevPoolFn(torch.autograd.Function):
 
 
 def replace_upsampling(module: nn.Module, mode: str) -> None:
-    """Swap every UpsampleBilinear under `module` for an ExportResize in coordinate mode `mode`, in place."""
+    """Swap every UpsampleBilinear under `module` for an ExportResize in coordinate mode `mode`, in
+    place."""
     for name, child in module.named_children():
         if isinstance(child, UpsampleBilinear):
             setattr(module, name, ExportResize(child, mode))
@@ -140,12 +146,13 @@ def replace_upsampling(module: nn.Module, mode: str) -> None:
 
 
 class DeployModel(nn.Module):
-    """The segmentation network of a LiftSplatShoot, for export. forward(images B x N x 3 x H x W[, rig]) ->
-    segmentation logits B x K x nx x ny.
+    """The segmentation network of a LiftSplatShoot, for export.
+    forward(images B x N x 3 x H x W[, rig]) -> segmentation logits B x K x nx x ny.
 
-    splat = "onnx": the frustum-to-BEV table is a constant (rig: N x ... tensors of RIG_KEYS) and the pooling a
-    gather + ScatterND(add); "custom": the same constant table feeds one lss.BevPool node; "rig_inputs": the rig
-    is five more graph inputs (B x N x ...) and the table is computed in the graph (frustum -> ego -> cells).
+    splat = "onnx": the frustum-to-BEV table is a constant (rig: N x ... tensors of RIG_KEYS) and
+    the pooling a gather + ScatterND(add); "custom": the same constant table feeds one lss.BevPool
+    node; "rig_inputs": the rig is five more graph inputs (B x N x ...) and the table is computed in
+    the graph (frustum -> ego -> cells).
     resize_mode: the coordinate mode of every Resize (default: the model's model.upsample_mode).
     """
 
@@ -180,7 +187,8 @@ class DeployModel(nn.Module):
             self.register_buffer("cell_start", lut.cell_start, persistent=False)
             self.register_buffer("point_cell", lut.point_cell, persistent=False)
             return
-        # the kept points in cell order: their depth entries, their feature pixels (n, h, w) and their cells
+        # the kept points in cell order: their depth entries, their feature pixels (n, h, w) and
+        # their cells
         kept = lut.sorted_points[: lut.num_kept()].long()
         n, rest = kept // (D * fH * fW), kept % (fH * fW)
         self.register_buffer("kept_points", kept, persistent=False)

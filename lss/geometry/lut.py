@@ -12,11 +12,16 @@ import torch
 
 from lss.geometry.camera import frustum_to_ego
 from lss.geometry.grid import BevGrid
+from lss.host_sync import may_sync, tracing
 
 INDEX32_LIMIT = 2**31 - 1
 
 
 def _version_of(t: torch.Tensor) -> Optional[int]:
+    """t's version counter; None where there is none to read: an inference tensor, or any tensor
+    while torch.compile traces (the compiled graph sees counters as unknown data)."""
+    if tracing():
+        return None
     try:
         return t._version
     except RuntimeError:  # an inference tensor: no version counter, and read-only outside inference
@@ -92,9 +97,8 @@ class FrustumLUT:
         return (self.point_cell, self.sorted_points, self.cell_start)
 
     def _seal(self) -> "FrustumLUT":
-        # a compiled graph sees version counters as unknown data: validate checks such a table
-        unknown = torch.compiler.is_compiling()
-        versions = tuple(None if unknown else _version_of(t) for t in self._index_tensors())
+        # a table sealed while tracing has no versions to compare: validate checks such a table
+        versions = tuple(_version_of(t) for t in self._index_tensors())
         object.__setattr__(self, "_versions", versions)
         return self
 
@@ -102,10 +106,9 @@ class FrustumLUT:
         """Raise ValueError if an index tensor was changed in place since the table was built or
         last validated (bev_pool could then read outside its inputs). No host sync; not checked
         inside torch.compile."""
-        if torch.compiler.is_compiling():
-            return
         for t, seen in zip(self._index_tensors(), self._versions):
-            if seen is not None and _version_of(t) != seen:
+            now = _version_of(t)
+            if seen is not None and now is not None and now != seen:
                 raise ValueError(
                     "FrustumLUT: its index tensors were changed in place after the table was built "
                     "or validated, so bev_pool could read outside its inputs; call lut.validate() "
@@ -371,6 +374,10 @@ class FrustumLUTCache:
         """The LUT of these inputs (shapes as in `frustum_to_ego`), built only when they differ from
         the last call."""
         tensors = (frustum, intrinsics, sensor2ego_rot, sensor2ego_trans, post_rot, post_trans)
+        if not may_sync(frustum):
+            # a captured step (train.cuda_graph) changes the rig at every replay and the comparison
+            # would need a host sync: build every time, leaving the cache as it is
+            return FrustumLUT.build(frustum_to_ego(*tensors), grid, binning)
         if self._matches(tensors, (grid, binning)):
             self.hits += 1
             return self._lut

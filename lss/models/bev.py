@@ -12,7 +12,8 @@ from lss.ops import UpsampleBilinear
 
 
 class BevEncoder(nn.Module):
-    """forward(bev B x in_channels x nx x ny) -> features B x 128 x nx x ny; nx, ny divisible by 8."""
+    """forward(bev B x in_channels x nx x ny) -> features B x 128 x nx x ny; nx, ny divisible
+    by 8."""
 
     feature_channels = 128
 

@@ -17,7 +17,8 @@ def conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int = 3) -> l
 
 
 class Up(nn.Module):
-    """Upsample the coarse map (bilinear, our op, in the coordinate mode `upsample_mode`), concatenate the skip map, then two 3x3 conv-BN-ReLU.
+    """Upsample the coarse map (bilinear, our op, in the coordinate mode `upsample_mode`),
+    concatenate the skip map, then two 3x3 conv-BN-ReLU.
 
     forward(coarse B x Cc x h x w, skip B x Cs x (h*s) x (w*s)) -> B x out_channels x (h*s) x (w*s).
     """
@@ -39,7 +40,8 @@ class Up(nn.Module):
         coarse = self.upsample(coarse)
         if coarse.shape[-2:] != skip.shape[-2:]:
             raise ValueError(
-                f"Up: upsampled map is {tuple(coarse.shape[-2:])} but the skip map is {tuple(skip.shape[-2:])}; "
-                "input sizes must be divisible by the encoder's total stride"
+                f"Up: upsampled map is {tuple(coarse.shape[-2:])} but the skip map is "
+                f"{tuple(skip.shape[-2:])}; input sizes must be divisible by the encoder's total "
+                "stride"
             )
         return self.conv(torch.cat([skip, coarse], dim=1))

@@ -1,4 +1,5 @@
-"""Camera encoder: EfficientNet-B0 trunk -> fused stride-16 features -> per-pixel depth distribution and context."""
+"""Camera encoder: EfficientNet-B0 trunk -> fused stride-16 features -> per-pixel depth distribution
+and context."""
 
 from __future__ import annotations
 
@@ -42,13 +43,14 @@ def load_imagenet_from_hub(net: nn.Module, name: str) -> None:
         ) from None
 
 
-# Modules of the classification network that the encoder never runs (dropping them keeps DDP free of unused params).
+# Modules of the classification network that the encoder never runs (dropping them keeps DDP free of
+# unused params).
 _UNUSED_TRUNK_MODULES = ("_conv_head", "_bn1", "_avg_pooling", "_dropout", "_fc")
 
 
 class EfficientNetTrunk(nn.Module):
-    """EfficientNet-B0 (model.backbone, checked when the config loads) up to its last block; returns the stride-16
-    and stride-32 feature maps.
+    """EfficientNet-B0 (model.backbone, checked when the config loads) up to its last block; returns
+    the stride-16 and stride-32 feature maps.
 
     forward(images B x 3 x H x W) -> (B x 112 x H/16 x W/16, B x 320 x H/32 x W/32).
     """
@@ -84,8 +86,8 @@ class EfficientNetTrunk(nn.Module):
         missing, unexpected = self.net.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ConfigError(
-                f"model.pretrained={path!r} is not an efficientnet-b0 state dict: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
+                f"model.pretrained={path!r} is not an efficientnet-b0 state dict: missing "
+                f"{missing[:5]}, unexpected {unexpected[:5]}"
             )
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +99,9 @@ class EfficientNetTrunk(nn.Module):
             drop_rate = net._global_params.drop_connect_rate * idx / num_blocks
             y = block(x, drop_connect_rate=drop_rate)
             if y.shape[-2:] != x.shape[-2:]:
-                stride16 = x  # overwritten at every reduction: ends as the map before the last one (16 -> 32)
+                # overwritten at every reduction: ends as the map before the last one
+                # (16 -> 32)
+                stride16 = x
             x = y
         if stride16 is None:
             raise ValueError(
@@ -107,11 +111,12 @@ class EfficientNetTrunk(nn.Module):
 
 
 class CameraEncoder(nn.Module):
-    """Lift: per camera pixel of the stride-16 feature map, a softmax depth distribution over D bins and C context
-    features.
+    """Lift: per camera pixel of the stride-16 feature map, a softmax depth distribution over D bins
+    and C context features.
 
-    forward(images B*N x 3 x H x W) -> (depth B*N x D x H/16 x W/16 (probabilities), context B*N x C x H/16 x W/16);
-    with return_logits=True also the depth logits B*N x D x H/16 x W/16 (for a depth loss) as a third element.
+    forward(images B*N x 3 x H x W) -> (depth B*N x D x H/16 x W/16 (probabilities), context
+    B*N x C x H/16 x W/16); with return_logits=True also the depth logits B*N x D x H/16 x W/16 (for
+    a depth loss) as a third element.
     """
 
     def __init__(

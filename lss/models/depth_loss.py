@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lss.config import Config
+from lss.host_sync import may_sync
 
 
 def depth_loss(outputs: dict, targets: torch.Tensor) -> torch.Tensor:
@@ -35,8 +36,7 @@ def depth_loss(outputs: dict, targets: torch.Tensor) -> torch.Tensor:
     if targets.dtype != torch.int64:
         raise ValueError(f"depth_targets must be int64 bin indices, got {targets.dtype}")
     targets = targets.to(scores.device)
-    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        # a captured step checks its CPU batch before each replay
+    if may_sync(targets):  # else a captured step checks its CPU batch before each replay
         check_depth_targets(targets, scores.shape[2])
     with torch.autocast(device_type=scores.device.type, enabled=False):
         scores = scores.float().flatten(0, 1)  # B*N x D x fH x fW

@@ -1,18 +1,20 @@
-"""Splat: camera-frustum points -> BEV cells (a LUT built in float32) -> pooled BEV features (our bev_pool op)."""
+"""Splat: camera-frustum points -> BEV cells (a LUT built in float32) -> pooled BEV features (our
+bev_pool op)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lss.geometry import RIG_KEYS, BevGrid, FrustumLUT, FrustumLUTCache, frustum, frustum_to_ego
+from lss.geometry import RIG_KEYS, BevGrid, FrustumLUT, FrustumLUTCache, frustum
 from lss.ops import bev_pool, bev_pool_reference
 
 
 class Splat(nn.Module):
     """Pools per-pixel depth x context outer products into the BEV grid.
 
-    lut(batch) -> FrustumLUT for the batch's camera rig and augmentation (float32 geometry, autocast off);
+    lut(batch) -> FrustumLUT for the batch's camera rig and augmentation (float32 geometry, autocast
+    off);
     forward(depth B x N x D x fH x fW, context B x N x C x fH x fW, lut) -> B x (nz*C) x nx x ny.
     impl is model.splat ("bev_pool" or "reference", checked when the config loads); frustum_pixels
     and binning are model.frustum_pixels (lss.geometry.frustum) and model.splat_binning
@@ -33,7 +35,8 @@ class Splat(nn.Module):
         self.grid = grid
         self.impl = impl
         self.binning = binning
-        # D x fH x fW x 3 (u, v, depth) in augmented-image pixels; a constant that follows the module's device
+        # D x fH x fW x 3 (u, v, depth) in augmented-image pixels; a constant that follows the
+        # module's device
         self.register_buffer(
             "frustum",
             frustum(final_dim, downsample, dbound, frustum_pixels).float(),
@@ -48,11 +51,6 @@ class Splat(nn.Module):
     def lut(self, batch: dict) -> FrustumLUT:
         rig = [batch[k].to(device=self.frustum.device, dtype=torch.float32) for k in RIG_KEYS]
         with torch.autocast(device_type=self.frustum.device.type, enabled=False):
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                # inside a captured training step (train.cuda_graph) the rig changes every replay and the cache's
-                # comparison would need a host sync: build every time
-                points = frustum_to_ego(self.frustum.contiguous(), *rig)
-                return FrustumLUT.build(points, self.grid, self.binning)
             return self.lut_cache.get(self.frustum.contiguous(), *rig, self.grid, self.binning)
 
     def forward(self, depth: torch.Tensor, context: torch.Tensor, lut: FrustumLUT) -> torch.Tensor:

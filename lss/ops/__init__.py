@@ -1,4 +1,5 @@
-"""lss custom ops: each has CPU and CUDA kernels (torch.ops.lss.*), autograd, fake kernels and a reference."""
+"""lss custom ops: each has CPU and CUDA kernels (torch.ops.lss.*), autograd, fake kernels and a
+reference."""
 
 import torch
 
@@ -17,7 +18,8 @@ from lss.ops.nms import batched_nms, nms, nms_reference
 from lss.ops.roi_align import RoIAlign, roi_align, roi_align_reference
 from lss.ops.roi_pool import RoIPool, roi_pool, roi_pool_reference
 
-# torch.fx leaf functions where a model calls them as lss.ops.<op> (each op's module wraps its own name too).
+# torch.fx leaf functions where a model calls them as lss.ops.<op> (each op's module wraps its own
+# name too).
 for _name in (
     "upsample_bilinear",
     "bev_pool",

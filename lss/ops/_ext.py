@@ -1,4 +1,5 @@
-"""Loading of the compiled extension `lss._C` and the rules for falling back to the pure-PyTorch references."""
+"""Loading of the compiled extension `lss._C` and the rules for falling back to the pure-PyTorch
+references."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ REBUILD_HINT = (
 
 
 def has_ext() -> bool:
-    """Whether the compiled extension `lss._C` is loaded (else every op runs its pure-PyTorch reference)."""
+    """Whether the compiled extension `lss._C` is loaded (else every op runs its pure-PyTorch
+    reference)."""
     return _C is not None
 
 
@@ -47,14 +49,16 @@ def load_error() -> Exception | None:
 
 
 def use_reference(op_name: str) -> bool:
-    """True when `lss._C` is missing: the op must run its reference. Warns once per op, naming the cause."""
+    """True when `lss._C` is missing: the op must run its reference. Warns once per op, naming the
+    cause."""
     if _C is not None:
         return False
     if op_name not in _warned:
         _warned.add(op_name)
         warnings.warn(
-            f"lss.ops.{op_name}: the compiled extension lss._C is not available ({_LOAD_ERROR}); using the slow "
-            "pure-PyTorch reference. Build it with `pip install --no-build-isolation -e .`.",
+            f"lss.ops.{op_name}: the compiled extension lss._C is not available ({_LOAD_ERROR}); "
+            "using the slow pure-PyTorch reference. Build it with "
+            "`pip install --no-build-isolation -e .`.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -62,8 +66,10 @@ def use_reference(op_name: str) -> bool:
 
 
 def check_device(op_name: str, *tensors: torch.Tensor) -> None:
-    """Raise a clear error when a CUDA tensor reaches an op whose CUDA kernel is not in this build."""
+    """Raise a clear error when a CUDA tensor reaches an op whose CUDA kernel is not in this
+    build."""
     if not has_cuda_ops() and any(t is not None and t.is_cuda for t in tensors):
         raise RuntimeError(
-            f"lss.ops.{op_name}: got CUDA tensors, but this build of lss has no CUDA kernels; {REBUILD_HINT}"
+            f"lss.ops.{op_name}: got CUDA tensors, but this build of lss has no CUDA kernels; "
+            f"{REBUILD_HINT}"
         )

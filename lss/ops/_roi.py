@@ -7,6 +7,7 @@ from typing import Sequence, Union
 
 import torch
 
+from lss.host_sync import may_sync
 from lss.ops._args import real_number, whole_number
 
 Rois = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -122,8 +123,9 @@ def roi_tensor(rois: Rois, input: torch.Tensor, op: str) -> torch.Tensor:
 def check_roi_values(rois: torch.Tensor, batch_size: int, op: str) -> None:
     """Raise on non-finite coordinates or batch indices that are not integers in [0, batch_size),
     with the errors of raise_on_bad_rois. The references' check (the kernels report bad rois in
-    their record instead). Skipped while tracing (torch.compile)."""
-    if rois.shape[0] == 0 or torch.compiler.is_compiling():
+    their record instead). Skipped where the host may not read the device (lss.host_sync.may_sync:
+    tracing, or capturing a CUDA graph)."""
+    if rois.shape[0] == 0 or not may_sync(rois):
         return
     index = rois[:, 0]
     non_finite = ~torch.isfinite(rois).all(dim=1)
@@ -143,11 +145,9 @@ def raise_on_bad_rois(bad_rois: torch.Tensor, rois: torch.Tensor, batch_size: in
     """Raise for the first bad roi in a forward op's record (its third output with
     record_bad_rois=True: the first roi with non-finite coordinates and the first with a bad batch
     index, -1 for none), non-finite coordinates first. Reading the record waits for the kernel (a
-    host sync); skipped while tracing (torch.compile) or capturing a CUDA graph, where bad rois just
-    pool to zeros."""
-    if torch.compiler.is_compiling() or (
-        bad_rois.is_cuda and torch.cuda.is_current_stream_capturing()
-    ):
+    host sync); skipped where that sync may not happen (lss.host_sync.may_sync: tracing, or
+    capturing a CUDA graph), where bad rois just pool to zeros."""
+    if not may_sync(bad_rois):
         return
     _raise_first_bad_roi(rois, *bad_rois.tolist(), batch_size, op)
 

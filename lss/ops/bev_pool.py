@@ -1,12 +1,14 @@
-"""bev_pool: the splat of Lift-Splat-Shoot. Sums depth x feature over the frustum points of every BEV cell,
-without materialising the B x N x D x fH x fW x C frustum tensor.
+"""bev_pool: the splat of Lift-Splat-Shoot. Sums depth x feature over the frustum points of every
+BEV cell, without materialising the B x N x D x fH x fW x C frustum tensor.
 
-out[b, z*C + c, i, j] = sum over kept points (n, d, h, w) in cell (i, j, z) of depth[b,n,d,h,w] * feat[b,n,c,h,w].
+out[b, z*C + c, i, j] = sum over kept points (n, d, h, w) in cell (i, j, z) of
+depth[b,n,d,h,w] * feat[b,n,c,h,w].
 
-The output's memory layout follows feat's (`output_channels_last`): channels-last feat (as a channels-last camera
-feature map viewed as B x N x C x fH x fW) gives a torch.channels_last output, written so directly by the kernel,
-which a channels-last BEV encoder consumes without a copy and whose gradient the backward reads in place. The
-gradient of feat comes back in the same layout (channels-last for channels-last feat, contiguous otherwise).
+The output's memory layout follows feat's (`output_channels_last`): channels-last feat (as a
+channels-last camera feature map viewed as B x N x C x fH x fW) gives a torch.channels_last output,
+written so directly by the kernel, which a channels-last BEV encoder consumes without a copy and
+whose gradient the backward reads in place. The gradient of feat comes back in the same layout
+(channels-last for channels-last feat, contiguous otherwise).
 """
 
 from __future__ import annotations
@@ -17,22 +19,25 @@ from torch import Tensor
 from lss.geometry import FrustumLUT
 from lss.ops import _ext
 
-# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call
+# node per op.
 torch.fx.wrap("bev_pool")
 
 __all__ = ["bev_pool", "bev_pool_reference", "output_channels_last"]
 
 
 def output_channels_last(feat: Tensor) -> bool:
-    """Whether bev_pool returns its output in torch.channels_last memory format: feat B x N x C x fH x fW has its C
-    values per pixel contiguous (stride 1 along C) and C > 1. The kernels use the same rule (csrc/ops/bev_pool.h)."""
+    """Whether bev_pool returns its output in torch.channels_last memory format: feat
+    B x N x C x fH x fW has its C values per pixel contiguous (stride 1 along C) and C > 1. The
+    kernels use the same rule (csrc/ops/bev_pool.h)."""
     return feat.shape[2] > 1 and feat.stride(2) == 1
 
 
 def _check_inputs(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> None:
     if not isinstance(lut, FrustumLUT):
         raise TypeError(
-            f"bev_pool: lut must be a lss.geometry.FrustumLUT (FrustumLUT.build), got {type(lut).__name__}"
+            "bev_pool: lut must be a lss.geometry.FrustumLUT (FrustumLUT.build), got "
+            f"{type(lut).__name__}"
         )
     lut.check_unchanged()
     for name, t in (("depth", depth), ("feat", feat)):
@@ -54,24 +59,27 @@ def _check_inputs(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> None:
     want = (lut.B, lut.N, lut.D, lut.fH, lut.fW)
     if tuple(depth.shape) != want:
         raise ValueError(
-            f"bev_pool: depth has shape {tuple(depth.shape)} but the LUT was built for B x N x D x fH x fW "
-            f"= {want}; rebuild the LUT from these cameras or fix the depth head"
+            f"bev_pool: depth has shape {tuple(depth.shape)} but the LUT was built for "
+            f"B x N x D x fH x fW = {want}; rebuild the LUT from these cameras or fix the "
+            "depth head"
         )
     B, N, C, fH, fW = feat.shape
     if (B, N, fH, fW) != (lut.B, lut.N, lut.fH, lut.fW):
         raise ValueError(
-            f"bev_pool: feat has shape {tuple(feat.shape)} but depth/LUT need B x N x C x fH x fW with "
-            f"B={lut.B}, N={lut.N}, fH={lut.fH}, fW={lut.fW}"
+            f"bev_pool: feat has shape {tuple(feat.shape)} but depth/LUT need B x N x C x fH x fW "
+            f"with B={lut.B}, N={lut.N}, fH={lut.fH}, fW={lut.fW}"
         )
     if depth.device != feat.device or depth.device != lut.device:
         raise ValueError(
-            f"bev_pool: depth ({depth.device}), feat ({feat.device}) and the LUT ({lut.device}) must be on "
-            "the same device; build the LUT from points on that device or use lut.to(device)"
+            f"bev_pool: depth ({depth.device}), feat ({feat.device}) and the LUT ({lut.device}) "
+            "must be on the same device; build the LUT from points on that device or use "
+            "lut.to(device)"
         )
 
 
 def _common_dtype(depth: Tensor, feat: Tensor) -> tuple[Tensor, Tensor]:
-    """Mixed dtypes (e.g. a bf16 depth head under autocast with a float32 context) run in the promoted dtype."""
+    """Mixed dtypes (e.g. a bf16 depth head under autocast with a float32 context) run in the
+    promoted dtype."""
     if depth.dtype == feat.dtype:
         return depth, feat
     dtype = torch.promote_types(depth.dtype, feat.dtype)
@@ -81,11 +89,13 @@ def _common_dtype(depth: Tensor, feat: Tensor) -> tuple[Tensor, Tensor]:
 def bev_pool(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
     """Splat depth-weighted camera features into the BEV grid.
 
-    depth B x N x D x fH x fW (a distribution over the D bins), feat B x N x C x fH x fW (any strides, e.g. a
-    channels-last camera feature map viewed as B x N x C x fH x fW), lut from `FrustumLUT.build`.
-    Returns B x (nz*C) x nx x ny (row i = ego x, column j = ego y), accumulated in float32, in the inputs' dtype;
-    torch.channels_last in memory when feat is channels-last (see `output_channels_last`), contiguous otherwise.
-    Differentiable in depth and feat; cells without points are 0.
+    depth B x N x D x fH x fW (a distribution over the D bins), feat B x N x C x fH x fW (any
+    strides, e.g. a channels-last camera feature map viewed as B x N x C x fH x fW), lut from
+    `FrustumLUT.build`.
+    Returns B x (nz*C) x nx x ny (row i = ego x, column j = ego y), accumulated in float32, in the
+    inputs' dtype; torch.channels_last in memory when feat is channels-last (see
+    `output_channels_last`), contiguous otherwise. Differentiable in depth and feat; cells without
+    points are 0.
     """
     _check_inputs(depth, feat, lut)
     depth, feat = _common_dtype(depth, feat)
@@ -101,9 +111,9 @@ def bev_pool(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
 
 
 def bev_pool_reference(depth: Tensor, feat: Tensor, lut: FrustumLUT) -> Tensor:
-    """Pure-PyTorch bev_pool (index_add over the LUT's point cells; materialises P x C). Same values as bev_pool,
-    differentiable through autograd; accumulates half types in float32. Always returns a contiguous (NCHW) tensor,
-    whatever feat's layout."""
+    """Pure-PyTorch bev_pool (index_add over the LUT's point cells; materialises P x C). Same values
+    as bev_pool, differentiable through autograd; accumulates half types in float32. Always returns
+    a contiguous (NCHW) tensor, whatever feat's layout."""
     _check_inputs(depth, feat, lut)
     depth, feat = _common_dtype(depth, feat)
     B, N, C, fH, fW = feat.shape

@@ -1,17 +1,20 @@
-"""Sigmoid and softmax focal loss (Lin et al., "Focal Loss for Dense Object Detection") as fused one-pass kernels.
+"""Sigmoid and softmax focal loss (Lin et al., "Focal Loss for Dense Object Detection") as fused
+one-pass kernels.
 
-`sigmoid_focal_loss` takes torchvision.ops.sigmoid_focal_loss's arguments in its order and with its defaults
-(inputs, targets, alpha=0.25, gamma=2, reduction="none"; our options are keyword-only) and either dense float
-targets of the logits' shape (BEV masks B x K x X x Y, gaussian heatmaps, soft labels: torchvision's value) or int64
-class indices N for N x C logits (C is background, the mmdetection convention; `weight` then has mmcv's meaning).
-`softmax_focal_loss` takes N x C logits and int64 class indices N.
+`sigmoid_focal_loss` takes torchvision.ops.sigmoid_focal_loss's arguments in its order and with its
+defaults (inputs, targets, alpha=0.25, gamma=2, reduction="none"; our options are keyword-only) and
+either dense float targets of the logits' shape (BEV masks B x K x X x Y, gaussian heatmaps, soft
+labels: torchvision's value) or int64 class indices N for N x C logits (C is background, the
+mmdetection convention; `weight` then has mmcv's meaning). `softmax_focal_loss` takes N x C logits
+and int64 class indices N.
 
-The kernels read logits and targets once, reduce "mean"/"sum" inside the kernel with deterministic per-block
-partial sums, and, when the logits need a gradient, write it in the same pass (with the reduction's 1 / N folded in
-where it is known on the host); the backward pass only scales it by grad_output, in place on the device, and skips
-even that when the factor is 1 (loss.backward() of the loss itself). Everything is computed in float32 (float64 for
-float64 logits) from log-sigmoid / log-softmax forms, so logits of +-100 and gamma < 1 give neither NaN nor inf in
-any dtype. No gradient flows to targets, weight or mask.
+The kernels read logits and targets once, reduce "mean"/"sum" inside the kernel with deterministic
+per-block partial sums, and, when the logits need a gradient, write it in the same pass (with the
+reduction's 1 / N folded in where it is known on the host); the backward pass only scales it by
+grad_output, in place on the device, and skips even that when the factor is 1 (loss.backward() of
+the loss itself). Everything is computed in float32 (float64 for float64 logits) from
+log-sigmoid / log-softmax forms, so logits of +-100 and gamma < 1 give neither NaN nor inf in any
+dtype. No gradient flows to targets, weight or mask.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lss.host_sync import may_sync, tracing
 from lss.ops import _ext
 from lss.ops._args import real_number
 
-# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call
+# node per op.
 torch.fx.wrap("sigmoid_focal_loss")
 torch.fx.wrap("softmax_focal_loss")
 
@@ -50,7 +55,8 @@ def _check_common(op: str, logits: Tensor, alpha: float, gamma: float, reduction
         raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not math.isfinite(real_number(alpha, "alpha", op)):
         raise ValueError(
-            f"{op}: alpha must be finite (a negative alpha disables the class balancing), got {alpha}"
+            f"{op}: alpha must be finite (a negative alpha disables the class balancing), got "
+            f"{alpha}"
         )
     gamma = real_number(gamma, "gamma", op)
     if not (math.isfinite(gamma) and gamma >= 0):
@@ -75,8 +81,8 @@ def _prepare_weight(
     classes = logits.shape[1] if logits.dim() >= 2 else None
     if weight.dim() != 1 or classes is None or weight.shape[0] != classes:
         raise ValueError(
-            f"{op}: {name} must be 1-D with one entry per class (logits dim 1 = {classes}), got {name} of shape "
-            f"{tuple(weight.shape)} for logits of shape {tuple(logits.shape)}"
+            f"{op}: {name} must be 1-D with one entry per class (logits dim 1 = {classes}), got "
+            f"{name} of shape {tuple(weight.shape)} for logits of shape {tuple(logits.shape)}"
         )
     if weight.device != logits.device:
         raise ValueError(f"{op}: {name} is on {weight.device} but logits are on {logits.device}")
@@ -84,19 +90,22 @@ def _prepare_weight(
 
 
 def _is_index(targets: Tensor) -> bool:
-    """Class-index targets (integers), as opposed to dense float or bool targets of the logits' shape."""
+    """Class-index targets (integers), as opposed to dense float or bool targets of the logits'
+    shape."""
     return not (targets.is_floating_point() or targets.dtype == torch.bool)
 
 
 def _label_weight(weight: Tensor) -> Tensor:
-    """mmcv's per-class sample weight as the kernels take it: C + 1 entries, entry C (background rows) equal to 1."""
+    """mmcv's per-class sample weight as the kernels take it: C + 1 entries, entry C (background
+    rows) equal to 1."""
     return torch.cat([weight, weight.new_ones(1)])
 
 
 def _check_class_range(op, targets, lowest, highest, expected):
-    """Class indices outside [lowest, highest] (lowest None: no lower bound) raise before any kernel runs; on CUDA
-    this reads two numbers back (one sync). Skipped while compiling: the kernels then mark bad rows with NaN."""
-    if targets.numel() == 0 or torch.compiler.is_compiling():
+    """Class indices outside [lowest, highest] (lowest None: no lower bound) raise before any kernel
+    runs; on CUDA this reads two numbers back (one sync). Skipped where that sync may not happen
+    (lss.host_sync.may_sync): the kernels then mark bad rows with NaN."""
+    if targets.numel() == 0 or not may_sync(targets):
         return
     lo, hi = (int(v) for v in torch.aminmax(targets))
     if (lowest is not None and lo < lowest) or hi > highest:
@@ -104,9 +113,9 @@ def _check_class_range(op, targets, lowest, highest, expected):
 
 
 def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, reduction, mask):
-    """Validates the arguments; returns (targets, weight, mask) as the op takes them: the kernels' weight is
-    class_weight (C entries, by column) or, for class-index targets, weight with a background entry 1 appended
-    (C + 1 entries, by target label)."""
+    """Validates the arguments; returns (targets, weight, mask) as the op takes them: the kernels'
+    weight is class_weight (C entries, by column) or, for class-index targets, weight with a
+    background entry 1 appended (C + 1 entries, by target label)."""
     op = "sigmoid_focal_loss"
     _check_common(op, logits, alpha, gamma, reduction)
     if not isinstance(targets, Tensor):
@@ -116,8 +125,9 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, r
     if not _is_index(targets):
         if targets.shape != logits.shape:
             raise ValueError(
-                f"{op}: dense targets must have the logits' shape {tuple(logits.shape)}, got {tuple(targets.shape)} "
-                "(for class indices pass an int64 tensor of shape N with N x C logits)"
+                f"{op}: dense targets must have the logits' shape {tuple(logits.shape)}, got "
+                f"{tuple(targets.shape)} (for class indices pass an int64 tensor of shape N with "
+                "N x C logits)"
             )
         if targets.dtype != logits.dtype:
             targets = targets.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
@@ -125,8 +135,8 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, r
         if logits.dim() != 2 or targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
             raise ValueError(
                 f"{op}: class-index targets need logits N x C and int64 targets N, got logits "
-                f"{tuple(logits.shape)} and targets {tuple(targets.shape)} (for dense targets pass floats of the "
-                "logits' shape)"
+                f"{tuple(logits.shape)} and targets {tuple(targets.shape)} (for dense targets pass "
+                "floats of the logits' shape)"
             )
         targets = targets.long()
         C = logits.shape[1]
@@ -139,8 +149,9 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, r
         )
     if weight is not None and class_weight is not None:
         raise ValueError(
-            f"{op}: give weight (per sample, by its target class) or class_weight (per class column), "
-            "not both; fold one into the other, e.g. class_weight * weight[targets][:, None] as a mask"
+            f"{op}: give weight (per sample, by its target class) or class_weight (per class "
+            "column), not both; fold one into the other, e.g. "
+            "class_weight * weight[targets][:, None] as a mask"
         )
     weight = _prepare_weight(op, weight, logits)
     class_weight = _prepare_weight(op, class_weight, logits, "class_weight")
@@ -158,7 +169,8 @@ def _prepare_sigmoid_args(logits, targets, alpha, gamma, weight, class_weight, r
         if shape != logits.shape:
             raise ValueError(
                 f"{op}: mask of shape {tuple(mask.shape)} does not broadcast to the logits' shape "
-                f"{tuple(logits.shape)} (for a B x X x Y visibility mask and B x K x X x Y logits use mask[:, None])"
+                f"{tuple(logits.shape)} (for a B x X x Y visibility mask and B x K x X x Y logits "
+                "use mask[:, None])"
             )
         mask = (mask if mask.dtype == torch.bool else mask > 0).expand(logits.shape)
     _check_no_grad(op, targets=targets)
@@ -177,22 +189,26 @@ def sigmoid_focal_loss(
     mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Sigmoid focal loss: ce(x, t) * (1 - p_t)^gamma * alpha_t, p = sigmoid(x). A drop-in for
-    torchvision.ops.sigmoid_focal_loss (same positional arguments and defaults); the rest is keyword-only.
+    torchvision.ops.sigmoid_focal_loss (same positional arguments and defaults); the rest is
+    keyword-only.
 
-    inputs: the logits, any shape, float32/float16/bfloat16/float64; the class axis is dim 1 (B x K x X x Y, N x C).
-    targets: either dense floats of the logits' shape (binary or soft, in [0, 1]), or int64 class indices N in
-    [0, C] for N x C logits, C meaning background (every column negative).
-    alpha: weight of positives, alpha_t = alpha t + (1 - alpha)(1 - t); a negative alpha disables it.
-    reduction: "none" (loss of the logits' shape, the default as in torchvision), "sum", or "mean": over the
-    elements (over the elements where mask > 0 when a mask is given; 0 when there are none) for dense targets,
-    sum / N for class indices (as mmcv).
-    weight: class-index targets only, C entries: the whole row of sample n is scaled by weight[targets[n]] (mmcv's
-    sigmoid_focal_loss); background rows (target C) keep weight 1.
-    class_weight: optional C per-class weights multiplying column c (either target form; not with weight).
-    mask: optional bool or float tensor broadcastable to the logits; cells where mask <= 0 get zero loss and zero
-    gradient (for example BEV cells that no camera sees).
-    Returns a 0-dim tensor (or the logits' shape for "none") in the logits' dtype. Class indices outside [0, C]
-    raise an error (on CUDA this check waits for the kernel).
+    inputs: the logits, any shape, float32/float16/bfloat16/float64; the class axis is
+    dim 1 (B x K x X x Y, N x C).
+    targets: either dense floats of the logits' shape (binary or soft, in [0, 1]), or int64 class
+    indices N in [0, C] for N x C logits, C meaning background (every column negative).
+    alpha: weight of positives, alpha_t = alpha t + (1 - alpha)(1 - t); a negative alpha disables
+    it.
+    reduction: "none" (loss of the logits' shape, the default as in torchvision), "sum", or "mean":
+    over the elements (over the elements where mask > 0 when a mask is given; 0 when there are none)
+    for dense targets, sum / N for class indices (as mmcv).
+    weight: class-index targets only, C entries: the whole row of sample n is scaled by
+    weight[targets[n]] (mmcv's sigmoid_focal_loss); background rows (target C) keep weight 1.
+    class_weight: optional C per-class weights multiplying column c (either target form; not with
+    weight).
+    mask: optional bool or float tensor broadcastable to the logits; cells where mask <= 0 get zero
+    loss and zero gradient (for example BEV cells that no camera sees).
+    Returns a 0-dim tensor (or the logits' shape for "none") in the logits' dtype. Class indices
+    outside [0, C] raise an error (on CUDA this check waits for the kernel).
     """
     logits = inputs
     targets, weight, mask = _prepare_sigmoid_args(
@@ -217,13 +233,15 @@ def softmax_focal_loss(
     weight: Optional[Tensor] = None,
     reduction: str = "mean",
 ) -> Tensor:
-    """Softmax focal loss per sample: -alpha * (1 - p_t)^gamma * log(p_t), p = softmax(logits) along dim 1.
+    """Softmax focal loss per sample: -alpha * (1 - p_t)^gamma * log(p_t), p = softmax(logits) along
+    dim 1.
 
-    logits: N x C float; targets: int64 N class indices in [0, C); negative targets are ignored (zero loss and
-    gradient). weight: optional C per-class weights, sample n weighted by weight[targets[n]].
+    logits: N x C float; targets: int64 N class indices in [0, C); negative targets are ignored
+    (zero loss and gradient). weight: optional C per-class weights, sample n weighted by
+    weight[targets[n]].
     reduction: "none" (N losses), "sum", or "mean" = sum / N (ignored samples count in N).
-    Returns a 0-dim tensor (or N for "none") in the logits' dtype. Targets >= C raise an error (on CUDA this check
-    waits for the kernel).
+    Returns a 0-dim tensor (or N for "none") in the logits' dtype. Targets >= C raise an error (on
+    CUDA this check waits for the kernel).
     """
     op = "softmax_focal_loss"
     _check_common(op, logits, alpha, gamma, reduction)
@@ -266,7 +284,8 @@ def sigmoid_focal_loss_reference(
     class_weight: Optional[Tensor] = None,
     mask: Optional[Tensor] = None,
 ) -> Tensor:
-    """Pure-PyTorch `sigmoid_focal_loss` (same arguments and semantics), computed in float32 or float64."""
+    """Pure-PyTorch `sigmoid_focal_loss` (same arguments and semantics), computed in float32 or
+    float64."""
     if weight is not None:
         if not _is_index(targets):
             raise ValueError(
@@ -285,7 +304,8 @@ def sigmoid_focal_loss_reference(
 
 
 def _sigmoid_reference(logits, targets, alpha, gamma, weight, reduction, mask):
-    """The reference with the kernels' weight: C entries by column, or C + 1 by class-index target."""
+    """The reference with the kernels' weight: C entries by column, or C + 1 by class-index
+    target."""
     dtype = _compute_dtype(logits)
     x = logits.to(dtype)
     index_targets = _is_index(targets)
@@ -330,7 +350,8 @@ def softmax_focal_loss_reference(
     weight: Optional[Tensor] = None,
     reduction: str = "mean",
 ) -> Tensor:
-    """Pure-PyTorch `softmax_focal_loss` (same arguments and semantics), computed in float32 or float64."""
+    """Pure-PyTorch `softmax_focal_loss` (same arguments and semantics), computed in float32 or
+    float64."""
     dtype = _compute_dtype(logits)
     x = logits.to(dtype)
     if targets.numel() and int(targets.max()) >= x.shape[1]:
@@ -357,8 +378,8 @@ def softmax_focal_loss_reference(
 
 
 class SigmoidFocalLoss(nn.Module):
-    """Module form of `sigmoid_focal_loss` (reduction "mean" by default, as mmcv's module); forward(logits, targets,
-    mask=None). weight and class_weight have the function's meaning."""
+    """Module form of `sigmoid_focal_loss` (reduction "mean" by default, as mmcv's module);
+    forward(logits, targets, mask=None). weight and class_weight have the function's meaning."""
 
     def __init__(
         self,
@@ -427,33 +448,37 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.num_inputs = len(inputs)
     ctx.loss_dim = output[0].dim()
     ctx.mark_non_differentiable(grad, grad_scale)
-    # The backward reads only the loss's grad_output: no zero-filled gradients for grad (logits-sized) and grad_scale.
+    # The backward reads only the loss's grad_output: no zero-filled gradients for grad
+    # (logits-sized) and grad_scale.
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad, grad_scale)
 
 
 def _private(module, name: str):
-    """A private torch function, or None where this torch release has none (callers then take the public path)."""
+    """A private torch function, or None where this torch release has none (callers then take the
+    public path)."""
     return getattr(module, name, None)
 
 
 def _keeps_graph() -> bool:
-    """Whether the running backward keeps the graph (retain_graph / create_graph); True outside a backward, and
-    True where torch cannot tell (the safe answer: the saved gradient is then never overwritten)."""
+    """Whether the running backward keeps the graph (retain_graph / create_graph); True outside a
+    backward, and True where torch cannot tell (the safe answer: the saved gradient is then never
+    overwritten)."""
     keep_graph = _private(torch._C._autograd, "_get_current_graph_task_keep_graph")
     return True if keep_graph is None else keep_graph()
 
 
 def _can_scale_in_place(grad_loss: Tensor, grad: Tensor) -> bool:
-    """The saved gradient may become the result when this backward is its last use (the graph is freed after it)
-    in plain eager mode (no compiler, no tracing or other dispatch mode, no tensor subclass) and grad_output is one
-    number of its dtype. This is an optimisation that reads private torch state; without it the backward writes a
-    new tensor (the public path), which is always correct."""
+    """The saved gradient may become the result when this backward is its last use (the graph is
+    freed after it) in plain eager mode (no compiler, no tracing or other dispatch mode, no tensor
+    subclass) and grad_output is one number of its dtype. This is an optimisation that reads private
+    torch state; without it the backward writes a new tensor (the public path), which is always
+    correct."""
     dispatch_depth = _private(torch._C, "_len_torch_dispatch_stack")
     if (
         dispatch_depth is None
         or type(grad) is not Tensor
-        or torch.compiler.is_compiling()
+        or tracing()
         or dispatch_depth() != 0
     ):
         return False
@@ -468,8 +493,9 @@ def _can_scale_in_place(grad_loss: Tensor, grad: Tensor) -> bool:
 def _backward(ctx, grad_loss, *_):
     if not ctx.save_grad:
         raise RuntimeError(
-            "lss focal loss: the forward ran with save_grad=False, so it kept no gradient; call the op with "
-            "save_grad=True (lss.ops.sigmoid_focal_loss / softmax_focal_loss do this when the logits need a gradient)"
+            "lss focal loss: the forward ran with save_grad=False, so it kept no gradient; call "
+            "the op with save_grad=True (lss.ops.sigmoid_focal_loss / softmax_focal_loss do this "
+            "when the logits need a gradient)"
         )
     if grad_loss is None:  # no gradient reached the loss (grads are not materialized)
         return (None,) * ctx.num_inputs

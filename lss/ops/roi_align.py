@@ -1,5 +1,5 @@
-"""RoIAlign (Mask R-CNN): bilinear samples of each output bin, averaged (torchvision's roi_align) or maxed (mmcv's
-"max" pool mode, the gradient going to the arg-max sample)."""
+"""RoIAlign (Mask R-CNN): bilinear samples of each output bin, averaged (torchvision's roi_align) or
+maxed (mmcv's "max" pool mode, the gradient going to the arg-max sample)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from torch import nn
 from lss.ops import _ext, _roi
 from lss.ops._roi import Rois
 
-# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call
+# node per op.
 torch.fx.wrap("roi_align")
 
 _MODES = ("avg", "max")
@@ -30,21 +31,23 @@ def roi_align(
 ) -> torch.Tensor:
     """Pools each roi of `input` (N x C x H x W) to K x C x PH x PW.
 
-    rois: K x 5 (batch index, x1, y1, x2, y2) in input-image coordinates, or a list of L_i x 4 boxes per image.
-    spatial_scale maps roi coordinates to the feature map (1/8 for a stride-8 map). sampling_ratio > 0 samples
-    that many points per bin side; <= 0 uses ceil(roi size / output size). aligned=True shifts by half a pixel
-    (pixel centres at +0.5, the detectron2 convention). mode "avg" equals torchvision.ops.roi_align; "max" takes
-    the largest bilinear sample. spatial_scale must be finite and > 0 and sampling_ratio at most
-    lss.ops._roi.MAX_SAMPLING_RATIO (64), else ValueError. Accumulates in float32 (float64 for float64 input); no
-    gradient for rois.
+    rois: K x 5 (batch index, x1, y1, x2, y2) in input-image coordinates, or a list of L_i x 4 boxes
+    per image. spatial_scale maps roi coordinates to the feature map (1/8 for a stride-8 map).
+    sampling_ratio > 0 samples that many points per bin side; <= 0 uses ceil(roi size / output
+    size). aligned=True shifts by half a pixel (pixel centres at +0.5, the detectron2 convention).
+    mode "avg" equals torchvision.ops.roi_align; "max" takes the largest bilinear sample.
+    spatial_scale must be finite and > 0 and sampling_ratio at most
+    lss.ops._roi.MAX_SAMPLING_RATIO (64), else ValueError. Accumulates in float32 (float64 for
+    float64 input); no gradient for rois.
 
-    validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N),
-    which the forward kernel records. Reading that record is a host sync on CUDA: the host waits for the forward
-    instead of queueing autograd's backward work while it runs. validate=False skips the read, and the kernel
-    keeps no record (no allocation and fill of it per call): bad rois then pool to zeros (no gradient) and are
-    never read out of bounds. The default (None) validates CPU inputs, where the read costs no sync, and skips it
-    for CUDA inputs, so an eager CUDA call never waits for the device (as torchvision's, which does not check rois
-    at all). The pure-PyTorch fallback always validates.
+    validate=True raises ValueError for non-finite coordinates or batch indices that are not
+    integers in [0, N), which the forward kernel records. Reading that record is a host sync on
+    CUDA: the host waits for the forward instead of queueing autograd's backward work while it runs.
+    validate=False skips the read, and the kernel keeps no record (no allocation and fill of it per
+    call): bad rois then pool to zeros (no gradient) and are never read out of bounds. The default
+    (None) validates CPU inputs, where the read costs no sync, and skips it for CUDA inputs, so an
+    eager CUDA call never waits for the device (as torchvision's, which does not check rois at all).
+    The pure-PyTorch fallback always validates.
     """
     _roi.check_input(input, "roi_align")
     if mode not in _MODES:
@@ -118,8 +121,9 @@ class RoIAlign(nn.Module):
 
 
 def _bilinear_axis(coord: torch.Tensor, size: int):
-    """Per-axis part of torchvision's bilinear rule: (low, high, frac, 1 - frac, inside) for coordinates along an
-    axis of `size` pixels; points more than one pixel outside are not `inside`."""
+    """Per-axis part of torchvision's bilinear rule: (low, high, frac, 1 - frac, inside) for
+    coordinates along an axis of `size` pixels; points more than one pixel outside are not
+    `inside`."""
     inside = (coord >= -1) & (coord <= size)
     c = coord.clamp(min=0)
     low = c.floor().long()
@@ -140,8 +144,8 @@ def roi_align_reference(
     aligned: bool = False,
     mode: str = "avg",
 ) -> torch.Tensor:
-    """Pure-PyTorch roi_align (test oracle and fallback): every sample of every bin gathered at once, so it needs
-    K x PH x PW x samples x C memory. Differentiable through autograd."""
+    """Pure-PyTorch roi_align (test oracle and fallback): every sample of every bin gathered at
+    once, so it needs K x PH x PW x samples x C memory. Differentiable through autograd."""
     _roi.check_input(input, "roi_align")
     if mode not in _MODES:
         raise ValueError(f"lss.ops.roi_align: mode must be one of {_MODES}, got {mode!r}")
@@ -264,4 +268,5 @@ if _ext.has_ext():
     ):
         return grad.new_empty((batch_size, channels, height, width))
 
-    # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an eager call.
+    # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an
+    # eager call.

@@ -1,4 +1,5 @@
-"""RoIPool (Fast R-CNN): max over the integer pixel window of each output bin, as torchvision.ops.roi_pool."""
+"""RoIPool (Fast R-CNN): max over the integer pixel window of each output bin, as
+torchvision.ops.roi_pool."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from torch import nn
 from lss.ops import _ext, _roi
 from lss.ops._roi import Rois
 
-# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call node per op.
+# Leaf functions for torch.fx.symbolic_trace (as torchvision's ops): a traced model keeps one call
+# node per op.
 torch.fx.wrap("roi_pool")
 
 
@@ -24,14 +26,15 @@ def roi_pool(
 ) -> torch.Tensor:
     """Max-pools each roi of `input` (N x C x H x W) to K x C x PH x PW.
 
-    rois: K x 5 (batch index, x1, y1, x2, y2) or a list of L_i x 4 boxes per image; coordinates are scaled by
-    spatial_scale and rounded (half away from zero), the end pixel included. Empty bins give 0. The gradient goes
-    to the arg-max pixel of each bin; no gradient for rois. spatial_scale must be finite and > 0, else ValueError.
+    rois: K x 5 (batch index, x1, y1, x2, y2) or a list of L_i x 4 boxes per image; coordinates are
+    scaled by spatial_scale and rounded (half away from zero), the end pixel included. Empty bins
+    give 0. The gradient goes to the arg-max pixel of each bin; no gradient for rois. spatial_scale
+    must be finite and > 0, else ValueError.
 
-    validate=True raises ValueError for non-finite coordinates or batch indices that are not integers in [0, N);
-    reading the forward kernel's record of them is a host sync on CUDA. validate=False skips the read and the
-    record: bad rois pool to zeros. The default (None) validates CPU inputs only, so an eager CUDA call never waits
-    (see roi_align).
+    validate=True raises ValueError for non-finite coordinates or batch indices that are not
+    integers in [0, N); reading the forward kernel's record of them is a host sync on CUDA.
+    validate=False skips the read and the record: bad rois pool to zeros. The default (None)
+    validates CPU inputs only, so an eager CUDA call never waits (see roi_align).
     """
     _roi.check_input(input, "roi_pool")
     pooled_h, pooled_w = _roi.output_hw(output_size, "roi_pool")
@@ -62,14 +65,17 @@ class RoIPool(nn.Module):
         return roi_pool(input, rois, self.output_size, self.spatial_scale, validate=self.validate)
 
     def extra_repr(self) -> str:
-        return f"output_size={self.output_size}, spatial_scale={self.spatial_scale}, validate={self.validate}"
+        return (
+            f"output_size={self.output_size}, spatial_scale={self.spatial_scale}, "
+            f"validate={self.validate}"
+        )
 
 
 def roi_pool_reference(
     input: torch.Tensor, rois: Rois, output_size, spatial_scale: float = 1.0
 ) -> torch.Tensor:
-    """Pure-PyTorch roi_pool (test oracle and fallback): a loop over rois, each bin a masked max over the roi's
-    window. Differentiable through autograd."""
+    """Pure-PyTorch roi_pool (test oracle and fallback): a loop over rois, each bin a masked max
+    over the roi's window. Differentiable through autograd."""
     _roi.check_input(input, "roi_pool")
     PH, PW = _roi.output_hw(output_size, "roi_pool")
     spatial_scale = _roi.check_spatial_scale(spatial_scale, "roi_pool")
@@ -146,4 +152,5 @@ if _ext.has_ext():
     ):
         return grad.new_empty((batch_size, channels, height, width))
 
-    # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an eager call.
+    # Autograd is registered in C++ (csrc/ops/autograd.cpp), as torchvision's: no Python runs in an
+    # eager call.

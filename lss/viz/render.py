@@ -138,12 +138,6 @@ def render_batch(batch: dict, outputs: dict, cfg: Config) -> np.ndarray:
     ).image
 
 
-def _run_directory(ckpt: Path) -> Path:
-    """The run directory of a checkpoint: RUN_DIR for RUN_DIR/checkpoints/NAME.pt, else its
-    folder."""
-    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-
-
 def write_scene_gifs(frames: dict[str, list[np.ndarray]], out: Path) -> list[Path]:
     """One GIF per scene (name -> its pictures in time order) in `out`, two frames a second."""
     from PIL import Image
@@ -181,13 +175,13 @@ def render_checkpoint(
     from tqdm import tqdm
 
     from lss.engine.build import build_dataset, select_device
-    from lss.engine.checkpoint import load_checkpoint_model
+    from lss.engine.checkpoint import load_checkpoint_model, run_directory
 
     device = select_device(cfg)
     model, state = load_checkpoint_model(cfg, Path(ckpt), device)
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     count = min(num if num is not None else cfg.viz.num, len(dataset))
-    out = Path(out_dir or cfg.viz.out_dir or _run_directory(Path(ckpt)) / "viz")
+    out = Path(out_dir or cfg.viz.out_dir or run_directory(ckpt) / "viz")
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     frames: dict[str, list[np.ndarray]] = {}

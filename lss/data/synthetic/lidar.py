@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from .render import (
+from .scenery import (
     ASPHALT,
     BARRIER,
     BICYCLE,
@@ -36,7 +36,7 @@ ELEVATION_DEG = np.linspace(-30.67, 10.67, BEAMS)
 AZIMUTH_STEPS = 1084  # about 0.33 degrees, ~35k rays per sweep as in nuScenes
 MAX_RANGE = 100.0
 MIN_RANGE = 1.0
-# Mean reflectivity by ground class and by box kind (indexed by the constants of render.py).
+# Mean reflectivity by ground class and by box kind (indexed by the constants of scenery.py).
 GROUND_INTENSITY = np.zeros(6)
 GROUND_INTENSITY[[VERGE, SIDEWALK, CURB, ASPHALT, WHITE, YELLOW]] = (
     8.0,

@@ -2,7 +2,7 @@
 loaded by nuscenes.map_expansion.map_api.NuScenesMap) and the semantic-prior PNG named by the map
 table.
 
-The same geometry drives the ground texture the cameras see (render.py), so what the map says is
+The same geometry drives the ground texture the cameras see (scenery.py), so what the map says is
 what is drawn.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 from shapely.geometry import LineString, MultiPolygon, Polygon, box
 from shapely.ops import unary_union
 
-from .world import CROSSING_DEPTH, CROSSING_GAP, SIDEWALK_WIDTH, STOP_LINE_GAP, Location
+from .roads import CROSSING_DEPTH, CROSSING_GAP, SIDEWALK_WIDTH, STOP_LINE_GAP, Location
 
 MAP_VERSION = "1.3"
 SEMANTIC_PRIOR_RESOLUTION = 0.1  # metres per pixel, what nuscenes.utils.map_mask.MapMask assumes

@@ -19,10 +19,12 @@ from lss.memory_estimate import check_render_memory
 
 from . import lidar as lidar_mod
 from .maps import location_geometry, write_map_expansion, write_semantic_prior
-from .render import CameraModel, build_ground_texture, render_camera, scene_boxes
+from .render import CameraModel, render_camera
 from .rig import CAMERAS, LIDAR, load_rig, sensor_pose
+from .roads import LOCATIONS, build_location, stable_seed
+from .scenery import build_ground_texture, scene_boxes
 from .tables import MINI_LOCATIONS, TokenFactory, build_tables, sample_filename, write_tables
-from .world import LOCATIONS, build_location, build_scene, stable_seed
+from .world import build_scene
 
 VERSIONS = ("v1.0-mini", "v1.0-trainval")
 OUTPUTS = ("samples", "sweeps", "maps")  # what generate writes next to the tables directory

@@ -23,6 +23,8 @@ class CapturedStep(TrainStep):
     sync). `warmup`, `capture`: as GraphedTrainStep (capture=False runs the same step eagerly on the
     static buffers, for CPU tests of everything but the capture)."""
 
+    graphed_step: type[GraphedTrainStep] = GraphedTrainStep  # what the loop replays
+
     def __init__(
         self,
         parts: StepParts,
@@ -31,15 +33,8 @@ class CapturedStep(TrainStep):
         capture: bool = True,
     ):
         super().__init__(parts)
-        self.graph = GraphedTrainStep(
-            parts.model,
-            parts.loss_fn,
-            parts.optimizer,
-            parts.amp_dtype,
-            parts.grad_clip,
-            warmup=warmup,
-            capture=capture,
-            check_batch=check_batch,
+        self.graph = self.graphed_step.from_parts(
+            parts, warmup=warmup, capture=capture, check_batch=check_batch
         )
         self._unchecked: Optional[tuple[int, StepLogs]] = None
         self._latest: Optional[StepLogs] = None

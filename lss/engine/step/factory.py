@@ -27,6 +27,7 @@ from lss.engine.step.captured import CapturedStep
 from lss.engine.step.compiled import CompiledStep
 from lss.engine.step.ddp import CapturedDDPStep
 from lss.engine.step.eager import EagerStep
+from lss.engine.step.partial import EncoderGraphs, encoder_graph_problems
 from lss.errors import ConfigError
 
 StepKind = Literal["eager", "captured", "captured-ddp"]
@@ -35,11 +36,13 @@ CompileStart = Literal["off", "now", "background"]
 
 @dataclasses.dataclass(frozen=True)
 class StepChoice:
-    """Which step a run trains with; `eager_because`: why train.cuda_graph: auto runs eager."""
+    """Which step a run trains with; `eager_because`: why train.cuda_graph: auto runs eager;
+    `encoder_graphs`: eager steps replay the camera trunk and the BEV encoder as CUDA graphs."""
 
     kind: StepKind = "eager"
     compile_start: CompileStart = "off"
     eager_because: tuple[str, ...] = ()
+    encoder_graphs: bool = False
 
     def describe(self) -> str:
         """How the run takes its steps, for its first line."""
@@ -50,6 +53,8 @@ class StepChoice:
         }.get(self.kind, "eager steps")
         if self.eager_because:  # only auto falls back (true raises instead)
             mode += " (train.cuda_graph: auto: " + "; ".join(self.eager_because) + ")"
+        if self.encoder_graphs:
+            mode += ", the camera trunk and the BEV encoder as CUDA graphs"
         if self.compile_start == "background":
             mode += (
                 ", uncompiled until a background process has compiled the model "
@@ -125,13 +130,14 @@ def choose_step(
     setting, start = cfg.train.cuda_graph, compile_start(cfg, device, dist)
     if start == "background" and not background:
         start = "now"
+    graphs = not encoder_graph_problems(device, start)  # the eager step's partial capture
     if setting is False:
-        return StepChoice("eager", start)
+        return StepChoice("eager", start, encoder_graphs=graphs)
     problems = cuda_graph_problems(cfg) + process_problems(device, dist)
     if setting is True and problems:
         raise ConfigError(cuda_graph_refusal(problems))
     if problems:
-        return StepChoice("eager", start, tuple(problems))
+        return StepChoice("eager", start, tuple(problems), graphs)
     return StepChoice("captured-ddp" if dist.enabled else "captured", start)
 
 
@@ -150,7 +156,7 @@ def build_step(
             return CapturedStep(parts, check_batch=depth_check(parts.model))
         if choice.kind == "captured-ddp":
             return CapturedDDPStep(parts, check_batch=depth_check(parts.model))
-        return EagerStep(parts)
+        return EagerStep(parts, EncoderGraphs(parts.model) if choice.encoder_graphs else None)
 
     if choice.compile_start == "off":
         return make_step()

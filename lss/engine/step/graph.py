@@ -23,6 +23,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from lss.engine.step.base import StepParts
+
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """The optimizer as a captured step needs it: each learning rate a device tensor (the scheduler
@@ -91,6 +93,19 @@ class GraphedTrainStep:
         self.peak_bytes: Optional[int] = None
         self.setup_seconds: dict[str, float] = {}  # part of the first call -> seconds
 
+    @classmethod
+    def from_parts(cls, parts: StepParts, **options) -> GraphedTrainStep:
+        """The step over a StepParts' model, loss, optimizer, autocast and clipping; `options`: the
+        other arguments, by keyword."""
+        return cls(
+            parts.model,
+            parts.loss_fn,
+            parts.optimizer,
+            parts.amp_dtype,
+            parts.grad_clip,
+            **options,
+        )
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -137,33 +152,53 @@ class GraphedTrainStep:
             buf.copy_(v, non_blocking=True)
 
     def _setup(self, batch: dict) -> None:
-        device = self.device
-        self.static = {k: v.to(device).clone() for k, v in batch.items() if torch.is_tensor(v)}
+        self._allocate_static(batch)
+        self._warm_up(self._fresh_step)
+        # the captured backward allocates the gradients in its pool
+        self.optimizer.zero_grad(set_to_none=True)
         if self.capture:
-            make_capturable(self.optimizer, device)
-        snapshot = _Snapshot(self.model, self.optimizer)
+            self._timed_capture()
+
+    def _fresh_step(self) -> dict:
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._step()
+
+    def _capture(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.outputs = self._step()
+
+    def _allocate_static(self, batch: dict) -> None:
+        """The static buffers, filled with the first batch; the optimizer made capturable."""
+        self.static = {k: v.to(self.device).clone() for k, v in batch.items() if torch.is_tensor(v)}
+        if self.capture:
+            make_capturable(self.optimizer, self.device)
+
+    def _warm_up(self, step: Callable[[], dict]) -> None:
+        """`warmup` calls of `step` on a side stream (timed in setup_seconds), then parameters,
+        buffers, optimizer state and RNG put back as they were (the snapshot goes on return, so its
+        copies do not count in the captured step's peak)."""
+        device = self.device
+        snapshot = StateSnapshot(self.model, self.optimizer)
         side = torch.cuda.Stream(device) if self.capture else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for i in range(1, self.warmup + 1):
                 start = self._clock()
-                self.optimizer.zero_grad(set_to_none=True)
-                self._step()
+                step()
                 self.setup_seconds[f"warmup_step_{i}"] = self._clock() - start
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
         snapshot.restore()
-        del snapshot  # its copies must not count in the captured step's peak
-        # the captured backward allocates the gradients in its pool
-        self.optimizer.zero_grad(set_to_none=True)
-        if not self.capture:
-            return
-        self.graph = torch.cuda.CUDAGraph()
+
+    def _timed_capture(self) -> None:
+        """Capture the step's graphs (`_capture`), recording the step's peak memory in `peak_bytes`
+        and the time in setup_seconds["capture"]."""
+        device = self.device
         start = self._clock()  # synchronized: the peak below is the captured step's alone
         torch.cuda.reset_peak_memory_stats(device)
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outputs = self._step()
+        self._capture()
         # the capture allocates and frees as a replay does, so its peak is the step's peak
         self.peak_bytes = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()  # the warm-up's blocks; the graph's pool keeps what it needs
@@ -195,7 +230,7 @@ class GraphedTrainStep:
         return out
 
 
-class _Snapshot:
+class StateSnapshot:
     """Parameters, buffers, optimizer state and RNG as they were, to undo the warm-up steps in place
     (the graph binds the tensors' addresses, so the same tensors get their old values back)."""
 

@@ -1,0 +1,238 @@
+"""The configuration schema: one dataclass per section, its defaults the LSS paper recipe.
+
+Enumerations are `Literal[...]`, so that loading (lss.config) refuses other values by name; ranges
+and cross-field rules are checked by lss.config_validate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from lss.geometry import NUSCENES_CAMERAS
+
+
+@dataclass
+class SyntheticConfig:
+    """The set `lss make-synthetic` writes when data.make_synthetic_if_missing generates one."""
+
+    scenes: int = 10
+    samples_per_scene: int = 40
+    image_size: tuple[int, int] = (1600, 900)  # width, height
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    dataroot: str = "data/nuscenes"
+    version: str = "v1.0-mini"
+    train_split: str = "train"
+    val_split: str = "val"
+    make_synthetic_if_missing: bool = False
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    cameras: tuple[Literal[NUSCENES_CAMERAS], ...] = NUSCENES_CAMERAS
+    # random subset per training sample (LSS used 5 of 6); None = all
+    num_train_cameras: Optional[int] = None
+    final_dim: tuple[int, int] = (128, 352)  # network input height, width
+    resize_lim: tuple[float, float] = (0.193, 0.225)
+    bot_pct_lim: tuple[float, float] = (0.0, 0.22)
+    rot_lim: tuple[float, float] = (-5.4, 5.4)  # degrees
+    rand_flip: bool = True
+    # BEV-space augmentation of training samples (BEVDet): the ego frame, camera extrinsics and
+    # targets together
+    bev_rot_lim: tuple[float, float] = (0.0, 0.0)  # degrees about z
+    bev_scale_lim: tuple[float, float] = (1.0, 1.0)
+    bev_flip: bool = False  # mirror ego x and ego y, each with p = 0.5
+    classes: tuple[str, ...] = ("vehicle", "pedestrian", "drivable_area", "lane_divider")
+    min_visibility: int = 0  # keep boxes whose visibility token >= this (0 keeps all)
+    min_lidar_pts: int = 0
+    divider_width: int = 2  # lane/road dividers are drawn this many BEV cells wide
+    visibility_mask: bool = False
+    # derived from model.heads (the dataset yields detection targets for the detection head); a
+    # config that sets it must agree
+    detection_targets: Optional[bool] = None
+    # per camera feature cell: depth bin of the nearest LIDAR_TOP return (docs/training.md)
+    depth_targets: bool = False
+    # keep camera images decoded on disk after their first decode (lss.data.decoded_cache;
+    # about 1.6 MB per sample at 1600x900 -> 128x352): later epochs skip the JPEG decode, the
+    # batches stay the same
+    decoded_cache: bool = False
+    # loader processes per rank; "auto": min(12, this rank's share of the CPUs - 2), at least 1
+    workers: Union[int, Literal["auto"]] = 4
+    # scheduling niceness added to the loader workers (0-19): a positive value lets the training
+    # process, which feeds the GPU, run first whenever it and the workers want the same cores
+    worker_niceness: int = 0
+    image_mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    image_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    # the original LSS code's conventions, for ablations (lss.data.original_conventions,
+    # docs/accuracy.md). Images: "fast" (JPEG DCT-domain downscale, area resize, one bilinear warp)
+    # or "pil" (full PIL decode, bicubic resize, nearest-neighbour rotation)
+    image_resize: Literal["fast", "pil"] = "fast"
+    # post_rot/post_trans: "exact" (the pixels' affine) or "original" (its approximate composition)
+    post_matrices: Literal["exact", "original"] = "exact"
+    # object footprints, every split: "exact" (sub-cell, centred) or "original" (corners rounded to
+    # whole cells: half a cell off)
+    target_raster: Literal["exact", "original"] = "exact"
+
+
+@dataclass
+class GridConfig:
+    """Each bound is (min, max, cell size) in metres; dbound is the depth bins (min, max, step)."""
+
+    xbound: tuple[float, float, float] = (-50.0, 50.0, 0.5)
+    ybound: tuple[float, float, float] = (-50.0, 50.0, 0.5)
+    zbound: tuple[float, float, float] = (-10.0, 10.0, 20.0)
+    dbound: tuple[float, float, float] = (4.0, 45.0, 1.0)
+
+
+@dataclass
+class ModelConfig:
+    backbone: Literal["efficientnet-b0"] = "efficientnet-b0"
+    # ImageNet weights for the camera backbone: "imagenet" (efficientnet-pytorch's, through
+    # torch.hub's download cache), a local state-dict path, or null (random initialisation)
+    pretrained: Optional[str] = None
+    downsample: int = 16  # the EfficientNet camera encoder's output stride: 16 only
+    context_channels: int = 64
+    splat: Literal["bev_pool", "reference"] = "bev_pool"  # our op, or pure PyTorch (for comparison)
+    # segmentation is required
+    heads: tuple[Literal["segmentation", "detection"], ...] = ("segmentation",)
+    # coordinate mode of every bilinear upsampling in the camera and BEV decoders
+    # (lss.ops.upsample_bilinear): the original LSS code used align_corners; a deployment runtime
+    # may need half_pixel or asymmetric
+    upsample_mode: Literal["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric"] = (
+        "pytorch_half_pixel"
+    )
+    # frustum (u, v): the feature cells' centres, or "linspace": first to last pixel (original LSS)
+    frustum_pixels: Literal["centres", "linspace"] = "centres"
+    # frustum point -> BEV cell: floor, or "trunc" toward zero (original LSS: keeps points up to a
+    # cell below the grid)
+    splat_binning: Literal["floor", "trunc"] = "floor"
+    # the BEV ResNet-18's last BatchNorm of every residual branch starts at 0 (original LSS: true)
+    bev_zero_init_residual: bool = False
+
+
+@dataclass
+class LossConfig:
+    # our sigmoid focal loss op, or the LSS paper's BCE with pos_weight
+    type: Literal["focal", "bce"] = "focal"
+    focal_alpha: float = 0.25
+    focal_gamma: float = 2.0
+    pos_weight: float = 2.13  # BCE weight of the positive cells, every class
+    # BCE: one pos_weight per class (replaces pos_weight)
+    class_pos_weights: Optional[tuple[float, ...]] = None
+    class_weights: Optional[tuple[float, ...]] = None
+    # lidar depth cross-entropy on the camera depth distribution; needs data.depth_targets
+    depth_weight: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adam", "adamw"] = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 1e-7
+    grad_clip: float = 5.0
+    schedule: Literal["constant", "cosine", "onecycle"] = "constant"
+    warmup_steps: int = 0
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 4
+    max_steps: int = 30000
+    grad_accum: int = 1
+    amp: Literal["bf16", "fp16", "none"] = "bf16"  # autocast applies on CUDA only
+    # channels_last memory format for the convolutions: true (whole model), "camera" (camera
+    # encoder), "bev" (BEV encoder and heads) or false; step time and first-step cost of each:
+    # docs/benchmarks.md#training-step
+    channels_last: Union[bool, Literal["camera", "bev"]] = False
+    # torch.compile; compile_mode "reduce-overhead" replays CUDA graphs per module
+    compile: bool = False
+    compile_mode: Literal[
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+    ] = "default"
+    # "background": uncompiled steps until a child process has compiled the model; "auto": that on
+    # one CUDA process
+    compile_start: Literal["auto", "now", "background"] = "auto"
+    # with compile: < 1 recomputes activations in the backward (less memory)
+    compile_memory_budget: float = 1.0
+    # the whole step as one CUDA graph: true (an error where it cannot be), "auto" (where it can,
+    # else eager) or false
+    cuda_graph: Union[bool, Literal["auto"]] = False
+    seed: int = 0
+    deterministic: bool = False
+    # cuDNN autotuning: tries the convolution algorithms of every new shape (a slower first step for
+    # the same captured step time, docs/training.md); false: cuDNN's heuristics pick them
+    cudnn_benchmark: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    out_dir: str = "runs/lss"
+    log_every: int = 10
+    eval_every: int = 1000
+    ckpt_every: int = 1000
+    viz_every: int = 1000
+
+
+@dataclass
+class EvalConfig:
+    threshold: float = 0.5
+    sweep: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7)
+    batch_size: int = 4
+    max_batches: Optional[int] = None
+
+
+@dataclass
+class VizConfig:
+    num: int = 8
+    gif: bool = False
+    out_dir: Optional[str] = None  # default: RUN_DIR/viz
+    # the prediction panel: probabilities as opacity, or the cells above eval.threshold (what the
+    # IoU counts)
+    mode: Literal["probability", "threshold"] = "probability"
+
+
+@dataclass
+class DetectionConfig:
+    """3D box head on the BEV features (active when "detection" is in model.heads); see
+    docs/detection.md."""
+
+    head_channels: int = 64
+    # heatmap radius: the centre shift that keeps this box IoU (CenterNet rule)
+    gaussian_overlap: float = 0.1
+    min_radius: int = 2  # heatmap cells
+    # heatmap focal loss (our sigmoid_focal_loss op); negative: no alpha (CornerNet)
+    focal_alpha: float = -1.0
+    focal_gamma: float = 2.0
+    heatmap_weight: float = 1.0
+    # one weight per detection class scaling that class's heatmap loss (e.g. more for rare classes);
+    # null: all 1
+    heatmap_class_weights: Optional[tuple[float, ...]] = None
+    regression_weight: float = 0.25
+    # per channel: offset x, y, z, log w, l, h, sin, cos yaw, vx, vy
+    code_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2)
+    top_k: int = 500  # heatmap peaks per sample before NMS
+    score_threshold: float = 0.05
+    nms_iou: float = 0.2  # on the boxes' axis-aligned BEV envelopes, per class; <= 0 disables NMS
+    max_detections: int = 300  # per sample (the nuScenes evaluation accepts at most 500)
+    max_objects: int = 256  # per training sample: the fixed size of the dataset's padded targets
+    # second stage: RoIAlign on the BEV features + MLP refining score and box; off by default:
+    # at 2,000 steps it scored below the first stage alone (docs/detection.md#measured)
+    refine: bool = False
+    refine_proposals: int = 128  # first-stage boxes refined per sample while training
+    refine_gt_proposals: bool = True  # add jittered ground-truth boxes as proposals while training
+    roi_size: int = 7
+    roi_enlarge: float = 1.5  # envelope scale, for context around the box
+    refine_hidden: int = 256
+    refine_weight: float = 1.0
+    match_distance: float = 2.0  # metres between centres: a proposal's positive ground truth
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    viz: VizConfig = field(default_factory=VizConfig)
+    detection: DetectionConfig = field(default_factory=DetectionConfig)

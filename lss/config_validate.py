@@ -1,0 +1,246 @@
+"""Load-time checks of a merged config: value ranges and the rules that tie keys together.
+
+One `validate` holds every such rule, so that a bad value is refused with its key when the config
+loads (lss.config runs it), not where the value is used.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from typing import Any
+
+from lss.boxes import DETECTION_CLASSES, REGRESSION_CHANNELS
+from lss.config_schema import Config
+from lss.errors import ConfigError
+from lss.geometry import NUSCENES_CAMERAS, BevGrid, depth_bin_count
+from lss.memory_estimate import check_config_memory
+
+MAX_VISIBILITY = 4  # nuScenes visibility tokens: 1 (0-40 % visible) to 4 (80-100 %)
+# the camera trunk's deepest reduction: the input height and width must divide by it
+CAMERA_STRIDE = 32
+BEV_STRIDE = 8  # the BEV trunk's deepest reduction: the grid's cell counts must divide by it
+MAX_DETECTIONS = 500  # boxes per sample the nuScenes detection evaluation accepts
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _at_least(section: Any, prefix: str, keys: typing.Sequence[str], low: float) -> None:
+    for key in keys:
+        value = getattr(section, key)
+        _check(value >= low, f"{prefix}.{key}={value}: expected >= {low}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check ranges and cross-field rules of a merged config (enumerations are checked as it
+    merges); returns it.
+
+    Raises ConfigError naming the key, its value and what is allowed. Rules that need the device or
+    the dataset on disk (a CUDA GPU, class names of the nuScenes vocabulary, split sizes) are
+    checked where those are known.
+    """
+
+    data, grid, model, loss, t = cfg.data, cfg.grid, cfg.model, cfg.loss, cfg.train
+    _check(
+        len(data.cameras) > 0 and len(set(data.cameras)) == len(data.cameras),
+        f"data.cameras must be distinct names from {list(NUSCENES_CAMERAS)}, got "
+        f"{list(data.cameras)}",
+    )
+    _check(
+        data.num_train_cameras is None or 1 <= data.num_train_cameras <= len(data.cameras),
+        f"data.num_train_cameras must be in [1, {len(data.cameras)}] (the number of data.cameras) "
+        f"or null, got {data.num_train_cameras}",
+    )
+    height, width = data.final_dim
+    _check(
+        height > 0 and width > 0 and height % CAMERA_STRIDE == 0 and width % CAMERA_STRIDE == 0,
+        f"data.final_dim={list(data.final_dim)}: height and width must be multiples of "
+        f"{CAMERA_STRIDE} and > 0, e.g. [128, 352] or [64, 192]",
+    )
+    _check(
+        0 < data.resize_lim[0] <= data.resize_lim[1],
+        f"data.resize_lim={list(data.resize_lim)}: expected [min, max] with 0 < min <= max",
+    )
+    _check(
+        0.0 <= data.bot_pct_lim[0] <= data.bot_pct_lim[1] < 1.0,
+        f"data.bot_pct_lim={list(data.bot_pct_lim)}: expected [min, max] with 0 <= min <= max < 1 "
+        "(fractions of the resized image height below the crop)",
+    )
+    _check(
+        data.rot_lim[0] <= data.rot_lim[1],
+        f"data.rot_lim={list(data.rot_lim)}: expected [min, max], min <= max",
+    )
+    _check(
+        data.bev_rot_lim[0] <= data.bev_rot_lim[1],
+        f"data.bev_rot_lim={list(data.bev_rot_lim)}: expected [min, max] in degrees, min <= max",
+    )
+    _check(
+        0 < data.bev_scale_lim[0] <= data.bev_scale_lim[1],
+        f"data.bev_scale_lim={list(data.bev_scale_lim)}: expected [min, max] "
+        "with 0 < min <= max (1.0: no scaling)",
+    )
+    _check(
+        len(data.classes) > 0, "data.classes is empty: expected at least one class, e.g. [vehicle]"
+    )
+    _at_least(data, "data", ("min_lidar_pts",), 0)
+    _check(
+        data.workers == "auto" or data.workers >= 0,
+        f"data.workers={data.workers}: expected >= 0 or auto",
+    )
+    _check(
+        0 <= data.worker_niceness <= 19,
+        f"data.worker_niceness={data.worker_niceness}: expected 0 to 19",
+    )
+    _check(
+        0 <= data.min_visibility <= MAX_VISIBILITY,
+        f"data.min_visibility={data.min_visibility}: expected 0 to {MAX_VISIBILITY} (the nuScenes "
+        "visibility levels; 0 keeps every box)",
+    )
+    _at_least(data, "data", ("divider_width",), 1)
+    _check(
+        not (data.decoded_cache and data.image_resize == "pil"),
+        "data.decoded_cache keeps the fast path's reduced JPEG decodes, but data.image_resize=pil "
+        "decodes every image in full: set data.decoded_cache: false, or data.image_resize: fast",
+    )
+    _check(
+        all(s > 0 for s in data.image_std),
+        f"data.image_std={list(data.image_std)}: expected values > 0",
+    )
+    _at_least(data.synthetic, "data.synthetic", ("scenes", "samples_per_scene"), 1)
+    _check(
+        data.synthetic.image_size[0] >= 32 and data.synthetic.image_size[1] >= 18,
+        f"data.synthetic.image_size={list(data.synthetic.image_size)}: expected at least [32, 18] "
+        "(nuScenes is [1600, 900])",
+    )
+
+    try:
+        bev = BevGrid.from_config(grid)
+        depth_bin_count(grid.dbound)
+    except ValueError as e:
+        raise ConfigError(f"grid.{str(e).removeprefix('BevGrid: ')}") from None
+    _check(
+        bev.nx % BEV_STRIDE == 0 and bev.ny % BEV_STRIDE == 0,
+        f"grid: the BEV grid is {bev.nx} x {bev.ny} cells; both must be multiples of {BEV_STRIDE} "
+        "(adjust grid.xbound/ybound)",
+    )
+
+    _check(
+        model.downsample == 16,
+        f"model.downsample={model.downsample}: the EfficientNet camera encoder outputs stride 16",
+    )
+    _check(
+        "segmentation" in model.heads,
+        f"model.heads={list(model.heads)}: the segmentation head is required "
+        "(evaluation and checkpoint selection use its IoU)",
+    )
+    _at_least(model, "model", ("context_channels",), 1)
+    detecting = "detection" in model.heads
+    _check(
+        data.detection_targets in (None, detecting),
+        f"data.detection_targets={data.detection_targets} contradicts model.heads="
+        f"{list(model.heads)}: the dataset yields the detection head's fixed-shape targets exactly "
+        "when model.heads has detection; remove data.detection_targets (it follows from "
+        "model.heads)",
+    )
+    data.detection_targets = detecting
+
+    for key in ("class_weights", "class_pos_weights"):
+        values = getattr(loss, key)
+        if values is not None:
+            _check(
+                len(values) == len(data.classes),
+                f"loss.{key} has {len(values)} values but data.classes has {len(data.classes)} "
+                f"({list(data.classes)}): give one value per class, in the same order",
+            )
+            _check(all(v > 0 for v in values), f"loss.{key}={list(values)}: expected values > 0")
+    _check(
+        loss.class_pos_weights is None or loss.type == "bce",
+        f"loss.class_pos_weights is set but loss.type={loss.type!r}: it weighs the positives of "
+        "the BCE loss; set loss.type: bce or remove loss.class_pos_weights",
+    )
+    _check(
+        loss.depth_weight >= 0,
+        f"loss.depth_weight={loss.depth_weight}: expected >= 0 (0 turns the lidar depth loss off)",
+    )
+    _check(
+        loss.depth_weight == 0 or data.depth_targets,
+        f"loss.depth_weight={loss.depth_weight} needs lidar depth targets: set data.depth_targets: "
+        "true (the dataset then projects each sample's LIDAR_TOP points into the cameras), or "
+        "set loss.depth_weight: 0",
+    )
+    _at_least(loss, "loss", ("focal_gamma",), 0)
+    _check(loss.pos_weight > 0, f"loss.pos_weight={loss.pos_weight}: expected > 0")
+
+    _check(0 < cfg.optim.lr < math.inf, f"optim.lr={cfg.optim.lr}: expected a finite value > 0")
+    _check(
+        0 <= cfg.optim.weight_decay < math.inf,
+        f"optim.weight_decay={cfg.optim.weight_decay}: expected a finite value >= 0",
+    )
+    _at_least(cfg.optim, "optim", ("grad_clip", "warmup_steps"), 0)
+
+    _check(
+        t.grad_accum >= 1 and t.batch_size >= 1 and t.max_steps >= 1,
+        "train.batch_size, train.grad_accum and train.max_steps must be >= 1, got "
+        f"{t.batch_size}, {t.grad_accum}, {t.max_steps}",
+    )
+    _check(
+        0.0 < t.compile_memory_budget <= 1.0,
+        f"train.compile_memory_budget={t.compile_memory_budget}: expected a fraction "
+        "in (0, 1] (1 keeps what the compiler's default partition keeps)",
+    )
+    _at_least(t, "train", ("log_every", "eval_every", "ckpt_every", "viz_every"), 0)
+
+    e = cfg.eval
+    for threshold in (e.threshold, *e.sweep):
+        _check(
+            0.0 < threshold < 1.0,
+            f"eval.threshold/eval.sweep: IoU thresholds must lie in (0, 1), got {threshold}",
+        )
+    _at_least(e, "eval", ("batch_size",), 1)
+    _check(
+        e.max_batches is None or e.max_batches >= 1,
+        f"eval.max_batches={e.max_batches}: expected >= 1 or null",
+    )
+    _at_least(cfg.viz, "viz", ("num",), 0)
+
+    d = cfg.detection
+    _check(
+        len(d.code_weights) == len(REGRESSION_CHANNELS),
+        f"detection.code_weights: expected {len(REGRESSION_CHANNELS)} weights (offset x, offset y, "
+        f"z, log w, log l, log h, sin yaw, cos yaw, vx, vy), got {len(d.code_weights)}",
+    )
+    _check(
+        1 <= d.max_detections <= MAX_DETECTIONS,
+        f"detection.max_detections={d.max_detections}: expected 1 to {MAX_DETECTIONS} (the "
+        "nuScenes evaluation accepts at most 500 boxes per sample)",
+    )
+    _at_least(
+        d,
+        "detection",
+        ("head_channels", "top_k", "roi_size", "refine_hidden", "refine_proposals", "max_objects"),
+        1,
+    )
+    _at_least(d, "detection", ("min_radius",), 0)
+    _check(
+        d.heatmap_class_weights is None
+        or (
+            len(d.heatmap_class_weights) == len(DETECTION_CLASSES)
+            and all(0 <= w < math.inf for w in d.heatmap_class_weights)
+        ),
+        f"detection.heatmap_class_weights={d.heatmap_class_weights}: expected null or "
+        f"{len(DETECTION_CLASSES)} finite weights >= 0, one per class of {list(DETECTION_CLASSES)}",
+    )
+    _check(
+        0 < d.gaussian_overlap < 1,
+        f"detection.gaussian_overlap={d.gaussian_overlap}: expected a fraction in (0, 1)",
+    )
+    _check(
+        d.match_distance > 0 and d.roi_enlarge > 0,
+        "detection: match_distance and roi_enlarge must be "
+        f"positive; got {d.match_distance}, {d.roi_enlarge}",
+    )
+    check_config_memory(cfg)  # last: it reads the sizes checked above
+    return cfg

@@ -1,0 +1,334 @@
+"""The eager step with its camera trunk and BEV encoder as CUDA graphs (lss.engine.step.partial):
+the factory picks it for eager steps on CUDA and says so in the run's first line; it follows the
+plain eager step's losses, gradients and BatchNorm statistics with gradient accumulation, for a
+batch of another shape and under DDP; a capture that fails leaves plain eager steps and one line
+that says why. CPU tests stand in for make_graphed_callables with `emulated_make_graphed` (its
+contract without graphs: warm-up passes, static buffers that every call reuses); the cuda-marked
+ones capture."""
+
+import contextlib
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+from lss.engine.build import apply_channels_last, build_optimizer, build_scheduler
+from lss.engine.distributed import DistInfo
+from lss.engine.step import EagerStep, StepChoice, StepParts, build_step, choose_step
+from lss.engine.step.partial import EncoderGraphs, encoder_graph_problems
+from lss.models import LiftSplatShoot
+from lss.models.losses import TotalLoss
+from test_model import rig_batch, tiny_cfg
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+ONE, TWO = DistInfo(), DistInfo(rank=0, world_size=2)
+
+
+# ------------------------------------------------------------------------ a stand-in for the GPU
+def emulated_make_graphed(modules, sample_args, num_warmup_iters=3, allow_unused_input=False,
+                          **options):
+    """torch.cuda.make_graphed_callables's contract on any device, without graphs: warm-up passes
+    (they move BatchNorm statistics and the RNG), one static buffer per input, output and gradient
+    that every call overwrites (autograd adopts the returned parameter gradients as .grad), the
+    module's forward replaced on the instance, its plain forward where the training mode differs."""
+    if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
+        raise RuntimeError("make_graphed_callables does not support the autocast caching")
+    for module, (sample,) in zip(modules, sample_args):
+        for _ in range(num_warmup_iters):
+            module(sample)
+        module.forward = _emulated_forward(module, sample)
+    return modules
+
+
+def _emulated_forward(module, static_input):
+    plain, training, params = module.forward, module.training, tuple(module.parameters())
+    single = torch.is_tensor(plain(static_input.detach()))
+    static, graph = {}, {}
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *weights):
+            static_input.copy_(x)
+            with torch.enable_grad():
+                leaf = static_input.detach().requires_grad_(static_input.requires_grad)
+                outs = plain(leaf)
+            outs = (outs,) if single else tuple(outs)
+            graph.update(leaf=leaf, outs=outs)
+            static.setdefault("outs", [torch.empty_like(o) for o in outs])
+            for buffer, o in zip(static["outs"], outs):
+                buffer.copy_(o)
+            return tuple(buffer.detach() for buffer in static["outs"])
+
+        @staticmethod
+        def backward(ctx, *grads):
+            leaf = graph["leaf"]
+            wanted = [leaf] * leaf.requires_grad + [p for p in params if p.requires_grad]
+            got = torch.autograd.grad(graph["outs"], wanted, grads, allow_unused=True)
+            static.setdefault("grads", [torch.empty_like(t) for t in wanted])
+            for buffer, g in zip(static["grads"], got):
+                buffer.copy_(g if g is not None else torch.zeros_like(buffer))
+            returned = iter(buffer.detach() for buffer in static["grads"])
+            head = [next(returned) if leaf.requires_grad else None]
+            return tuple(head + [next(returned) if p.requires_grad else None for p in params])
+
+    def forward(x):
+        if module.training != training:
+            return plain(x)
+        assert x.shape == static_input.shape, "a graph replays the shapes it captured"
+        outs = Replay.apply(x, *params)
+        return outs[0] if single else outs
+
+    return forward
+
+
+def failing_make_graphed(modules, sample_args, **options):
+    raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+
+# ------------------------------------------------------------------------------------ helpers
+def parts_for(cfg, model, device, amp_dtype=None, net=None):
+    optimizer = build_optimizer(cfg, model)
+
+    def autocast():
+        if amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=amp_dtype)
+
+    return StepParts(
+        model,
+        TotalLoss(cfg).to(device),
+        optimizer,
+        build_scheduler(cfg, optimizer),
+        torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16),
+        amp_dtype,
+        autocast,
+        cfg.optim.grad_clip,
+        device,
+        ONE,
+        net,
+    )
+
+
+def run(step, steps):
+    """Each step's logs and the gradients the optimizer saw, then the model's state."""
+    parts, seen = step.parts, []
+    parts.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append([p.grad.detach().clone() for p in parts.model.parameters()])
+    )
+    logs = [step.run_step(micro, i) for i, micro in enumerate(steps, 1)]
+    state = {k: v.detach().clone() for k, v in parts.model.state_dict().items()}
+    return [dict(x) for x in logs], seen, state
+
+
+def micro_batches(cfg, count, accum=2, batch_size=2):
+    """`count` steps of `accum` micro-batches each."""
+    return [[rig_batch(cfg, batch_size, seed=10 * s + m) for m in range(accum)] for s in range(count)]
+
+
+def fresh_model(cfg, device):
+    torch.manual_seed(0)
+    return apply_channels_last(LiftSplatShoot(cfg).to(device), cfg.train.channels_last).train()
+
+
+def plain_and_graphed(cfg, device, steps, make_graphed, amp_dtype=None):
+    plain = EagerStep(parts_for(cfg, fresh_model(cfg, device), device, amp_dtype))
+    torch.manual_seed(1)  # the same RNG stream (drop-connect) for both
+    plain = run(plain, steps)
+    model = fresh_model(cfg, device)
+    graphs = EncoderGraphs(model, make_graphed)
+    step = EagerStep(parts_for(cfg, model, device, amp_dtype), graphs)
+    torch.manual_seed(1)
+    return plain, run(step, steps), step
+
+
+def no_instance_forward(model):
+    return all("forward" not in m.__dict__ for m in (model.camera.trunk, model.bev))
+
+
+# ---------------------------------------------------------------------------- the factory's rule
+def test_eager_steps_graph_their_encoders_on_cuda_and_the_first_line_says_so():
+    choice = choose_step(tiny_cfg("train.cuda_graph=auto", "train.grad_accum=2"), CUDA, ONE)
+    assert choice.kind == "eager" and choice.encoder_graphs
+    assert choice.describe() == (
+        "eager steps (train.cuda_graph: auto: it needs train.grad_accum: 1 (got 2)), the camera "
+        "trunk and the BEV encoder as CUDA graphs"
+    )
+    assert choose_step(tiny_cfg("train.cuda_graph=false"), CUDA, TWO).encoder_graphs  # eager DDP
+    cpu = choose_step(tiny_cfg("train.cuda_graph=auto"), CPU, ONE)
+    assert not cpu.encoder_graphs and "CUDA graphs" not in cpu.describe()
+    compiled = tiny_cfg("train.cuda_graph=false", "train.compile=true", "train.compile_start=now")
+    assert not choose_step(compiled, CUDA, ONE).encoder_graphs
+    assert not choose_step(tiny_cfg("train.cuda_graph=auto"), CUDA, ONE).encoder_graphs  # captured
+
+
+def test_encoder_graph_problems_name_the_device_and_the_compiler():
+    assert encoder_graph_problems(CUDA, "off") == []
+    assert encoder_graph_problems(CPU, "off") == ["CUDA graphs need a CUDA device (training runs on cpu)"]
+    assert encoder_graph_problems(CUDA, "now") == ["train.compile compiles the encoders instead"]
+    assert encoder_graph_problems(CUDA, "background") == ["train.compile compiles the encoders instead"]
+
+
+def test_build_step_gives_the_eager_step_its_encoder_graphs_only_where_chosen():
+    cfg = tiny_cfg()
+    parts = parts_for(cfg, fresh_model(cfg, CPU), CPU)
+    with_graphs = build_step(cfg, StepChoice("eager", encoder_graphs=True), parts)
+    assert isinstance(with_graphs.graphs, EncoderGraphs) and with_graphs.graphs.problem is None
+    assert build_step(cfg, StepChoice("eager"), parts).graphs is None
+
+
+# ------------------------------------------------------------- the step, with the stand-in (CPU)
+def test_graphed_encoders_follow_the_plain_step_with_gradient_accumulation():
+    cfg = tiny_cfg()
+    steps = micro_batches(cfg, 3) + [[rig_batch(cfg, 1, seed=99)] * 2]  # last: another batch size
+    (logs_a, grads_a, state_a), (logs_b, grads_b, state_b), step = plain_and_graphed(
+        cfg, CPU, steps, emulated_make_graphed
+    )
+    assert step.graphs.captured and step.graphs.problem is None
+    assert set(step.setup_seconds) == {"encoder_capture"}
+    assert logs_a == logs_b
+    for a, b in zip(grads_a, grads_b):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # the warm-up passes' BatchNorm statistics were undone; the replays' own updates kept
+    assert state_a.keys() == state_b.keys()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a), "state differs"
+    assert no_instance_forward(step.parts.model)  # outside the step: the modules' plain forward
+
+
+def test_without_zero_gradients_an_accumulating_step_would_lose_a_micro_batch(monkeypatch):
+    """The graph's gradient buffers become .grad: the second micro-batch's replay overwrites the
+    first's gradients unless the parameters had gradients to add to (EncoderGraphs.keep_grads)."""
+    cfg = tiny_cfg()
+    steps = micro_batches(cfg, 3)
+    monkeypatch.setattr(EncoderGraphs, "keep_grads", lambda self: None)
+    (_, grads_a, _), (_, grads_b, _), step = plain_and_graphed(cfg, CPU, steps, emulated_make_graphed)
+    trunk = {id(p) for p in step.parts.model.camera.trunk.parameters()}
+    index = next(i for i, p in enumerate(step.parts.model.parameters()) if id(p) in trunk)
+    assert torch.equal(grads_a[0][index], grads_b[0][index])  # the first step recorded, eagerly
+    assert not torch.allclose(grads_a[1][index], grads_b[1][index])
+
+
+def test_a_failed_capture_leaves_plain_eager_steps_and_one_line(capsys):
+    cfg = tiny_cfg()
+    steps = micro_batches(cfg, 3)
+    (logs_a, grads_a, state_a), (logs_b, grads_b, state_b), step = plain_and_graphed(
+        cfg, CPU, steps, failing_make_graphed
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "lss: eager steps without CUDA graphs of the camera trunk and the BEV encoder: capture "
+        "failed: RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    ]
+    assert not step.graphs.captured and step.setup_seconds == {}
+    assert logs_a == logs_b and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert no_instance_forward(step.parts.model)
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 1, 1)
+
+    def forward(self, batch):
+        return {"out": self.conv(batch["x"])}
+
+
+class SquaredError(nn.Module):
+    def forward(self, outputs, batch):
+        return {"loss": (outputs["out"] - batch["y"]).pow(2).mean()}
+
+
+def test_a_model_without_the_encoders_trains_plain_eager_and_says_why(capsys):
+    model = Regressor()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    parts = StepParts(
+        model, SquaredError(), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        torch.amp.GradScaler("cpu", enabled=False), None, contextlib.nullcontext, 0.0, CPU, ONE,
+    )
+    step = EagerStep(parts, EncoderGraphs(model, emulated_make_graphed))
+    assert capsys.readouterr().err.strip() == (
+        "lss: eager steps without CUDA graphs of the camera trunk and the BEV encoder: Regressor "
+        "has no camera trunk and no BEV encoder (.camera.trunk, .bev)"
+    )
+    batch = {"x": torch.ones(2, 3, 4, 4), "y": torch.zeros(2, 1, 4, 4)}
+    first = step.run_step([batch], 1)["loss"]
+    assert step.run_step([batch], 2)["loss"] < first  # it trains
+    assert step.setup_seconds == {} and capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- on the GPU
+@contextlib.contextmanager
+def full_float32():
+    """No TF32: both steps differ by the float32 rounding of their kernels only."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def assert_same_run(plain, graphed, tol):
+    """Losses, grad norms and every step's gradients (relative to each tensor's norm) agree."""
+    (logs_a, grads_a, state_a), (logs_b, grads_b, state_b) = plain, graphed
+    for a, b in zip(logs_a, logs_b):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=tol, abs=1e-6), (k, logs_a, logs_b)
+    for step_a, step_b in zip(grads_a, grads_b):
+        for x, y in zip(step_a, step_b):
+            assert float((x - y).norm()) <= tol * float(x.norm()) + 1e-7
+    for k in state_a:
+        if state_a[k].is_floating_point():
+            diff = float((state_a[k] - state_b[k]).norm())
+            assert diff <= tol * float(state_a[k].norm()) + 1e-6, k
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp, tol", [(None, 1e-3), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])
+def test_captured_encoders_follow_the_plain_eager_step_on_cuda(amp, tol):
+    cfg = tiny_cfg("train.channels_last=true")
+    steps = micro_batches(cfg, 4) + [[rig_batch(cfg, 1, seed=99)] * 2]  # last: another batch size
+    with full_float32():
+        plain, graphed, step = plain_and_graphed(
+            cfg, CUDA, steps, torch.cuda.make_graphed_callables, amp
+        )
+    assert step.graphs.captured, step.graphs.problem
+    assert step.setup_seconds["encoder_capture"] > 0
+    assert_same_run(plain, graphed, tol)
+    assert no_instance_forward(step.parts.model)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.cuda
+def test_captured_encoders_under_ddp_follow_the_plain_eager_step():
+    """DistributedDataParallel's gradient hooks (one process, NCCL) fire on the gradients that the
+    graphs' backward hands to autograd, with gradient accumulation."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    cfg = tiny_cfg()
+    steps = micro_batches(cfg, 4)
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        with full_float32():
+            plain = EagerStep(parts_for(cfg, fresh_model(cfg, CUDA), CUDA))
+            torch.manual_seed(1)
+            plain = run(plain, steps)
+            model = fresh_model(cfg, CUDA)
+            net = DistributedDataParallel(model, device_ids=[0])
+            step = EagerStep(parts_for(cfg, model, CUDA, net=net), EncoderGraphs(model))
+            torch.manual_seed(1)
+            graphed = run(step, steps)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert step.graphs.captured, step.graphs.problem
+    assert_same_run(plain, graphed, 1e-3)
