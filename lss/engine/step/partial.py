@@ -82,11 +82,15 @@ class EncoderGraphs:
         found = [("camera trunk", getattr(camera, "trunk", None))]
         found.append(("BEV encoder", getattr(model, "bev", None)))
         missing = [name for name, module in found if not isinstance(module, nn.Module)]
-        self.problem: Optional[str] = (
-            f"{type(model).__name__} has no {' and no '.join(missing)} (.camera.trunk, .bev)"
-            if missing
-            else None
-        )
+        # the graphs and the steps set forward on the instance, and take it away again
+        patched = [name for name, module in found if "forward" in getattr(module, "__dict__", {})]
+        self.problem: Optional[str] = None
+        if missing:
+            self.problem = (
+                f"{type(model).__name__} has no {' and no '.join(missing)} (.camera.trunk, .bev)"
+            )
+        elif patched:
+            self.problem = f"the {' and the '.join(patched)} has a forward set on the instance"
         self.names = [name for name, _ in found]
         self.modules: list[nn.Module] = [m for _, m in found if isinstance(m, nn.Module)]
         self.inputs: dict[int, torch.Tensor] = {}  # module index -> a copy of its first input
@@ -104,19 +108,14 @@ class EncoderGraphs:
         if self.problem is not None:
             yield
             return
-        own = [m.__dict__.get("forward") for m in self.modules]  # a forward set on the instance
         for i, module in enumerate(self.modules):
-            plain = module.forward
             call = self._replaying if self.graphed is not None else self._recording
-            module.forward = call(i, plain)
+            module.forward = call(i, module.forward)
         try:
             yield
         finally:
-            for module, previous in zip(self.modules, own):
-                if previous is None:
-                    del module.forward
-                else:
-                    module.forward = previous
+            for module in self.modules:
+                del module.forward  # back to the class's forward
 
     def _recording(self, index: int, plain: Callable) -> Callable:
         def forward(*args, **kwargs):
