@@ -8,7 +8,7 @@ loss check, clipping, fused AdamW, schedule), its time, and where the host's par
 
 Variants, each on a fresh model, each built by lss.engine.step.build_step as the trainer builds it:
   base      the plain eager step (EagerStep without CUDA graphs), for the ratio
-  graphed   the eager step that the trainer runs on CUDA: the camera trunk and the BEV encoder
+  graphed   the eager step with train.eager_encoder_graphs: true: the camera trunk and the BEV encoder
             replay CUDA graphs captured after its first step (lss.engine.step.partial), the rest
             eager, as gradient accumulation, fp16 and the detection head's second stage need
   captured  the whole step as one CUDA graph (train.cuda_graph), for the ratio

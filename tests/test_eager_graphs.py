@@ -134,7 +134,11 @@ def micro_batches(cfg, count, accum=2, batch_size=2):
 
 def fresh_model(cfg, device):
     torch.manual_seed(0)
-    return apply_channels_last(LiftSplatShoot(cfg).to(device), cfg.train.channels_last).train()
+    model = LiftSplatShoot(cfg).to(device)
+    for m in model.modules():  # no drop-connect: a graph's random draws differ from eager ones
+        if hasattr(m, "_global_params"):
+            m._global_params = m._global_params._replace(drop_connect_rate=0.0)
+    return apply_channels_last(model, cfg.train.channels_last).train()
 
 
 def plain_and_graphed(cfg, device, steps, make_graphed, amp_dtype=None):
@@ -153,19 +157,24 @@ def no_instance_forward(model):
 
 
 # ---------------------------------------------------------------------------- the factory's rule
-def test_eager_steps_graph_their_encoders_on_cuda_and_the_first_line_says_so():
-    choice = choose_step(tiny_cfg("train.cuda_graph=auto", "train.grad_accum=2"), CUDA, ONE)
+def test_eager_steps_graph_their_encoders_on_cuda_where_asked_and_the_first_line_says_so():
+    on = "train.eager_encoder_graphs=true"
+    choice = choose_step(tiny_cfg("train.cuda_graph=auto", "train.grad_accum=2", on), CUDA, ONE)
     assert choice.kind == "eager" and choice.encoder_graphs
     assert choice.describe() == (
         "eager steps (train.cuda_graph: auto: it needs train.grad_accum: 1 (got 2)), the camera "
         "trunk and the BEV encoder as CUDA graphs"
     )
-    assert choose_step(tiny_cfg("train.cuda_graph=false"), CUDA, TWO).encoder_graphs  # eager DDP
-    cpu = choose_step(tiny_cfg("train.cuda_graph=auto"), CPU, ONE)
+    off = choose_step(tiny_cfg("train.cuda_graph=auto", "train.grad_accum=2"), CUDA, ONE)
+    assert not off.encoder_graphs and "CUDA graphs" not in off.describe()  # opt-in
+    assert choose_step(tiny_cfg("train.cuda_graph=false", on), CUDA, TWO).encoder_graphs  # DDP
+    cpu = choose_step(tiny_cfg("train.cuda_graph=auto", on), CPU, ONE)
     assert not cpu.encoder_graphs and "CUDA graphs" not in cpu.describe()
-    compiled = tiny_cfg("train.cuda_graph=false", "train.compile=true", "train.compile_start=now")
+    compiled = tiny_cfg(
+        "train.cuda_graph=false", "train.compile=true", "train.compile_start=now", on
+    )
     assert not choose_step(compiled, CUDA, ONE).encoder_graphs
-    assert not choose_step(tiny_cfg("train.cuda_graph=auto"), CUDA, ONE).encoder_graphs  # captured
+    assert not choose_step(tiny_cfg("train.cuda_graph=auto", on), CUDA, ONE).encoder_graphs
 
 
 def test_encoder_graph_problems_name_the_device_and_the_compiler():

@@ -163,10 +163,7 @@ class EncoderGraphs:
         try:
             with _autocast(device, casts.pop()), _on(device):
                 self.make_graphed(
-                    tuple(self.modules),
-                    samples,
-                    allow_unused_input=True,
-                    capture_error_mode="thread_local",  # the loader's threads may touch CUDA
+                    tuple(self.modules), samples, allow_unused_input=True, **_capture_mode()
                 )
             self.graphed = [m.__dict__.pop("forward") for m in self.modules]
         except Exception as e:  # noqa: BLE001 (any failure leaves the steps eager, not the run)
@@ -227,3 +224,12 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def _capture_mode() -> dict:
+    """thread_local capture where torch offers it for make_graphed_callables (the loader's
+    pin-memory thread may call CUDA meanwhile); torch 2.11 has only the global mode."""
+    import inspect
+
+    params = inspect.signature(torch.cuda.make_graphed_callables).parameters
+    return {"capture_error_mode": "thread_local"} if "capture_error_mode" in params else {}
