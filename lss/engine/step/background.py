@@ -227,7 +227,8 @@ def compile_in_child(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         send.send((True, f"compiled in {time.perf_counter() - started:.1f} s"))
-    except BaseException as e:  # noqa: BLE001 - every failure is the parent's message; the run goes on
+    # every failure becomes the parent's message; the run goes on
+    except BaseException as e:  # noqa: BLE001
         send.send((False, f"{type(e).__name__}: {e}"))
     finally:
         send.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 from typing import Callable, Iterator, Optional
 
@@ -229,7 +230,5 @@ def _clock(device: torch.device) -> float:
 def _capture_mode() -> dict:
     """thread_local capture where torch offers it for make_graphed_callables (the loader's
     pin-memory thread may call CUDA meanwhile); torch 2.11 has only the global mode."""
-    import inspect
-
     params = inspect.signature(torch.cuda.make_graphed_callables).parameters
     return {"capture_error_mode": "thread_local"} if "capture_error_mode" in params else {}
