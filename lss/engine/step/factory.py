@@ -5,7 +5,7 @@ The kinds: "eager" (EagerStep: any device, any number of processes), "captured" 
 one CUDA graph per step) and "captured-ddp" (CapturedDDPStep: the captured step under torchrun, two
 graphs around one gradient all-reduce per process). Each may run over compiled modules
 (CompiledStep), compiled before the first step or by a background process (BackgroundCompileHook).
-A new kind is a new StepChoice.kind, its rules in `process_problems`, and its class in
+A new kind is a new StepChoice.kind, its rules in `device_problems`, and its class in
 `build_step`: nothing outside lss/engine/step/ asks which kind runs."""
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class StepChoice:
 
 
 def cuda_graph_problems(cfg: Config) -> list[str]:
-    """Why the config's step cannot be one CUDA graph (train.cuda_graph); the device's and the
-    process layout's rules: process_problems."""
+    """Why the config's step cannot be one CUDA graph (train.cuda_graph); the device's rule:
+    device_problems."""
     t, problems = cfg.train, []
     if t.grad_accum != 1:
         problems.append(f"it needs train.grad_accum: 1 (got {t.grad_accum})")
@@ -83,9 +83,9 @@ def cuda_graph_problems(cfg: Config) -> list[str]:
     return problems
 
 
-def process_problems(device: torch.device, dist: DistInfo) -> list[str]:
-    """Why this device and process layout cannot run the captured step (one CUDA process, or each
-    of torchrun's: captured-ddp)."""
+def device_problems(device: torch.device) -> list[str]:
+    """Why this device cannot run the captured step (one CUDA process, or each of torchrun's:
+    captured-ddp)."""
     problems = []
     if device.type != "cuda":
         problems.append(f"it needs a CUDA device (training runs on {device})")
@@ -134,7 +134,7 @@ def choose_step(
     graphs = cfg.train.eager_encoder_graphs and not encoder_graph_problems(device, start)
     if setting is False:
         return StepChoice("eager", start, encoder_graphs=graphs)
-    problems = cuda_graph_problems(cfg) + process_problems(device, dist)
+    problems = cuda_graph_problems(cfg) + device_problems(device)
     if setting is True and problems:
         raise ConfigError(cuda_graph_refusal(problems))
     if problems:
