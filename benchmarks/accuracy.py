@@ -202,21 +202,24 @@ def run_overrides(opts: AccuracyOptions, recipe: Recipe, seed: int) -> list[str]
 def original_command(opts: AccuracyOptions, recipe: Recipe, seed: int, run_dir: Path) -> list[str]:
     """benchmarks/original_lss.py for a recipe of the original code: the set, steps, seed,
     validation period and workers of every run; the recipe's overrides as settings of the original
-    train() (its train.max_steps, the last one given, as the steps)."""
+    train() (its train.max_steps, the last one given, as the steps; its data.workers as the
+    loader's workers)."""
     if opts.original_lss is None:
         raise ValueError(
             f"recipe {recipe.name!r} runs the original LSS code: pass --original-lss PATH"
         )
-    steps, settings = opts.steps, []
+    steps, workers, settings = opts.steps, opts.workers, []
     for item in recipe.overrides:
         if item.startswith("train.max_steps="):
             steps = int(item.split("=", 1)[1])
+        elif item.startswith("data.workers="):  # its PIL loader needs more workers than lss's
+            workers = int(item.split("=", 1)[1])
         else:
             settings.append(item)
     cmd = [sys.executable, "-m", "benchmarks.original_lss", "--checkout", str(opts.original_lss)]
     cmd += ["--dataroot", str(Path(opts.data_dir).resolve()), "--version", opts.dataset.version]
     cmd += ["--out", str(run_dir), "--steps", str(steps), "--seed", str(seed)]
-    cmd += ["--eval-every", str(opts.eval_every), "--workers", str(opts.workers)]
+    cmd += ["--eval-every", str(opts.eval_every), "--workers", str(workers)]
     cmd += ["--log-every", str(min(20, steps))] + (["--device", "cpu"] if opts.quick else [])
     for item in (list(QUICK_ORIGINAL) if opts.quick else []) + settings:
         cmd += ["--set", item]

@@ -102,8 +102,9 @@ class ModelConfig:
     upsample_mode: Literal["pytorch_half_pixel", "half_pixel", "align_corners", "asymmetric"] = (
         "pytorch_half_pixel"
     )
-    # frustum (u, v): the feature cells' centres, or "linspace": first to last pixel (original LSS)
-    frustum_pixels: Literal["centres", "linspace"] = "centres"
+    # frustum (u, v): the feature cells' centres, "linspace": first to last pixel (original LSS), or
+    # "receptive_field": where the trunk's features are centred (lss.geometry.camera.frustum)
+    frustum_pixels: Literal["centres", "linspace", "receptive_field"] = "centres"
     # frustum point -> BEV cell: floor, or "trunc" toward zero (original LSS: keeps points up to a
     # cell below the grid)
     splat_binning: Literal["floor", "trunc"] = "floor"

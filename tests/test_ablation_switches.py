@@ -30,7 +30,7 @@ SWITCHES = {  # key: (lss's behaviour, the original's)
     "data.image_resize": ("fast", "pil"),
     "data.post_matrices": ("exact", "original"),
     "data.target_raster": ("exact", "original"),
-    "model.frustum_pixels": ("centres", "linspace"),
+    "model.frustum_pixels": ("centres", "linspace"),  # receptive_field: lss's own
     "model.splat_binning": ("floor", "trunc"),
     "model.bev_zero_init_residual": (False, True),
 }
@@ -90,6 +90,33 @@ def test_linspace_frustum_runs_from_the_first_to_the_last_pixel():
     torch.testing.assert_close(spread[..., 2], centres[..., 2])  # the depth bins are the same
     with pytest.raises(ValueError, match="pixels must be one of"):
         frustum((128, 352), 16, (4.0, 45.0, 1.0), "corners")
+
+
+def _receptive_field_centre(grad: torch.Tensor, axis: int) -> float:
+    """The middle of the input pixels that a feature's gradient reaches along `axis` (2: rows, 3:
+    columns)."""
+    reach = grad.abs().sum(dim=tuple(d for d in range(4) if d != axis)).nonzero().flatten()
+    return (int(reach.min()) + int(reach.max())) / 2
+
+
+def test_receptive_field_frustum_sits_where_the_trunks_features_are_centred():
+    """The trunk's stride-16 feature (i, j) is computed from input pixels centred on the frustum's
+    receptive_field (u, v), 7.5 pixels right of and below the cell centres (squeeze-excitation
+    switched off: its global pooling reaches every pixel)."""
+    torch.manual_seed(0)
+    trunk = EfficientNetTrunk().eval()
+    for block in trunk.net._blocks:
+        block.has_se = False
+    x = torch.randn(1, 3, 512, 512, requires_grad=True)
+    stride16, _ = trunk(x)
+    points = frustum((512, 512), 16, (4.0, 12.0, 2.0), "receptive_field")
+    centres = frustum((512, 512), 16, (4.0, 12.0, 2.0))
+    for i, j in [(12, 10), (16, 16), (19, 14)]:  # receptive fields inside the image
+        (grad,) = torch.autograd.grad(stride16[0, :, i, j].sum(), x, retain_graph=True)
+        assert _receptive_field_centre(grad, 3) == points[0, i, j, 0].item() == 16 * j + 15
+        assert _receptive_field_centre(grad, 2) == points[0, i, j, 1].item() == 16 * i + 15
+        assert points[0, i, j, 0] - centres[0, i, j, 0] == 7.5
+    torch.testing.assert_close(points[..., 2], centres[..., 2])
 
 
 def test_trunc_binning_keeps_points_up_to_one_cell_below_the_grid():

@@ -185,6 +185,8 @@ def test_original_recipes_become_driver_commands(tmp_path):
     assert [quick[k + 1] for k, v in enumerate(quick) if v == "--set"] == list(accuracy.QUICK_ORIGINAL)
     lss_cmd = accuracy.run_command(opts, accuracy.parse_recipe("paper"), 0, tmp_path / "run")
     assert lss_cmd[1:3] == ["-m", "lss"] and "--overwrite" in lss_cmd
+    more = accuracy.run_command(opts, accuracy.parse_recipe("o=original,data.workers=5"), 0, tmp_path)
+    assert more[more.index("--workers") + 1] == "5" and "data.workers=5" not in more
 
 
 def test_original_recipe_is_skipped_without_a_checkout(tmp_path, monkeypatch, capsys):

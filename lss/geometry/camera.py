@@ -71,7 +71,7 @@ def depth_bin_index(depth, dbound: Sequence[float]) -> np.ndarray:
     return np.where(valid, index, NO_DEPTH_BIN).astype(np.int64)
 
 
-FRUSTUM_PIXELS = ("centres", "linspace")
+FRUSTUM_PIXELS = ("centres", "linspace", "receptive_field")
 
 
 def frustum(
@@ -84,7 +84,12 @@ def frustum(
     (model.frustum_pixels): "centres" puts u, v at the centres of the feature-map cells,
     u = (j + 0.5) * W / fW - 0.5, v = (i + 0.5) * H / fH - 0.5; "linspace" spreads them evenly from
     the first to the last pixel, u = j * (W - 1) / (fW - 1), as the original LSS code does (up to
-    half a feature cell off the cells' centres at the image edges)."""
+    half a feature cell off the cells' centres at the image edges); "receptive_field" puts them
+    where the camera trunk's stride-`downsample` features are centred, u = (j + 1) * W / fW - 1:
+    EfficientNet's "same" padding pads each stride-2 convolution by one pixel more on the right and
+    bottom than on the left and top, so each halving moves a feature's receptive field half an
+    input pixel right and down, 7.5 pixels at stride 16 (tests/test_ablation_switches.py measures
+    it on the trunk)."""
     if pixels not in FRUSTUM_PIXELS:
         raise ValueError(f"frustum: pixels must be one of {FRUSTUM_PIXELS}, got {pixels!r}")
     H, W = (int(v) for v in final_dim)
@@ -97,6 +102,9 @@ def frustum(
     if pixels == "linspace":
         u = torch.linspace(0.0, W - 1.0, fW, dtype=torch.float64)
         v = torch.linspace(0.0, H - 1.0, fH, dtype=torch.float64)
+    elif pixels == "receptive_field":
+        u = (torch.arange(fW, dtype=torch.float64) + 1.0) * (W / fW) - 1.0
+        v = (torch.arange(fH, dtype=torch.float64) + 1.0) * (H / fH) - 1.0
     else:
         u = (torch.arange(fW, dtype=torch.float64) + 0.5) * (W / fW) - 0.5
         v = (torch.arange(fH, dtype=torch.float64) + 0.5) * (H / fH) - 0.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Optional
 
 import torch
@@ -51,6 +52,8 @@ class TrainStep:
     def __init__(self, parts: StepParts):
         self.parts = parts
         self.hooks: list = []
+        self._unchecked: Optional[tuple[int, StepLogs]] = None  # a deferred check's step (_defer)
+        self._latest: Optional[StepLogs] = None
 
     @property
     def setup_seconds(self) -> dict[str, float]:
@@ -60,7 +63,25 @@ class TrainStep:
         raise NotImplementedError
 
     def check(self) -> None:
-        """Nothing to check: this step reads its own loss before its update."""
+        """FloatingPointError when the last unread step's loss was not finite (a step that defers
+        its check: `_defer`); the host's wait for it counts in the latest step's logs ("wait")."""
+        if self._unchecked is None:
+            return
+        step, logs = self._unchecked
+        self._unchecked = None
+        waited = time.perf_counter()
+        loss = logs["loss"]  # waits for that step
+        self._latest.host["wait"] += time.perf_counter() - waited
+        check_finite(loss, step, deferred=True)
+
+    def _defer(self, step: int, logs: StepLogs) -> StepLogs:
+        """Check the previous step's loss now and this one's (`logs`, read from the device behind
+        the step) at the next step or `check()`: the host then queues the next step while the device
+        runs this one. A NaN loss stops the run at most one update later."""
+        self._latest = logs
+        self.check()
+        self._unchecked = (step, logs)
+        return logs
 
     def train_mode(self) -> None:
         if not self.parts.model.training:  # Module.train() walks every submodule: only when needed

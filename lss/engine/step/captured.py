@@ -4,10 +4,9 @@ the host."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
-from lss.engine.step.base import StepParts, TrainStep, check_finite
+from lss.engine.step.base import StepParts, TrainStep
 from lss.engine.step.graph import GraphedTrainStep
 from lss.engine.step.logs import StepLogs
 
@@ -36,8 +35,6 @@ class CapturedStep(TrainStep):
         self.graph = self.graphed_step.from_parts(
             parts, warmup=warmup, capture=capture, check_batch=check_batch
         )
-        self._unchecked: Optional[tuple[int, StepLogs]] = None
-        self._latest: Optional[StepLogs] = None
 
     @property
     def setup_seconds(self) -> dict[str, float]:
@@ -48,19 +45,4 @@ class CapturedStep(TrainStep):
         self.graph.load(micro_batches[0])
         logs = StepLogs(self.graph.replay())
         self.parts.scheduler.step()
-        self._latest = logs
-        self.check()
-        self._unchecked = (step, logs)
-        return logs
-
-    def check(self) -> None:
-        """FloatingPointError when the last unread step's loss was not finite (before any later
-        update); the host's wait for it counts in the latest step's logs ("wait")."""
-        if self._unchecked is None:
-            return
-        step, logs = self._unchecked
-        self._unchecked = None
-        waited = time.perf_counter()
-        loss = logs["loss"]  # waits for that step
-        self._latest.host["wait"] += time.perf_counter() - waited
-        check_finite(loss, step, deferred=True)
+        return self._defer(step, logs)

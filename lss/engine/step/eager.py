@@ -18,10 +18,12 @@ from lss.engine.step.partial import EncoderGraphs
 
 
 class EagerStep(TrainStep):
-    """One optimizer step over `train.grad_accum` micro-batches; a NaN or inf loss stops before the
-    update. `graphs`: the encoders as CUDA graphs (EncoderGraphs over `parts.model`), captured at
-    the end of the first call; where they cannot be, one line on stderr says why and the steps run
-    plain eager. `setup_seconds` then holds "encoder_capture"."""
+    """One optimizer step over `train.grad_accum` micro-batches. On a CPU a NaN or inf loss stops
+    before the update; on CUDA the step does not wait for the device, and its loss is checked at the
+    next step or `check()` (at most one update later, as CapturedStep). `graphs`: the encoders as
+    CUDA graphs (EncoderGraphs over `parts.model`), captured at the end of the first call; where
+    they cannot be, one line on stderr says why and the steps run plain eager. `setup_seconds` then
+    holds "encoder_capture"."""
 
     def __init__(self, parts: StepParts, graphs: Optional[EncoderGraphs] = None):
         super().__init__(parts)
@@ -42,9 +44,13 @@ class EagerStep(TrainStep):
         if keep_grads:
             graphs.keep_grads()
         totals = self._forward_backward([to_device(b, device) for b in micro_batches])
-        check_finite(float(totals["loss"]), step)
+        if device.type != "cuda":  # reading the loss costs nothing: stop before the update
+            check_finite(float(totals["loss"]), step)
         grad_norm = self._optimizer_step(keep_grads)
-        logs = StepLogs(**{k: float(v) for k, v in totals.items()}, grad_norm=float(grad_norm))
+        if device.type != "cuda":
+            logs = StepLogs(**{k: float(v) for k, v in totals.items()}, grad_norm=float(grad_norm))
+        else:  # the host queues the next step while the device runs this one (no sync here)
+            logs = self._defer(step, StepLogs({**totals, "grad_norm": grad_norm}))
         if graphs is not None and graphs.problem is None and not graphs.captured:
             self._capture()
         return logs

@@ -162,10 +162,8 @@ class EncoderGraphs:
         start = _clock(device)
         undo = _WarmupUndo(self.modules, device)
         try:
-            with _autocast(device, casts.pop()), _on(device):
-                self.make_graphed(
-                    tuple(self.modules), samples, allow_unused_input=True, **_capture_mode()
-                )
+            with _autocast(device, casts.pop()), _on(device), _thread_local_capture() as mode:
+                self.make_graphed(tuple(self.modules), samples, allow_unused_input=True, **mode)
             self.graphed = [m.__dict__.pop("forward") for m in self.modules]
         except Exception as e:  # noqa: BLE001 (any failure leaves the steps eager, not the run)
             for module in self.modules:
@@ -227,8 +225,25 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _capture_mode() -> dict:
-    """thread_local capture where torch offers it for make_graphed_callables (the loader's
-    pin-memory thread may call CUDA meanwhile); torch 2.11 has only the global mode."""
+@contextlib.contextmanager
+def _thread_local_capture() -> Iterator[dict]:
+    """Capture in thread_local mode: other threads may call CUDA meanwhile (the loader's pin-memory
+    thread, NCCL's watchdog under torchrun, whose event queries invalidate a global-mode capture).
+    Yields make_graphed_callables's keyword for it where torch has one; torch 2.11 has none, so its
+    torch.cuda.graph (which make_graphed_callables calls) defaults to thread_local meanwhile."""
     params = inspect.signature(torch.cuda.make_graphed_callables).parameters
-    return {"capture_error_mode": "thread_local"} if "capture_error_mode" in params else {}
+    if "capture_error_mode" in params:
+        yield {"capture_error_mode": "thread_local"}
+        return
+    plain = torch.cuda.graph
+
+    class graph(plain):  # noqa: N801 (stands in for torch.cuda.graph)
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("capture_error_mode", "thread_local")
+            super().__init__(*args, **kwargs)
+
+    torch.cuda.graph = graph
+    try:
+        yield {}
+    finally:
+        torch.cuda.graph = plain
