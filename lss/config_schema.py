@@ -159,9 +159,9 @@ class TrainConfig:
     # the whole step as one CUDA graph: true (an error where it cannot be), "auto" (where it can,
     # else eager) or false
     cuda_graph: Union[bool, Literal["auto"]] = False
-    # eager steps on CUDA replay the camera trunk and the BEV encoder as CUDA graphs (opt-in until
-    # its parity with the plain eager step is confirmed on a GPU: docs/training.md)
-    eager_encoder_graphs: bool = False
+    # eager steps on one CUDA process replay the camera trunk and the BEV encoder as CUDA graphs
+    # (not under torchrun, whose captured DDP step is the fast one; docs/training.md)
+    eager_encoder_graphs: bool = True
     seed: int = 0
     deterministic: bool = False
     # cuDNN autotuning: tries the convolution algorithms of every new shape (a slower first step for

@@ -54,6 +54,9 @@ def test_the_nuscenes_configs_carry_the_default_recipe():
         assert cfg.data.classes == default.data.classes, name
         assert cfg.loss == default.loss, name
         assert cfg.optim == default.optim, name
+        assert cfg.data.final_dim == default.data.final_dim == (256, 704), name
+        assert cfg.data.resize_lim == default.data.resize_lim, name
+        assert cfg.model.frustum_pixels == default.model.frustum_pixels == "receptive_field", name
 
 
 @pytest.mark.parametrize("name", sorted(n for n, (c, _) in DEFAULT_RECIPES.items() if c != ORIGINAL))

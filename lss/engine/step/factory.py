@@ -130,8 +130,10 @@ def choose_step(
     setting, start = cfg.train.cuda_graph, compile_start(cfg, device, dist)
     if start == "background" and not background:
         start = "now"
-    # the eager step's partial capture, where the run asks for it
-    graphs = cfg.train.eager_encoder_graphs and not encoder_graph_problems(device, start)
+    # the eager step's partial capture (train.eager_encoder_graphs, on by default)
+    graphs = cfg.train.eager_encoder_graphs and not encoder_graph_problems(
+        device, start, dist.enabled
+    )
     if setting is False:
         return StepChoice("eager", start, encoder_graphs=graphs)
     problems = cuda_graph_problems(cfg) + device_problems(device)

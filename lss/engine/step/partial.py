@@ -20,14 +20,19 @@ from torch import nn
 MakeGraphed = Callable[..., object]
 
 
-def encoder_graph_problems(device: torch.device, compile_start: str) -> list[str]:
+def encoder_graph_problems(
+    device: torch.device, compile_start: str, distributed: bool = False
+) -> list[str]:
     """Why the eager steps of a run on `device` cannot replay the encoders as CUDA graphs
-    (`compile_start`: lss.engine.step.factory.compile_start's answer)."""
+    (`compile_start`: lss.engine.step.factory.compile_start's answer; `distributed`: under
+    torchrun, where the captured DDP step is the fast one)."""
     problems = []
     if device.type != "cuda":
         problems.append(f"CUDA graphs need a CUDA device (training runs on {device})")
     if compile_start != "off":
         problems.append("train.compile compiles the encoders instead")
+    if distributed:
+        problems.append("not under torchrun: capturing them inside DistributedDataParallel fails")
     return problems
 
 
@@ -242,8 +247,10 @@ def _thread_local_capture() -> Iterator[dict]:
             kwargs.setdefault("capture_error_mode", "thread_local")
             super().__init__(*args, **kwargs)
 
-    torch.cuda.graph = graph
+    import torch.cuda.graphs as graphs  # make_graphed_callables's own module
+
+    torch.cuda.graph = graphs.graph = graph
     try:
         yield {}
     finally:
-        torch.cuda.graph = plain
+        torch.cuda.graph = graphs.graph = plain
