@@ -193,6 +193,37 @@ def test_encoder_graph_problems_name_the_device_the_compiler_and_torchrun():
     ]
 
 
+def test_the_capture_is_thread_local_on_torch_with_and_without_the_keyword(monkeypatch):
+    """Where make_graphed_callables takes capture_error_mode it gets "thread_local"; where it does not
+    (torch 2.11), torch.cuda.graph, which it calls, defaults to it during the capture and is put back
+    after."""
+    import torch.cuda.graphs as cuda_graphs
+
+    from lss.engine.step import partial
+
+    class Graph:  # stands in for torch.cuda.graph: records its keywords
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            self.mode = capture_error_mode
+
+    def old_make_graphed(callables, sample_args, num_warmup_iters=3, allow_unused_input=False):
+        return torch.cuda.graph(None).mode, cuda_graphs.graph(None, capture_error_mode="global").mode
+
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(cuda_graphs, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", old_make_graphed)
+    with partial._thread_local_capture() as keywords:
+        assert keywords == {}
+        assert old_make_graphed(None, None) == ("thread_local", "global")  # an explicit mode stays
+    assert torch.cuda.graph is Graph and cuda_graphs.graph is Graph
+
+    def new_make_graphed(callables, sample_args, capture_error_mode="global"):
+        return capture_error_mode
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", new_make_graphed)
+    with partial._thread_local_capture() as keywords:
+        assert keywords == {"capture_error_mode": "thread_local"} and torch.cuda.graph is Graph
+
+
 def test_build_step_gives_the_eager_step_its_encoder_graphs_only_where_chosen():
     cfg = tiny_cfg()
     parts = parts_for(cfg, fresh_model(cfg, CPU), CPU)

@@ -14,6 +14,7 @@ import time
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.cuda.graphs as cuda_graphs  # make_graphed_callables's own module
 from torch import nn
 
 # torch.cuda.make_graphed_callables's signature: (modules, sample args per module, **options)
@@ -233,9 +234,9 @@ def _clock(device: torch.device) -> float:
 @contextlib.contextmanager
 def _thread_local_capture() -> Iterator[dict]:
     """Capture in thread_local mode: other threads may call CUDA meanwhile (the loader's pin-memory
-    thread, NCCL's watchdog under torchrun, whose event queries invalidate a global-mode capture).
-    Yields make_graphed_callables's keyword for it where torch has one; torch 2.11 has none, so its
-    torch.cuda.graph (which make_graphed_callables calls) defaults to thread_local meanwhile."""
+    thread, whose calls would invalidate a global-mode capture). Yields make_graphed_callables's
+    keyword for it where torch has one; torch 2.11 has none, so its torch.cuda.graph (which
+    make_graphed_callables calls) defaults to thread_local meanwhile."""
     params = inspect.signature(torch.cuda.make_graphed_callables).parameters
     if "capture_error_mode" in params:
         yield {"capture_error_mode": "thread_local"}
@@ -247,10 +248,8 @@ def _thread_local_capture() -> Iterator[dict]:
             kwargs.setdefault("capture_error_mode", "thread_local")
             super().__init__(*args, **kwargs)
 
-    import torch.cuda.graphs as graphs  # make_graphed_callables's own module
-
-    torch.cuda.graph = graphs.graph = graph
+    torch.cuda.graph = cuda_graphs.graph = graph
     try:
         yield {}
     finally:
-        torch.cuda.graph = graphs.graph = plain
+        torch.cuda.graph = cuda_graphs.graph = plain
