@@ -66,6 +66,15 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     ),
     # the default recipe with equal class weights: better map classes, a weaker vehicle class
     "balanced": ("configs/synthetic.yaml", ("loss.class_weights=null",)),
+    # the default recipe as it was until 2026-11-26: the paper's 128x352 images, centred frustum pixels
+    "default_128": (
+        "configs/synthetic.yaml",
+        (
+            "data.final_dim=[128,352]",
+            "data.resize_lim=[0.193,0.225]",
+            "model.frustum_pixels=centres",
+        ),
+    ),
     # the original LSS code (its loader, model, loss, Adam, fp32) from --original-lss
     "original": (ORIGINAL, ()),
     "original_4k": (ORIGINAL, ("train.max_steps=4000",)),
