@@ -75,6 +75,20 @@ def _synthetic_root(quick: bool, cores: int) -> tuple[str, str]:
     return str(root), f"synthetic {size[0]}x{size[1]}"
 
 
+def _training_draw(data, image_size: tuple[int, int], rng: np.random.Generator):
+    """A training augmentation draw for an image of `image_size` (W, H) under `data` (cfg.data)."""
+    return sample_augmentation(
+        image_size,
+        data.final_dim,
+        data.resize_lim,
+        data.bot_pct_lim,
+        data.rot_lim,
+        data.rand_flip,
+        True,
+        rng,
+    )
+
+
 def _pil_reference_images(
     ds: NuScenesBEV, index: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
@@ -83,16 +97,7 @@ def _pil_reference_images(
     out = []
     for path in ds.image_paths[index]:
         img = Image.open(path)
-        aug = sample_augmentation(
-            img.size,
-            data.final_dim,
-            data.resize_lim,
-            data.bot_pct_lim,
-            data.rot_lim,
-            data.rand_flip,
-            True,
-            rng,
-        )
+        aug = _training_draw(data, img.size, rng)
         img = img.resize(aug.resize_dims)
         left, top = aug.crop
         img = img.crop((left, top, left + data.final_dim[1], top + data.final_dim[0]))
@@ -114,16 +119,7 @@ def _torchvision_images(ds: NuScenesBEV, index: int, rng: np.random.Generator) -
             torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
         )
         image = decoded.permute(1, 2, 0).numpy()
-        aug = sample_augmentation(
-            (image.shape[1], image.shape[0]),
-            data.final_dim,
-            data.resize_lim,
-            data.bot_pct_lim,
-            data.rot_lim,
-            data.rand_flip,
-            True,
-            rng,
-        )
+        aug = _training_draw(data, (image.shape[1], image.shape[0]), rng)
         resized = cv2.resize(image, aug.resize_dims, interpolation=cv2.INTER_AREA)
         warp = crop_flip_rotate_affine(aug, data.final_dim)[:2]
         out.append(cv2.warpAffine(resized, warp, (out_w, out_h), flags=cv2.INTER_LINEAR))

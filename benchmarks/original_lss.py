@@ -53,19 +53,14 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from lss.geometry import NUSCENES_CAMERAS
+
 # train()'s keyword arguments that are not the recipe: data and log folders, GPU, epochs
 NOT_RECIPE = ("version", "dataroot", "nepochs", "gpuid", "logdir")
 # compile_data reads DATAROOT/<short name>/<version>/ (tables), the images beside that folder
 SHORT_VERSION = {"v1.0-trainval": "trainval", "v1.0-mini": "mini"}
-# the cameras in the order of the original's data_aug_conf["cams"] (set in its train() body)
-CAMERAS = (
-    "CAM_FRONT_LEFT",
-    "CAM_FRONT",
-    "CAM_FRONT_RIGHT",
-    "CAM_BACK_LEFT",
-    "CAM_BACK",
-    "CAM_BACK_RIGHT",
-)
+# the cameras in the order of the original's data_aug_conf["cams"] (set in its train() body): lss's
+CAMERAS = NUSCENES_CAMERAS
 CHECKOUT_FILES = ("src/__init__.py", "src/data.py", "src/models.py", "src/tools.py", "src/train.py")
 
 

@@ -231,18 +231,6 @@ def build_eval_loader(
     )
 
 
-def stop_workers(loader: DataLoader, iterator: Optional[Iterator] = None) -> None:
-    """Stop the worker processes of `iterator` (a pass over `loader`) and of the pass that a
-    persistent loader keeps, now. Left to interpreter exit, each persistent worker of a pinning
-    loader is joined with a 5 s timeout (pytorch/pytorch#81794); DataLoader has no public call
-    for this, so it uses the iterator's own `_shutdown_workers` (docs/training.md, private torch
-    APIs)."""
-    for it in (iterator, getattr(loader, "_iterator", None)):
-        if it is not None and hasattr(it, "_shutdown_workers"):  # single-process ones have none
-            it._shutdown_workers()
-    loader._iterator = None
-
-
 def _init_worker(niceness: int, worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)

@@ -118,6 +118,10 @@ class EvalPasses:
         if self._armed is None:
             self._armed = iter(self.loader)
 
+    def close(self) -> None:
+        """Let go of the loader and its passes (their workers stop when they are collected)."""
+        self.loader = self._armed = self._first = None
+
     def take(self) -> Iterator[dict]:
         armed, self._armed = self._armed, None
         return armed if armed is not None else iter(self.loader)

@@ -4,6 +4,7 @@ process or `torchrun --nproc_per_node=K -m lss train ...` (DDP)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -36,7 +37,6 @@ from lss.engine.build import (
     preserved_rng,
     seed_everything,
     select_device,
-    stop_workers,
     to_device,
 )
 from lss.engine.checkpointer import Checkpointer, read_resume_state
@@ -254,10 +254,13 @@ class Trainer:
         self.checkpointer.finish(report_only=True)
         for hook in self.hooks:
             hook.close()
-        stop_workers(self.train_loader, self._train_iter)
-        self._train_iter = None
-        if self.val_loader is not None:
-            stop_workers(self.val_loader)
+        # the loaders' passes stop their worker processes when they are collected: now, rather
+        # than at interpreter exit, where each persistent worker of a pinning loader is joined with
+        # a 5 s timeout (pytorch/pytorch#81794)
+        if self.val_passes is not None:
+            self.val_passes.close()
+        self._train_iter = self.train_loader = self.val_loader = None
+        gc.collect()
 
 
 # ------------------------------------------------------------------------------------------- entry

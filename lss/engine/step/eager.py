@@ -44,13 +44,16 @@ class EagerStep(TrainStep):
         if keep_grads:
             graphs.keep_grads()
         totals = self._forward_backward([to_device(b, device) for b in micro_batches])
-        if device.type != "cuda":  # reading the loss costs nothing: stop before the update
+        # on CUDA the host queues the next step while the device runs this one (no sync here); on
+        # a CPU reading the loss costs nothing: stop before the update
+        deferred = device.type == "cuda"
+        if not deferred:
             check_finite(float(totals["loss"]), step)
         grad_norm = self._optimizer_step(keep_grads)
-        if device.type != "cuda":
-            logs = StepLogs(**{k: float(v) for k, v in totals.items()}, grad_norm=float(grad_norm))
-        else:  # the host queues the next step while the device runs this one (no sync here)
+        if deferred:
             logs = self._defer(step, StepLogs({**totals, "grad_norm": grad_norm}))
+        else:
+            logs = StepLogs(**{k: float(v) for k, v in totals.items()}, grad_norm=float(grad_norm))
         if graphs is not None and graphs.problem is None and not graphs.captured:
             self._capture()
         return logs
