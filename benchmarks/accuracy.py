@@ -92,6 +92,11 @@ ABLATIONS = {
     "fp32_eager": ("train.amp=none", "train.channels_last=false", "train.cuda_graph=false"),
 }
 ABLATIONS["orig_all"] = tuple(o for k, v in ABLATIONS.items() if k != "imagenet" for o in v)
+# the original's switches but its ground-truth raster and its fp32 eager steps: scored against lss's
+# ground truth at lss's speed settings
+ABLATIONS["paper_orig"] = tuple(
+    o for k in ("pil", "post_orig", "linspace", "trunc", "zero_init") for o in ABLATIONS[k]
+)
 DEFAULT_RECIPES.update({k: ("configs/lss_paper.yaml", v) for k, v in ABLATIONS.items()})
 # CPU smoke runs (CI): the tiny grid and images of tests/test_recorded_run.py, no compile or graph
 QUICK_OVERRIDES = (
@@ -137,7 +142,8 @@ class AccuracyOptions:
     seeds: tuple[int, ...] = (0, 1, 2)
     steps: int = 2000
     eval_every: int = 500
-    parallel: int = 6  # training processes at once on the one GPU (~2 GB each)
+    parallel: int = 6  # training processes at once (~2 GB of GPU memory each)
+    gpus: int = 1  # GPUs the processes are spread over (CUDA_VISIBLE_DEVICES per process)
     workers: int = (
         2  # data.workers per process: parallel * (workers + 1) should stay near the CPU count
     )
@@ -243,9 +249,17 @@ def run_command(opts: AccuracyOptions, recipe: Recipe, seed: int, run_dir: Path)
     return lss_command("train", recipe.config, overrides, "--out", str(run_dir), "--overwrite")
 
 
+def least_loaded_gpu(running_gpus: Sequence[int], gpus: int) -> int:
+    """The GPU (0 .. gpus - 1) with the fewest running processes, the lowest index on a tie."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    return min(range(gpus), key=lambda g: (sum(1 for r in running_gpus if r == g), g))
+
+
 def train_runs(opts: AccuracyOptions) -> list[dict]:
     """Every (recipe, seed) as an `lss train` subprocess (benchmarks/original_lss.py for the
-    original code), `opts.parallel` at a time; one record per run."""
+    original code), `opts.parallel` at a time, each on the least loaded of `opts.gpus` GPUs
+    (CUDA_VISIBLE_DEVICES, when gpus > 1); one record per run."""
     jobs = [(r, s) for r in opts.recipes for s in opts.seeds]
     threads = max(1, (os.cpu_count() or 1) // max(1, min(opts.parallel, len(jobs))))
     pending, running, done = list(jobs), [], []
@@ -256,13 +270,15 @@ def train_runs(opts: AccuracyOptions) -> list[dict]:
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd = run_command(opts, recipe, seed, run_dir)
             log = (run_dir / "train.log").open("w")
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(threads)
-            )
-            running.append((proc, log, recipe, seed, run_dir, time.perf_counter()))
+            env = child_env(threads)
+            gpu = least_loaded_gpu([entry[-1] for entry in running], opts.gpus)
+            if opts.gpus > 1:
+                env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running.append((proc, log, recipe, seed, run_dir, time.perf_counter(), gpu))
         time.sleep(0.2)
         for entry in list(running):
-            proc, log, recipe, seed, run_dir, start = entry
+            proc, log, recipe, seed, run_dir, start, _ = entry
             late = opts.run_timeout is not None and time.perf_counter() - start > opts.run_timeout
             if proc.poll() is None and not late:
                 continue
@@ -541,6 +557,7 @@ def benchmark(opts: AccuracyOptions, meta: Optional[dict] = None) -> dict:
             "steps": opts.steps,
             "eval_every": opts.eval_every,
             "parallel": opts.parallel,
+            "gpus": opts.gpus,
             "workers": opts.workers,
             "quick": opts.quick,
             "dataset": opts.dataset.describe(),
@@ -596,6 +613,12 @@ def build_parser():
     )
     p.add_argument("--workers", type=int, default=None, help="data workers per process (default 2)")
     p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="spread the processes over this many GPUs, each new one on the least loaded (default 1)",
+    )
+    p.add_argument(
         "--set",
         dest="set_name",
         choices=sorted(NAMED_SETS),
@@ -635,9 +658,11 @@ def options_from_args(args) -> AccuracyOptions:
         opts.recipes = [parse_recipe(r) for r in args.recipe]
     if args.seeds:
         opts.seeds = tuple(int(s) for s in args.seeds.split(","))
-    for name in ("steps", "eval_every", "parallel", "workers", "run_timeout"):
+    for name in ("steps", "eval_every", "parallel", "workers", "gpus", "run_timeout"):
         if getattr(args, name) is not None:
             setattr(opts, name, getattr(args, name))
+    if opts.gpus < 1:
+        raise ValueError(f"--gpus {opts.gpus}: give 1 or more GPUs to spread the runs over")
     if args.scenes or args.samples_per_scene:
         opts.dataset = dataclasses.replace(
             opts.dataset,

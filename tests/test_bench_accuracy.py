@@ -162,3 +162,56 @@ def test_the_table_follows_the_recipe_order_not_the_order_runs_finish(tmp_path, 
     result = accuracy.benchmark(opts)
     assert list(result["summary"]["table"]) == ["a", "b"]
     assert [(r["recipe"], r["seed"]) for r in result["runs"]] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+
+
+def test_least_loaded_gpu_fills_the_emptiest_gpu_first():
+    assert accuracy.least_loaded_gpu([], 4) == 0
+    assert accuracy.least_loaded_gpu([0, 1, 2], 4) == 3
+    assert accuracy.least_loaded_gpu([0, 0, 1, 2, 3], 4) == 1
+    assert accuracy.least_loaded_gpu([0, 0], 1) == 0
+    with pytest.raises(ValueError, match="at least 1"):
+        accuracy.least_loaded_gpu([], 0)
+
+
+def test_runs_are_spread_over_the_gpus(tmp_path, monkeypatch):
+    """Each training process sees one GPU through CUDA_VISIBLE_DEVICES, the least loaded one."""
+    import sys
+
+    script = "import os, time; print('gpu', os.environ.get('CUDA_VISIBLE_DEVICES')); time.sleep(1)"
+    monkeypatch.setattr(accuracy, "run_command", lambda *a: [sys.executable, "-c", script])
+    seen = {}
+
+    def collect(run_dir, recipe, seed, returncode, seconds, late):
+        seen[(recipe.name, seed)] = (run_dir / "train.log").read_text().split()
+        return {"recipe": recipe.name, "seed": seed, "status": "ok", "seconds": seconds}
+
+    monkeypatch.setattr(accuracy, "collect_run", collect)
+    opts = accuracy.AccuracyOptions(
+        out_dir=str(tmp_path), recipes=[parse_recipe("a=x.yaml"), parse_recipe("b=x.yaml")],
+        seeds=(0, 1), parallel=3, gpus=2,
+    )
+    accuracy.train_runs(opts)
+    # a0 -> 0, a1 -> 1, b0 -> 0 start together; b1 starts when one ends, on the GPU that freed
+    assert [seen[k][1] for k in (("a", 0), ("a", 1), ("b", 0))] == ["0", "1", "0"]
+    assert seen[("b", 1)][1] in {"0", "1"}
+    one = accuracy.AccuracyOptions(out_dir=str(tmp_path / "one"), recipes=[parse_recipe("a=x.yaml")],
+                                   seeds=(0,), gpus=1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    accuracy.train_runs(one)
+    assert seen[("a", 0)][1] == "7"  # one GPU: the caller's choice stays
+
+
+def test_gpus_argument_is_checked():
+    parser = accuracy.build_parser()
+    assert accuracy.options_from_args(parser.parse_args(["--gpus", "4"])).gpus == 4
+    with pytest.raises(ValueError, match="--gpus 0"):
+        accuracy.options_from_args(parser.parse_args(["--gpus", "0"]))
+
+
+def test_paper_orig_sets_the_originals_switches_but_ground_truth_and_fp32():
+    recipe = parse_recipe("paper_orig")
+    assert recipe.config == "configs/lss_paper.yaml"
+    for switch in ("pil", "post_orig", "linspace", "trunc", "zero_init"):
+        assert set(accuracy.ABLATIONS[switch]) <= set(recipe.overrides)
+    assert not set(accuracy.ABLATIONS["gt_orig"]) & set(recipe.overrides)
+    assert not set(accuracy.ABLATIONS["fp32_eager"]) & set(recipe.overrides)
