@@ -256,11 +256,28 @@ def least_loaded_gpu(running_gpus: Sequence[int], gpus: int) -> int:
     return min(range(gpus), key=lambda g: (sum(1 for r in running_gpus if r == g), g))
 
 
+def gpu_devices(gpus: int, environ: dict) -> list[str]:
+    """The CUDA device of each of `gpus` GPUs as a child's CUDA_VISIBLE_DEVICES value: the
+    caller's own CUDA_VISIBLE_DEVICES entries where it set them (a run limited to GPUs 2,3 stays
+    on them), else 0 .. gpus - 1."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(g) for g in range(gpus)]
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if gpus > len(devices):
+        raise ValueError(
+            f"--gpus {gpus}, but CUDA_VISIBLE_DEVICES={visible!r} names {len(devices)}: "
+            "give at most that many, or widen CUDA_VISIBLE_DEVICES"
+        )
+    return devices[:gpus]
+
+
 def train_runs(opts: AccuracyOptions) -> list[dict]:
     """Every (recipe, seed) as an `lss train` subprocess (benchmarks/original_lss.py for the
     original code), `opts.parallel` at a time, each on the least loaded of `opts.gpus` GPUs
     (CUDA_VISIBLE_DEVICES, when gpus > 1); one record per run."""
     jobs = [(r, s) for r in opts.recipes for s in opts.seeds]
+    devices = gpu_devices(opts.gpus, os.environ) if opts.gpus > 1 else []
     threads = max(1, (os.cpu_count() or 1) // max(1, min(opts.parallel, len(jobs))))
     pending, running, done = list(jobs), [], []
     while pending or running:
@@ -272,8 +289,8 @@ def train_runs(opts: AccuracyOptions) -> list[dict]:
             log = (run_dir / "train.log").open("w")
             env = child_env(threads)
             gpu = least_loaded_gpu([entry[-1] for entry in running], opts.gpus)
-            if opts.gpus > 1:
-                env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            if devices:
+                env["CUDA_VISIBLE_DEVICES"] = devices[gpu]
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.append((proc, log, recipe, seed, run_dir, time.perf_counter(), gpu))
         time.sleep(0.2)
@@ -616,7 +633,8 @@ def build_parser():
         "--gpus",
         type=int,
         default=None,
-        help="spread the processes over this many GPUs, each new one on the least loaded (default 1)",
+        help="spread the processes over this many GPUs, each new one on the least loaded "
+        "(default 1; with CUDA_VISIBLE_DEVICES set, over its first N)",
     )
     p.add_argument(
         "--set",
@@ -678,8 +696,9 @@ def options_from_args(args) -> AccuracyOptions:
 
 def options_from_env(quick: bool) -> AccuracyOptions:
     """LSS_ACC_RECIPES (space-separated recipes), LSS_ACC_SEEDS (comma-separated), LSS_ACC_STEPS,
-    LSS_ACC_PARALLEL, LSS_ACC_WORKERS, LSS_ACC_DATA, LSS_ACC_OUT, LSS_ACC_ORIGINAL (a checkout of
-    the original LSS code, for the `original` recipes) over the defaults (or quick_options)."""
+    LSS_ACC_PARALLEL, LSS_ACC_WORKERS, LSS_ACC_GPUS, LSS_ACC_DATA, LSS_ACC_OUT, LSS_ACC_ORIGINAL
+    (a checkout of the original LSS code, for the `original` recipes) over the defaults (or
+    quick_options)."""
     env = os.environ
     out = env.get("LSS_ACC_OUT") or (
         tempfile.mkdtemp(prefix="lss_accuracy_") if quick else "runs/bench_accuracy"
@@ -696,6 +715,7 @@ def options_from_env(quick: bool) -> AccuracyOptions:
         ("LSS_ACC_STEPS", "steps"),
         ("LSS_ACC_PARALLEL", "parallel"),
         ("LSS_ACC_WORKERS", "workers"),
+        ("LSS_ACC_GPUS", "gpus"),
     ):
         if env.get(key):
             setattr(opts, name, int(env[key]))

@@ -8,7 +8,9 @@
 # arguments; the default is the table of docs/accuracy.md (6 processes of 2 data workers each on 16 cores).
 # ACC_SET=screen trains on the 10-scene v1.0-mini screening set instead of the 40-scene benchmark set
 # (benchmarks/accuracy.py NAMED_SETS; each set has its own folder data/<set>_accuracy). ACC_WORKERS (default 2) is
-# the data workers per process: with --parallel P in ACC_ARGS keep P * (ACC_WORKERS + 1) near the 16 cores.
+# the data workers per process: with --parallel P in ACC_ARGS keep P * (ACC_WORKERS + 1) near the machine's cores.
+# On a machine of several GPUs the runs are spread over all of them (scripts/accuracy.py --gpus) unless ACC_ARGS
+# names --gpus.
 # The original LSS code's recipes (original, original_4k, NAME=original,...) need --original-lss PATH in ACC_ARGS,
 # a checkout of nv-tlabs/lift-splat-shoot carried with the tree, and nuscenes-devkit, pyquaternion and
 # efficientnet-pytorch from .whl (tensorboardX and fire are not needed).
@@ -31,7 +33,7 @@ from pathlib import Path
 from benchmarks._runs import ensure_synthetic_set
 from benchmarks.accuracy import NAMED_SETS
 B = NAMED_SETS['$SET']
-print(f'$SET set {B.describe()} ready after {ensure_synthetic_set(Path(\"$DATA\"), B, 16):.0f} s')" \
+print(f'$SET set {B.describe()} ready after {ensure_synthetic_set(Path(\"$DATA\"), B, $(nproc)):.0f} s')" \
     > "$OUT/generate.log" 2>&1; echo "generate rc=$? at $((SECONDS - T0)) s: $(tail -n 1 "$OUT/generate.log")" ) &
   GEN=$!
   if ! ls lss/_C*.so > /dev/null 2>&1; then
@@ -44,6 +46,8 @@ print(f'$SET set {B.describe()} ready after {ensure_synthetic_set(Path(\"$DATA\"
       || { echo "the original LSS code needs nuscenes-devkit, pyquaternion, efficientnet-pytorch: carry .whl"; exit 1; }
   fi
   wait $GEN
+  gpus=$(nvidia-smi -L | wc -l)  # several GPUs: the runs spread over them unless ACC_ARGS says otherwise
+  [[ "$ACC_ARGS" != *--gpus* ]] && [ "$gpus" -gt 1 ] && ACC_ARGS="$ACC_ARGS --gpus $gpus"
   rm -f "$ACC.rc"
   setsid bash -c "python3 scripts/accuracy.py $ACC_ARGS --workers ${ACC_WORKERS:-2} --set $SET --data-dir $DATA \
     --out-dir $ACC > $ACC.log 2>&1; echo \$? > $ACC.rc" < /dev/null > /dev/null 2>&1 &

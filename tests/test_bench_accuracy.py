@@ -1,4 +1,5 @@
 """The accuracy benchmark: recipe parsing, the mean/std aggregation, and a quick CPU run end to end."""
+import dataclasses
 import json
 
 import numpy as np
@@ -186,6 +187,7 @@ def test_runs_are_spread_over_the_gpus(tmp_path, monkeypatch):
         return {"recipe": recipe.name, "seed": seed, "status": "ok", "seconds": seconds}
 
     monkeypatch.setattr(accuracy, "collect_run", collect)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     opts = accuracy.AccuracyOptions(
         out_dir=str(tmp_path), recipes=[parse_recipe("a=x.yaml"), parse_recipe("b=x.yaml")],
         seeds=(0, 1), parallel=3, gpus=2,
@@ -199,6 +201,17 @@ def test_runs_are_spread_over_the_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     accuracy.train_runs(one)
     assert seen[("a", 0)][1] == "7"  # one GPU: the caller's choice stays
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    accuracy.train_runs(dataclasses.replace(opts, out_dir=str(tmp_path / "mapped"), seeds=(0,)))
+    assert {seen[("a", 0)][1], seen[("b", 0)][1]} == {"4", "6"}  # the caller's GPUs, not 0 and 1
+
+
+def test_gpu_devices_follow_the_callers_cuda_visible_devices():
+    assert accuracy.gpu_devices(3, {}) == ["0", "1", "2"]
+    assert accuracy.gpu_devices(2, {"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert accuracy.gpu_devices(1, {"CUDA_VISIBLE_DEVICES": "5,6"}) == ["5"]
+    with pytest.raises(ValueError, match="names 2: give at most that many"):
+        accuracy.gpu_devices(4, {"CUDA_VISIBLE_DEVICES": "2,3"})
 
 
 def test_gpus_argument_is_checked():
