@@ -681,6 +681,7 @@ def options_from_args(args) -> AccuracyOptions:
             setattr(opts, name, getattr(args, name))
     if opts.gpus < 1:
         raise ValueError(f"--gpus {opts.gpus}: give 1 or more GPUs to spread the runs over")
+    gpu_devices(opts.gpus, os.environ)  # fails now, not after the set is generated
     if args.scenes or args.samples_per_scene:
         opts.dataset = dataclasses.replace(
             opts.dataset,

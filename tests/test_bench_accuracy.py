@@ -214,11 +214,15 @@ def test_gpu_devices_follow_the_callers_cuda_visible_devices():
         accuracy.gpu_devices(4, {"CUDA_VISIBLE_DEVICES": "2,3"})
 
 
-def test_gpus_argument_is_checked():
+def test_gpus_argument_is_checked(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     parser = accuracy.build_parser()
     assert accuracy.options_from_args(parser.parse_args(["--gpus", "4"])).gpus == 4
     with pytest.raises(ValueError, match="--gpus 0"):
         accuracy.options_from_args(parser.parse_args(["--gpus", "0"]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with pytest.raises(ValueError, match="names 1"):
+        accuracy.options_from_args(parser.parse_args(["--gpus", "2"]))
 
 
 def test_paper_orig_sets_the_originals_switches_but_ground_truth_and_fp32():
