@@ -59,8 +59,6 @@ from lss.geometry import NUSCENES_CAMERAS
 NOT_RECIPE = ("version", "dataroot", "nepochs", "gpuid", "logdir")
 # compile_data reads DATAROOT/<short name>/<version>/ (tables), the images beside that folder
 SHORT_VERSION = {"v1.0-trainval": "trainval", "v1.0-mini": "mini"}
-# the cameras in the order of the original's data_aug_conf["cams"] (set in its train() body): lss's
-CAMERAS = NUSCENES_CAMERAS
 CHECKOUT_FILES = ("src/__init__.py", "src/data.py", "src/models.py", "src/tools.py", "src/train.py")
 
 
@@ -139,7 +137,7 @@ def data_aug_conf(settings: dict) -> dict:
         "W": int(settings["W"]),
         "rand_flip": bool(settings["rand_flip"]),
         "bot_pct_lim": tuple(settings["bot_pct_lim"]),
-        "cams": list(CAMERAS),
+        "cams": list(NUSCENES_CAMERAS),  # the order of the original's data_aug_conf["cams"]
         "Ncams": int(settings["ncams"]),
     }
 

@@ -236,7 +236,8 @@ def test_the_original_rows_carry_both_evaluations(tmp_path):
 
 
 def _their_val_data(checkout: str, root: Path, grid: dict, final_dim=(32, 96), hw=(225, 400)):
-    from benchmarks.original_lss import CAMERAS, import_checkout, original_layout
+    from benchmarks.original_lss import import_checkout, original_layout
+    from lss.geometry import NUSCENES_CAMERAS
 
     src = import_checkout(checkout)
     nusc_root = original_layout(root, "v1.0-mini", root.parent / (root.name + "_original_layout"))
@@ -244,7 +245,7 @@ def _their_val_data(checkout: str, root: Path, grid: dict, final_dim=(32, 96), h
 
     nusc = NuScenes("v1.0-mini", str(nusc_root / "mini"), verbose=False)
     aug = {"resize_lim": (0.24, 0.26), "final_dim": final_dim, "rot_lim": (-5.4, 5.4), "H": hw[0], "W": hw[1],
-           "rand_flip": True, "bot_pct_lim": (0.0, 0.22), "cams": list(CAMERAS), "Ncams": 5}
+           "rand_flip": True, "bot_pct_lim": (0.0, 0.22), "cams": list(NUSCENES_CAMERAS), "Ncams": 5}
     return src.data.SegmentationData(nusc, is_train=False, data_aug_conf=aug, grid_conf=grid)
 
 
