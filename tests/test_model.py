@@ -222,8 +222,9 @@ def test_lut_is_built_in_float32_under_autocast():
 
 
 @pytest.mark.cuda
-def test_cuda_bf16_forward_backward():
-    cfg = tiny_cfg()
+@pytest.mark.parametrize("extra", [(), ("model.bev_full_res_skip=true",)])
+def test_cuda_bf16_forward_backward(extra):
+    cfg = tiny_cfg(*extra)
     model = LiftSplatShoot(cfg).cuda().to(memory_format=torch.channels_last)
     batch = {k: v.cuda() for k, v in rig_batch(cfg).items()}
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -255,3 +256,40 @@ def test_upsample_mode_reaches_every_decoder_upsampling_and_matches_f_interpolat
     torch.testing.assert_close(up(coarse, skip), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="model.upsample_mode"):
         tiny_cfg("model.upsample_mode=nearest")
+
+
+def test_full_res_skip_feeds_the_splatted_grid_to_the_last_upsampling_at_full_resolution():
+    from lss.models.bev import BevEncoder
+    from lss.models.blocks import Up
+
+    torch.manual_seed(0)
+    plain, skip = BevEncoder(8).eval(), BevEncoder(8, full_res_skip=True).eval()
+    assert not isinstance(plain.up2, Up)
+    assert isinstance(skip.up2, Up) and skip.up2.conv[0].in_channels == 8 + 256
+    bev = torch.rand(2, 8, 32, 32)
+    assert skip(bev).shape == plain(bev).shape == (2, BevEncoder.feature_channels, 32, 32)
+    # with the upsampled features' weights at zero only the skip is left: two 3x3 convolutions at full
+    # resolution, so one input cell moves the output in its 5 x 5 neighbourhood and nowhere else
+    with torch.no_grad():
+        skip.up2.conv[0].weight[:, 8:] = 0
+        poked = bev.clone()
+        poked[0, :, 9, 20] += 5.0
+        moved = skip(poked) - skip(bev)
+    changed = moved[0].abs().amax(dim=0) > 0
+    assert changed[7:12, 18:23].all() and changed.sum() == 25
+    assert torch.equal(moved[1], torch.zeros_like(moved[1]))
+
+
+def test_full_res_skip_trains_from_the_config_and_its_checkpoints_keep_it(tmp_path):
+    cfg = tiny_cfg("model.bev_full_res_skip=true")
+    assert tiny_cfg().model.bev_full_res_skip is False
+    model = LiftSplatShoot(cfg)
+    out = model(rig_batch(cfg))["segmentation"]
+    assert out.shape == (2, 2, 16, 16)
+    out.square().mean().backward()
+    weight = model.bev.up2.conv[0].weight  # its first 8 input channels are the splatted grid
+    assert weight.grad[:, :8].abs().sum() > 0 and weight.grad[:, 8:].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="up2"):  # a checkpoint without the skip does not fit silently
+        LiftSplatShoot(tiny_cfg()).load_state_dict(model.state_dict())
+    with pytest.raises(ConfigError, match="model.bev_full_res_skip"):
+        tiny_cfg("model.bev_full_res_skip=sometimes")

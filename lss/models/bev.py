@@ -1,5 +1,5 @@
-"""BEV encoder: ResNet-18 trunk over the splatted grid, Up blocks back to full resolution; the heads
-(lss.models.heads) read its features."""
+"""BEV encoder: ResNet-18 trunk over the splatted grid, Up blocks back to full resolution (the last one
+optionally fed the splatted grid itself); the heads (lss.models.heads) read its features."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class BevEncoder(nn.Module):
         in_channels: int,
         upsample_mode: str = "pytorch_half_pixel",
         zero_init_residual: bool = False,
+        full_res_skip: bool = False,
     ):
         super().__init__()
         # model.bev_zero_init_residual: every residual block starts as the identity
@@ -35,12 +36,21 @@ class BevEncoder(nn.Module):
         self.layer2 = trunk.layer2  # stride 4, 128 channels
         self.layer3 = trunk.layer3  # stride 8, 256 channels
         self.up1 = Up(64 + 256, 256, scale_factor=4, upsample_mode=upsample_mode)
-        self.up2 = nn.Sequential(
-            UpsampleBilinear(scale_factor=2, mode=upsample_mode),
-            *conv_bn_relu(256, self.feature_channels),
-        )
+        # model.bev_full_res_skip: the last upsampling also reads the splatted grid at full resolution,
+        # where objects of one or two cells (pedestrians) are still sharp; else it reads only the
+        # stride-2 features
+        self.full_res_skip = full_res_skip
+        if full_res_skip:
+            self.up2 = Up(
+                in_channels + 256, self.feature_channels, scale_factor=2, upsample_mode=upsample_mode
+            )
+        else:
+            self.up2 = nn.Sequential(
+                UpsampleBilinear(scale_factor=2, mode=upsample_mode),
+                *conv_bn_relu(256, self.feature_channels),
+            )
 
     def forward(self, bev: torch.Tensor) -> torch.Tensor:
         x1 = self.layer1(self.stem(bev))
-        x = self.layer3(self.layer2(x1))
-        return self.up2(self.up1(x, x1))
+        x = self.up1(self.layer3(self.layer2(x1)), x1)
+        return self.up2(x, bev) if self.full_res_skip else self.up2(x)

@@ -50,7 +50,10 @@ class LiftSplatShoot(nn.Module):
             model.upsample_mode,
         )
         self.bev = BevEncoder(
-            grid.nz * model.context_channels, model.upsample_mode, model.bev_zero_init_residual
+            grid.nz * model.context_channels,
+            model.upsample_mode,
+            model.bev_zero_init_residual,
+            model.bev_full_res_skip,
         )
         self.segmentation = SegmentationHead(BevEncoder.feature_channels, len(self.classes))
         self.detection = (
