@@ -52,6 +52,7 @@ SCREEN_SET = SyntheticSet(
 NAMED_SETS = {"benchmark": BENCHMARK_SET, "screen": SCREEN_SET}
 # the CONFIG of recipes that run the original LSS code (benchmarks/original_lss.py)
 ORIGINAL = "original"
+NOSKIP = ("model.bev_full_res_skip=false", "loss.class_pos_weights=[4.0,10.0,1.5,2.6]")
 DEFAULT_RECIPES = {  # name -> (config, overrides)
     "paper": ("configs/lss_paper.yaml", ()),
     "default": ("configs/synthetic.yaml", ()),
@@ -66,15 +67,20 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     ),
     # the default recipe with equal class weights: better map classes, a weaker vehicle class
     "balanced": ("configs/synthetic.yaml", ("loss.class_weights=null",)),
-    # the default recipe as it was until 2026-11-26: the paper's 128x352 images, centred frustum pixels
+    # the default recipe as it was until 2026-11-26: the paper's 128x352 images, centred frustum
+    # pixels, no full-resolution skip, pedestrian pos_weight 10
     "default_128": (
         "configs/synthetic.yaml",
         (
             "data.final_dim=[128,352]",
             "data.resize_lim=[0.193,0.225]",
             "model.frustum_pixels=centres",
-        ),
+        )
+        + NOSKIP,
     ),
+    # the default recipe before the full-resolution skip (pedestrian pos_weight 10, no skip)
+    "default_noskip": ("configs/synthetic.yaml", NOSKIP),
+    "default_noskip_4k": ("configs/synthetic.yaml", NOSKIP + ("train.max_steps=4000",)),
     # the original LSS code (its loader, model, loss, Adam, fp32) from --original-lss
     "original": (ORIGINAL, ()),
     "original_4k": (ORIGINAL, ("train.max_steps=4000",)),

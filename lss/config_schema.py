@@ -110,8 +110,8 @@ class ModelConfig:
     splat_binning: Literal["floor", "trunc"] = "floor"
     # the BEV ResNet-18's last BatchNorm of every residual branch starts at 0 (original LSS: true)
     bev_zero_init_residual: bool = False
-    # the BEV decoder's last upsampling also reads the splatted grid at full resolution (a skip around
-    # the ResNet-18 trunk: one- or two-cell objects such as pedestrians stay sharp)
+    # the BEV decoder's last upsampling also reads the splatted grid at full resolution (a skip
+    # around the ResNet-18 trunk: one- or two-cell objects such as pedestrians stay sharp)
     bev_full_res_skip: bool = False
 
 

@@ -49,6 +49,7 @@ def test_paper_recipe_trains_on_the_tiny_set(synthetic_root, tmp_path):
 def test_the_nuscenes_configs_carry_the_default_recipe():
     default = load_config(str(ROOT / "configs/synthetic.yaml"), [])
     assert default.loss.class_weights == (2.0, 1.0, 0.5, 0.5) and default.loss.type == "bce"
+    assert default.loss.class_pos_weights == (4.0, 6.0, 1.5, 2.6)
     for name in ("nuscenes_mini.yaml", "nuscenes_trainval.yaml"):
         cfg = load_config(str(ROOT / "configs" / name), [])
         assert cfg.data.classes == default.data.classes, name
@@ -57,6 +58,7 @@ def test_the_nuscenes_configs_carry_the_default_recipe():
         assert cfg.data.final_dim == default.data.final_dim == (256, 704), name
         assert cfg.data.resize_lim == default.data.resize_lim, name
         assert cfg.model.frustum_pixels == default.model.frustum_pixels == "receptive_field", name
+        assert cfg.model.bev_full_res_skip is default.model.bev_full_res_skip is True, name
 
 
 @pytest.mark.parametrize("name", sorted(n for n, (c, _) in DEFAULT_RECIPES.items() if c != ORIGINAL))

@@ -1,5 +1,5 @@
-"""BEV encoder: ResNet-18 trunk over the splatted grid, Up blocks back to full resolution (the last one
-optionally fed the splatted grid itself); the heads (lss.models.heads) read its features."""
+"""BEV encoder: ResNet-18 trunk over the splatted grid, Up blocks back to full resolution (the last
+one optionally fed the splatted grid itself); the heads (lss.models.heads) read its features."""
 
 from __future__ import annotations
 
@@ -36,13 +36,16 @@ class BevEncoder(nn.Module):
         self.layer2 = trunk.layer2  # stride 4, 128 channels
         self.layer3 = trunk.layer3  # stride 8, 256 channels
         self.up1 = Up(64 + 256, 256, scale_factor=4, upsample_mode=upsample_mode)
-        # model.bev_full_res_skip: the last upsampling also reads the splatted grid at full resolution,
-        # where objects of one or two cells (pedestrians) are still sharp; else it reads only the
-        # stride-2 features
+        # model.bev_full_res_skip: the last upsampling also reads the splatted grid at full
+        # resolution, where objects of one or two cells (pedestrians) are still sharp; else it reads
+        # only the stride-2 features
         self.full_res_skip = full_res_skip
         if full_res_skip:
             self.up2 = Up(
-                in_channels + 256, self.feature_channels, scale_factor=2, upsample_mode=upsample_mode
+                in_channels + 256,
+                self.feature_channels,
+                scale_factor=2,
+                upsample_mode=upsample_mode,
             )
         else:
             self.up2 = nn.Sequential(
