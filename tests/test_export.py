@@ -35,11 +35,9 @@ def _tiny_config(root, *extra):
     return load_config(None, TINY + [f"data.dataroot={root}", *extra])
 
 
-@pytest.fixture(scope="module")
-def checkpoint(synthetic_root, tmp_path_factory):
-    """A tiny model trained in align_corners mode whose batch-norm statistics come from the validation images (so
-    that the logits have the spread of a trained model: tens, not hundredths). Returns (config, checkpoint)."""
-    cfg = _tiny_config(synthetic_root, "model.upsample_mode=align_corners")
+def _checkpoint(cfg, path, logit_scale=1.0):
+    """A tiny model whose batch-norm statistics come from the validation images (so that the logits have the spread
+    of a trained model: tens, not hundredths; `logit_scale` multiplies its segmentation head), saved to path."""
     torch.manual_seed(3)
     model = build.build_model(cfg)
     dataset = build.build_dataset(cfg, cfg.data.val_split, False)
@@ -49,9 +47,27 @@ def checkpoint(synthetic_root, tmp_path_factory):
             module.momentum = None
     with torch.no_grad():
         model.train()(collate([dataset[i] for i in range(len(dataset))]))
-    path = tmp_path_factory.mktemp("export") / "best.pt"
+        model.segmentation.conv.weight.mul_(logit_scale)
     save_checkpoint(path, model.eval(), step=1, config=cfg)
     return cfg, path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(synthetic_root, tmp_path_factory):
+    """A tiny model trained in align_corners mode (_checkpoint). Returns (config, checkpoint)."""
+    cfg = _tiny_config(synthetic_root, "model.upsample_mode=align_corners")
+    return _checkpoint(cfg, tmp_path_factory.mktemp("export") / "best.pt")
+
+
+def test_the_default_recipes_full_resolution_skip_exports_like_pytorch(synthetic_root, tmp_path):
+    cfg, ckpt = _checkpoint(_tiny_config(synthetic_root, "model.bev_full_res_skip=true"), tmp_path / "best.pt",
+                            logit_scale=8.0)
+    done = export_checkpoint(cfg, ckpt, tmp_path / "m.onnx")
+    assert isinstance(done["model"].bev.up2.upsample, UpsampleBilinear)
+    assert len(_resize_nodes(done["path"])) == 3  # camera fuse x2, BEV x4, and the skip's x2
+    result = check_export(cfg, done["model"], done["path"], done["rig"], samples=3)
+    assert result["max_abs_logit"] > 5
+    assert result["max_abs_diff"] <= 1e-3 and result["max_iou_diff_points"] <= 0.1 and result["passed"]
 
 
 def _resize_nodes(path):
