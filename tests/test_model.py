@@ -289,7 +289,18 @@ def test_full_res_skip_trains_from_the_config_and_its_checkpoints_keep_it(tmp_pa
     out.square().mean().backward()
     weight = model.bev.up2.conv[0].weight  # its first 8 input channels are the splatted grid
     assert weight.grad[:, :8].abs().sum() > 0 and weight.grad[:, 8:].abs().sum() > 0
-    with pytest.raises(RuntimeError, match="up2"):  # a checkpoint without the skip does not fit silently
-        LiftSplatShoot(tiny_cfg()).load_state_dict(model.state_dict())
+    # a checkpoint of the recipe before the skip: refused with what to do, loaded with the skip switched off
+    from lss.engine.checkpoint import load_for_inference, save_checkpoint
+    from lss.errors import CheckpointError
+
+    old = LiftSplatShoot(tiny_cfg()).eval()
+    save_checkpoint(tmp_path / "old.pt", old, step=1, config=tiny_cfg())
+    with pytest.raises(CheckpointError, match=r"does not fit this model: missing .*bev\.up2.*Use the config"):
+        load_for_inference(cfg, tmp_path / "old.pt", torch.device("cpu"))
+    loaded, _ = load_for_inference(tiny_cfg("model.bev_full_res_skip=false"), tmp_path / "old.pt",
+                                   torch.device("cpu"))
+    batch = rig_batch(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch)["segmentation"], old(batch)["segmentation"])
     with pytest.raises(ConfigError, match="model.bev_full_res_skip"):
         tiny_cfg("model.bev_full_res_skip=sometimes")
