@@ -52,7 +52,19 @@ SCREEN_SET = SyntheticSet(
 NAMED_SETS = {"benchmark": BENCHMARK_SET, "screen": SCREEN_SET}
 # the CONFIG of recipes that run the original LSS code (benchmarks/original_lss.py)
 ORIGINAL = "original"
-NOSKIP = ("model.bev_full_res_skip=false", "loss.class_pos_weights=[4.0,10.0,1.5,2.6]")
+# the default recipe of 2026-11-26 (full-resolution skip, 1 m depth bins, pedestrian pos_weight 6
+# and class weight 1), and the one before it (no skip, pedestrian pos_weight 10)
+SKIP_PW6 = (
+    "grid.dbound=[4.0,45.0,1.0]",
+    "loss.class_pos_weights=[4.0,6.0,1.5,2.6]",
+    "loss.class_weights=[2.0,1.0,0.5,0.5]",
+)
+NOSKIP = (
+    "grid.dbound=[4.0,45.0,1.0]",
+    "model.bev_full_res_skip=false",
+    "loss.class_pos_weights=[4.0,10.0,1.5,2.6]",
+    "loss.class_weights=[2.0,1.0,0.5,0.5]",
+)
 DEFAULT_RECIPES = {  # name -> (config, overrides)
     "paper": ("configs/lss_paper.yaml", ()),
     "default": ("configs/synthetic.yaml", ()),
@@ -68,7 +80,7 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     # the default recipe with equal class weights: better map classes, a weaker vehicle class
     "balanced": ("configs/synthetic.yaml", ("loss.class_weights=null",)),
     # the default recipe as it was until 2026-11-26: the paper's 128x352 images, centred frustum
-    # pixels, no full-resolution skip, pedestrian pos_weight 10
+    # pixels, no full-resolution skip, pedestrian pos_weight 10, 1 m depth bins
     "default_128": (
         "configs/synthetic.yaml",
         (
@@ -81,6 +93,10 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     # the default recipe before the full-resolution skip (pedestrian pos_weight 10, no skip)
     "default_noskip": ("configs/synthetic.yaml", NOSKIP),
     "default_noskip_4k": ("configs/synthetic.yaml", NOSKIP + ("train.max_steps=4000",)),
+    # the default recipe before its 0.5 m depth bins and pedestrian class weight 3: a stronger
+    # vehicle at 4,000 steps, a weaker pedestrian (docs/accuracy.md, "Pedestrians")
+    "skip_pw6": ("configs/synthetic.yaml", SKIP_PW6),
+    "skip_pw6_4k": ("configs/synthetic.yaml", SKIP_PW6 + ("train.max_steps=4000",)),
     # the original LSS code (its loader, model, loss, Adam, fp32) from --original-lss
     "original": (ORIGINAL, ()),
     "original_4k": (ORIGINAL, ("train.max_steps=4000",)),

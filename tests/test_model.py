@@ -304,3 +304,24 @@ def test_full_res_skip_trains_from_the_config_and_its_checkpoints_keep_it(tmp_pa
         torch.testing.assert_close(loaded(batch)["segmentation"], old(batch)["segmentation"])
     with pytest.raises(ConfigError, match="model.bev_full_res_skip"):
         tiny_cfg("model.bev_full_res_skip=sometimes")
+
+
+def test_a_checkpoint_of_other_depth_bins_is_refused_with_the_head_shapes_and_loads_with_its_dbound(tmp_path):
+    # the default recipe moved from 1 m to 0.5 m depth bins: checkpoints of the 1 m recipe need its grid.dbound
+    from lss.engine.checkpoint import load_for_inference, save_checkpoint
+    from lss.errors import CheckpointError
+
+    coarse_cfg = tiny_cfg("grid.dbound=[4.0, 12.0, 2.0]")
+    fine_cfg = tiny_cfg("grid.dbound=[4.0, 12.0, 1.0]")
+    coarse = LiftSplatShoot(coarse_cfg).eval()
+    save_checkpoint(tmp_path / "coarse.pt", coarse, step=1, config=coarse_cfg)
+    d, c = 4, fine_cfg.model.context_channels  # 4 bins of 2 m, 8 of 1 m
+    with pytest.raises(CheckpointError, match=rf"does not fit this model: .*camera\.head\.weight: checkpoint "
+                                              rf"\({d + c}, 512, 1, 1\) vs model \({2 * d + c}, 512, 1, 1\).*Use the "
+                                              "config it was trained with"):
+        load_for_inference(fine_cfg, tmp_path / "coarse.pt", torch.device("cpu"))
+    loaded, _ = load_for_inference(tiny_cfg("grid.dbound=[4.0, 12.0, 2.0]"), tmp_path / "coarse.pt",
+                                   torch.device("cpu"))
+    batch = rig_batch(coarse_cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch)["segmentation"], coarse(batch)["segmentation"])

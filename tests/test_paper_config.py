@@ -48,8 +48,9 @@ def test_paper_recipe_trains_on_the_tiny_set(synthetic_root, tmp_path):
 
 def test_the_nuscenes_configs_carry_the_default_recipe():
     default = load_config(str(ROOT / "configs/synthetic.yaml"), [])
-    assert default.loss.class_weights == (2.0, 1.0, 0.5, 0.5) and default.loss.type == "bce"
-    assert default.loss.class_pos_weights == (4.0, 6.0, 1.5, 2.6)
+    assert default.loss.class_weights == (2.0, 3.0, 0.5, 0.5) and default.loss.type == "bce"
+    assert default.loss.class_pos_weights == (4.0, 6.7, 1.5, 2.6)
+    assert default.grid.dbound == (4.0, 45.0, 0.5)
     for name in ("nuscenes_mini.yaml", "nuscenes_trainval.yaml"):
         cfg = load_config(str(ROOT / "configs" / name), [])
         assert cfg.data.classes == default.data.classes, name
@@ -59,6 +60,22 @@ def test_the_nuscenes_configs_carry_the_default_recipe():
         assert cfg.data.resize_lim == default.data.resize_lim, name
         assert cfg.model.frustum_pixels == default.model.frustum_pixels == "receptive_field", name
         assert cfg.model.bev_full_res_skip is default.model.bev_full_res_skip is True, name
+        assert cfg.grid == default.grid, name
+
+
+@pytest.mark.parametrize("name, dbound, pos_weights, class_weights, skip", [
+    ("skip_pw6", (4.0, 45.0, 1.0), (4.0, 6.0, 1.5, 2.6), (2.0, 1.0, 0.5, 0.5), True),
+    ("default_noskip", (4.0, 45.0, 1.0), (4.0, 10.0, 1.5, 2.6), (2.0, 1.0, 0.5, 0.5), False),
+    ("default_128", (4.0, 45.0, 1.0), (4.0, 10.0, 1.5, 2.6), (2.0, 1.0, 0.5, 0.5), False),
+])
+def test_the_earlier_default_recipes_keep_what_they_were(name, dbound, pos_weights, class_weights, skip):
+    # docs/accuracy.md compares the default recipe with these rows: they must stay the recipes that were measured
+    config, overrides = DEFAULT_RECIPES[name]
+    cfg = load_config(str(ROOT / config), list(overrides))
+    assert cfg.grid.dbound == dbound
+    assert cfg.loss.class_pos_weights == pos_weights and cfg.loss.class_weights == class_weights
+    assert cfg.model.bev_full_res_skip is skip
+    assert cfg.data.final_dim == ((128, 352) if name == "default_128" else (256, 704))
 
 
 @pytest.mark.parametrize("name", sorted(n for n, (c, _) in DEFAULT_RECIPES.items() if c != ORIGINAL))
