@@ -290,38 +290,33 @@ def test_full_res_skip_trains_from_the_config_and_its_checkpoints_keep_it(tmp_pa
     weight = model.bev.up2.conv[0].weight  # its first 8 input channels are the splatted grid
     assert weight.grad[:, :8].abs().sum() > 0 and weight.grad[:, 8:].abs().sum() > 0
     # a checkpoint of the recipe before the skip: refused with what to do, loaded with the skip switched off
-    from lss.engine.checkpoint import load_for_inference, save_checkpoint
-    from lss.errors import CheckpointError
-
-    old = LiftSplatShoot(tiny_cfg()).eval()
-    save_checkpoint(tmp_path / "old.pt", old, step=1, config=tiny_cfg())
-    with pytest.raises(CheckpointError, match=r"does not fit this model: missing .*bev\.up2.*Use the config"):
-        load_for_inference(cfg, tmp_path / "old.pt", torch.device("cpu"))
-    loaded, _ = load_for_inference(tiny_cfg("model.bev_full_res_skip=false"), tmp_path / "old.pt",
-                                   torch.device("cpu"))
-    batch = rig_batch(cfg)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(batch)["segmentation"], old(batch)["segmentation"])
+    refused_then_loaded(tmp_path, tiny_cfg(), cfg, r"does not fit this model: missing .*bev\.up2.*Use the config",
+                        tiny_cfg("model.bev_full_res_skip=false"))
     with pytest.raises(ConfigError, match="model.bev_full_res_skip"):
         tiny_cfg("model.bev_full_res_skip=sometimes")
 
 
-def test_a_checkpoint_of_other_depth_bins_is_refused_with_the_head_shapes_and_loads_with_its_dbound(tmp_path):
-    # the default recipe moved from 1 m to 0.5 m depth bins: checkpoints of the 1 m recipe need its grid.dbound
+def refused_then_loaded(tmp_path, trained_cfg, other_cfg, match, fitting_cfg):
+    """A checkpoint of a model built from `trained_cfg`: `other_cfg` refuses it with an error matching `match`,
+    `fitting_cfg` loads it into a model with the same outputs."""
     from lss.engine.checkpoint import load_for_inference, save_checkpoint
     from lss.errors import CheckpointError
 
-    coarse_cfg = tiny_cfg("grid.dbound=[4.0, 12.0, 2.0]")
-    fine_cfg = tiny_cfg("grid.dbound=[4.0, 12.0, 1.0]")
-    coarse = LiftSplatShoot(coarse_cfg).eval()
-    save_checkpoint(tmp_path / "coarse.pt", coarse, step=1, config=coarse_cfg)
-    d, c = 4, fine_cfg.model.context_channels  # 4 bins of 2 m, 8 of 1 m
-    with pytest.raises(CheckpointError, match=rf"does not fit this model: .*camera\.head\.weight: checkpoint "
-                                              rf"\({d + c}, 512, 1, 1\) vs model \({2 * d + c}, 512, 1, 1\).*Use the "
-                                              "config it was trained with"):
-        load_for_inference(fine_cfg, tmp_path / "coarse.pt", torch.device("cpu"))
-    loaded, _ = load_for_inference(tiny_cfg("grid.dbound=[4.0, 12.0, 2.0]"), tmp_path / "coarse.pt",
-                                   torch.device("cpu"))
-    batch = rig_batch(coarse_cfg)
+    trained = LiftSplatShoot(trained_cfg).eval()
+    save_checkpoint(tmp_path / "trained.pt", trained, step=1, config=trained_cfg)
+    with pytest.raises(CheckpointError, match=match):
+        load_for_inference(other_cfg, tmp_path / "trained.pt", torch.device("cpu"))
+    loaded, _ = load_for_inference(fitting_cfg, tmp_path / "trained.pt", torch.device("cpu"))
+    batch = rig_batch(trained_cfg)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(batch)["segmentation"], coarse(batch)["segmentation"])
+        torch.testing.assert_close(loaded(batch)["segmentation"], trained(batch)["segmentation"])
+
+
+def test_a_checkpoint_of_other_depth_bins_is_refused_with_the_head_shapes_and_loads_with_its_dbound(tmp_path):
+    # the default recipe moved from 1 m to 0.5 m depth bins: checkpoints of the 1 m recipe need its grid.dbound
+    fine_cfg = tiny_cfg("grid.dbound=[4.0, 12.0, 1.0]")
+    d, c = 4, fine_cfg.model.context_channels  # 4 bins of 2 m, 8 of 1 m
+    refused_then_loaded(tmp_path, tiny_cfg("grid.dbound=[4.0, 12.0, 2.0]"), fine_cfg,
+                        rf"does not fit this model: .*camera\.head\.weight: checkpoint \({d + c}, 512, 1, 1\) vs "
+                        rf"model \({2 * d + c}, 512, 1, 1\).*Use the config it was trained with",
+                        tiny_cfg("grid.dbound=[4.0, 12.0, 2.0]"))
