@@ -320,3 +320,17 @@ def test_a_checkpoint_of_other_depth_bins_is_refused_with_the_head_shapes_and_lo
                         rf"does not fit this model: .*camera\.head\.weight: checkpoint \({d + c}, 512, 1, 1\) vs "
                         rf"model \({2 * d + c}, 512, 1, 1\).*Use the config it was trained with",
                         tiny_cfg("grid.dbound=[4.0, 12.0, 2.0]"))
+
+
+def test_the_default_config_lifts_82_depth_bins_and_predicts_its_classes_on_the_full_grid():
+    from pathlib import Path
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs/synthetic.yaml"), ["train.device=cpu"])
+    model = LiftSplatShoot(cfg).eval()
+    batch = rig_batch(cfg, batch_size=1)
+    with torch.no_grad():
+        out = model(batch)
+    h, w = (d // cfg.model.downsample for d in cfg.data.final_dim)
+    assert out["depth_logits"].shape == (1, 6, 82, h, w)  # 4-45 m in 0.5 m bins
+    assert out["segmentation"].shape == (1, len(cfg.data.classes), 200, 200)
+    assert torch.isfinite(out["segmentation"]).all()
