@@ -52,19 +52,11 @@ SCREEN_SET = SyntheticSet(
 NAMED_SETS = {"benchmark": BENCHMARK_SET, "screen": SCREEN_SET}
 # the CONFIG of recipes that run the original LSS code (benchmarks/original_lss.py)
 ORIGINAL = "original"
-# the default recipe of 2026-11-26 (full-resolution skip, 1 m depth bins, pedestrian pos_weight 6
-# and class weight 1), and the one before it (no skip, pedestrian pos_weight 10)
-SKIP_PW6 = (
-    "grid.dbound=[4.0,45.0,1.0]",
-    "loss.class_pos_weights=[4.0,6.0,1.5,2.6]",
-    "loss.class_weights=[2.0,1.0,0.5,0.5]",
-)
-NOSKIP = (
-    "grid.dbound=[4.0,45.0,1.0]",
-    "model.bev_full_res_skip=false",
-    "loss.class_pos_weights=[4.0,10.0,1.5,2.6]",
-    "loss.class_weights=[2.0,1.0,0.5,0.5]",
-)
+# the default recipe before 2026-11-27: 1 m depth bins, the pedestrian's class weight 1; with the
+# full-resolution skip and its pos_weight 6 (SKIP_PW6), and before that without either (NOSKIP)
+BEFORE_D05 = ("grid.dbound=[4.0,45.0,1.0]", "loss.class_weights=[2.0,1.0,0.5,0.5]")
+SKIP_PW6 = BEFORE_D05 + ("loss.class_pos_weights=[4.0,6.0,1.5,2.6]",)
+NOSKIP = BEFORE_D05 + ("model.bev_full_res_skip=false", "loss.class_pos_weights=[4.0,10.0,1.5,2.6]")
 DEFAULT_RECIPES = {  # name -> (config, overrides)
     "paper": ("configs/lss_paper.yaml", ()),
     "default": ("configs/synthetic.yaml", ()),
