@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# train.compile_start on the GPU machine. STAGE=check: build, the background-compile tests (CPU and CUDA) and the
-# trainer's CUDA tests, then 2,000 steps of configs/synthetic.yaml end to end with compile off. STAGE=compile: the
-# same config with train.compile: true twice, first with empty compiler caches, then with the caches of the first
-# run; STAGE=now: the cold run with train.compile_start: now, its peer. Each run prints its wall time, its first
-# step, the switch to compiled steps and its step rates (scripts/run_rates.py).
-#   device run: STAGE=check bash scripts/gpu_background_compile.sh   (carry .whl)
+# train.compile_start, run from the repository root on a CUDA machine (logs under $OUT, default runs/gpu).
+# STAGE=check: build, the background-compile tests (CPU and CUDA) and the trainer's CUDA tests, then 2,000 steps of
+# configs/synthetic.yaml end to end with compile off. STAGE=compile: the same config with train.compile: true twice,
+# first with empty compiler caches, then with the caches of the first run; STAGE=now: the cold run with
+# train.compile_start: now, its peer. Each run prints its wall time, its first step, the switch to compiled steps and
+# its step rates (scripts/run_rates.py).
+#   STAGE=check bash scripts/gpu_background_compile.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 t0=$SECONDS
 build_ops || exit 1
 if [ ! -d data/synthetic ]; then
   t1=$SECONDS
-  python3 -m lss make-synthetic data/synthetic --scenes 10 --samples-per-scene 40 --workers 16 > /dev/null 2>&1
+  python3 -m lss make-synthetic data/synthetic --scenes 10 --samples-per-scene 40 --workers "$(nproc)" > /dev/null 2>&1
   echo "set generated in $((SECONDS - t1)) s"
 fi
 train_run() {  # name, steps, extra --set pairs...

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, in one call on the GPU machine (see docs/gpu.md): install the wheels the machine lacks, build the
-# ops for sm_90, run the CUDA tests, run compute-sanitizer memcheck on every op's smoke test, run the benchmarks,
-# profile bev_pool's kernels, and write logs, bench.jsonl and bench.md under $OUT. A summary is printed last.
-#   device run: bash scripts/gpu_check.sh            (carry .whl, made by ../shared/tools/device_wheels.sh .whl)
+# The GPU check; run it from the repository root on a CUDA machine (docs/gpu.md): build the ops for the visible GPU,
+# run the CUDA tests, run compute-sanitizer memcheck on every op's smoke test, profile bev_pool's kernels, run the
+# benchmarks, and write logs, bench.jsonl and bench.md under $OUT (default runs/gpu). A summary is printed last.
+#   bash scripts/gpu_check.sh
+#   STAGES="build bench" bash scripts/gpu_check.sh     # a subset of: build tests sanitizer profile bench
+#   LSS_WHEELS=DIR bash scripts/gpu_check.sh           # install missing packages from a folder of wheels, offline
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 summary=()
@@ -15,10 +17,10 @@ step() {  # step NAME LOG CMD...: run, log to $OUT/LOG, remember pass/fail
   return $rc
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-STAGES=${STAGES:-"build tests sanitizer profile bench"}  # a subset, e.g. STAGES="build bench", on a warm machine
+STAGES=${STAGES:-"build tests sanitizer profile bench"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has build; then
-  step build build.log python3 setup.py build_ext --inplace || { tail -n 40 "$OUT/build.log"; exit 1; }
+  step build build.log python3 setup.py build_ext --inplace --force || { tail -n 40 "$OUT/build.log"; exit 1; }
 fi
 cuda_tests() {  # one pytest process per file: a crash in one file does not hide the others' results
   local rc=0 f

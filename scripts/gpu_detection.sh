@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Detection recipe runs for docs/detection.md, within one 10-minute call:
+# Detection recipe runs for docs/detection.md, run from the repository root on a CUDA machine:
 # configs/synthetic_detection.yaml trained on the accuracy benchmark set (data/benchmark_accuracy: v1.0-trainval,
 # 40 scenes x 40 samples, 1600x900, seed 11) as parallel processes with the same steps and seed: the RoIAlign
 # refinement on, off, and the segmentation head alone. Each evaluates every DET_EVAL_EVERY steps (nuScenes
 # DetectionEval: mAP, NDS, AP per class; BEV IoU). Writes $OUT/detection_runs.json, $OUT/detection_curve.png,
 # $OUT/det_runs.tgz (metrics.jsonl, final.json, train.log of each run), $OUT/detection_latency.json (batch-1
-# inference latency with and without the head) and prints the summary. Expects lss._C built and the set generated
-# (scripts/gpu_accuracy.sh start does both); generates the set when it is missing.
-#   device run: bash scripts/gpu_detection.sh
+# inference latency with and without the head) and prints the summary ($OUT: default runs/gpu). Builds lss._C unless
+# built; generates the set when it is missing. DET_TIMEOUT stops a run still going after that many seconds.
+#   bash scripts/gpu_detection.sh
 #   CPU check of the same path (tiny set and model, a few steps): DET_QUICK=1 bash scripts/gpu_detection.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -23,13 +23,12 @@ else
     echo "build done at $((SECONDS - T0)) s"
   fi
   ARGS="--data-dir ${DET_DATA:-data/benchmark_accuracy} --steps ${DET_STEPS:-2000} \
---eval-every ${DET_EVAL_EVERY:-500} --workers ${DET_WORKERS:-6} --run-timeout ${DET_TIMEOUT:-420} \
---runs ${DET_RUNS:-refine_on,refine_off,segmentation_alone}"
+--eval-every ${DET_EVAL_EVERY:-500} --workers ${DET_WORKERS:-6} \
+--runs ${DET_RUNS:-refine_on,refine_off,segmentation_alone}${DET_TIMEOUT:+ --run-timeout $DET_TIMEOUT}"
 fi
 python3 scripts/detection_runs.py $ARGS --out-dir "$DET" ${DET_ARGS:-}
 RC=$?
-# Batch-1 inference latency with the trained weights (random ones where a run left no checkpoint), on a GPU that our
-# runs no longer use.
+# Batch-1 inference latency with the trained weights (random ones where a run left no checkpoint), after the runs.
 LAT=()
 for r in on off; do
   [ -f "$DET/runs/refine_$r/checkpoints/last.pt" ] && LAT+=(--ckpt-$r "$DET/runs/refine_$r/checkpoints/last.pt")

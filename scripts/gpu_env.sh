@@ -1,13 +1,17 @@
-# Sourced by the GPU scripts: installs the wheels the GPU machine lacks (.whl/, made by
-# ../shared/tools/device_wheels.sh) and sets the environment for the in-place sm_90 build of lss._C that each script
-# runs (or skips when lss/_C*.so is already there).
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} FORCE_CUDA=1
-OUT=${OUT:-/tmp/lss-gpu}
+# Sourced by the GPU scripts (run them from the repository root on a CUDA machine). Sets the environment for the
+# in-place build of lss._C for the visible GPU (TORCH_CUDA_ARCH_LIST overrides it) and the output folder $OUT
+# (default runs/gpu). If LSS_WHEELS names a folder of wheels, they are installed from it offline into
+# $LSS_SITE (default /tmp/lss-site), for a machine without a package index.
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} FORCE_CUDA=1
+OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -d /tmp/lss-site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lss-site .whl/*.whl || exit 1
+LSS_SITE=${LSS_SITE:-/tmp/lss-site}
+if [ -n "${LSS_WHEELS:-}" ]; then
+  if [ ! -d "$LSS_SITE" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$LSS_SITE" "$LSS_WHEELS"/*.whl || exit 1
+  fi
+  export PYTHONPATH=$LSS_SITE
 fi
-[ -d /tmp/lss-site ] && export PYTHONPATH=/tmp/lss-site
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 build_ops() {  # the in-place build of lss._C unless it is there; prints its seconds, the log in $OUT/build.log
   local t0=$SECONDS

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Probes of the training step on the GPU machine (scripts/probe_step.py): layouts, a kernel profile, cold compilations.
-#   device run: bash scripts/gpu_probe.sh      (carry .whl; LAYOUTS=, COMPILES= pick a subset)
+# Probes of the training step (scripts/probe_step.py): layouts, a kernel profile, cold compilations. Run it from the
+# repository root on a CUDA machine; logs go to $OUT (default runs/gpu).
+#   bash scripts/gpu_probe.sh      (LAYOUTS=, COMPILES= pick a subset)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 t0=$SECONDS

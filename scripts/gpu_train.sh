@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# GPU training check, after scripts/gpu_check.sh built the ops: generate a synthetic set at 1600x900, train
-# configs/synthetic.yaml for TRAIN_STEPS steps (at most TRAIN_SECONDS), evaluate; with DETECTION=1 also train and
-# evaluate the detection head on a small synthetic v1.0-trainval set. Logs go to $OUT/train.log, the loss/IoU curve
-# to $OUT/seg_metrics.jsonl.
+# GPU training check, run from the repository root on a CUDA machine (it builds the ops unless built): generate a
+# synthetic set at 1600x900, train configs/synthetic.yaml for TRAIN_STEPS steps (at most TRAIN_SECONDS), evaluate;
+# with DETECTION=1 also train and evaluate the detection head on a small synthetic v1.0-trainval set. Logs go to
+# $OUT/train.log, the loss/IoU curve to $OUT/seg_metrics.jsonl ($OUT: default runs/gpu).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 LOG="$OUT/train.log"
 ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace >> "$LOG" 2>&1 || { tail -n 30 "$LOG"; exit 1; }
 t0=$SECONDS
 python3 -m lss make-synthetic data/synthetic --scenes ${SEG_SCENES:-10} --samples-per-scene ${SEG_SAMPLES:-24} \
-  --workers 16 >> "$LOG" 2>&1
+  --workers "$(nproc)" >> "$LOG" 2>&1
 echo "segmentation set generated in $((SECONDS - t0)) s" | tee -a "$LOG"
 seg_train() {
   timeout ${TRAIN_SECONDS:-300} python3 -m lss train --config configs/synthetic.yaml --out runs/synthetic \

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GPU training-loop check: builds the ops if needed, then `lss bench --suite train_loop` (configs/synthetic.yaml,
-# compile off, LOOP_STEPS steps, 12 workers) once with cuDNN autotuning and once without. Each run prints its rows
-# (start-up phases, loop, loader alone, step alone, loop/step, eval) and writes $OUT/train_loop_<name>.{json,log};
-# a run past its limit ends with the Python stacks of the stuck process in its rows. RUNS=cudnn_benchmark (or
-# no_cudnn_benchmark) runs one of them.
+# GPU training-loop check, run from the repository root on a CUDA machine: builds the ops if needed, then
+# `lss bench --suite train_loop` (configs/synthetic.yaml, compile off, LOOP_STEPS steps, 12 workers) once with cuDNN
+# autotuning and once without. Each run prints its rows (start-up phases, loop, loader alone, step alone, loop/step,
+# eval) and writes $OUT/train_loop_<name>.{json,log} ($OUT: default runs/gpu); a run past its limit ends with the
+# Python stacks of the stuck process in its rows. RUNS=cudnn_benchmark (or no_cudnn_benchmark) runs one of them.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
@@ -11,7 +11,7 @@ ls lss/_C*.so > /dev/null 2>&1 || python3 setup.py build_ext --inplace > "$OUT/b
 export LSS_LOOP_DATA=/tmp/lss-loop-data LSS_LOOP_STEPS=${LOOP_STEPS:-400}
 if [ ! -d "$LSS_LOOP_DATA" ]; then  # one set for both runs (the suite would generate it again per run)
   t0=$SECONDS
-  python3 -m lss make-synthetic "$LSS_LOOP_DATA" --scenes 4 --samples-per-scene 20 --workers 16 > /dev/null 2>&1
+  python3 -m lss make-synthetic "$LSS_LOOP_DATA" --scenes 4 --samples-per-scene 20 --workers "$(nproc)" > /dev/null 2>&1
   echo "loop set generated in $((SECONDS - t0)) s"
 fi
 for name in ${RUNS:-cudnn_benchmark no_cudnn_benchmark}; do

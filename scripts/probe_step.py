@@ -5,7 +5,7 @@ profile of eager steps. Random images on the real rig, random depth targets; pri
 
     python scripts/probe_step.py --layout bev [--compile [--inductor-defaults]] [--profile] [--replays 60]
 
-scripts/gpu_probe.sh runs the layouts and two cold compilations in one GPU call (docs/benchmarks.md)."""
+scripts/gpu_probe.sh runs the layouts and two cold compilations, each in a process of its own (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse

@@ -3,7 +3,7 @@
     python scripts/profile_bev_pool.py [--iters 50]
 
 Prints, for each configuration and feature layout (contiguous feat and grad_out; channels-last feat and grad_out,
-as training runs), every CUDA kernel launched by one fwd+bwd with its mean device time, and the total: the GPU
+as training runs), every CUDA kernel launched by one fwd+bwd with its mean GPU time, and the total: the GPU
 time that the op costs without the host-side launch overhead."""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def main() -> None:
             for _ in range(10):
                 step()
             torch.cuda.synchronize()
-            print(f"{case.name}, {layout}: mean device time per fwd+bwd, by kernel")
+            print(f"{case.name}, {layout}: mean GPU time per fwd+bwd, by kernel")
             print_kernel_table(kernel_table(step, args.iters))
 
 

@@ -189,7 +189,7 @@ def print_top(variant: str, events, n: int, top: int) -> None:
         print(f"  {e.self_cpu_time_total / n / 1e3:8.3f}  x{e.count / n:6.0f}  {e.key[:90]}")
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     if kernels:
-        print(f"{variant}: top kernels by device time (ms per step, launches per step)")
+        print(f"{variant}: top kernels by GPU time (ms per step, launches per step)")
         for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
             print(f"  {e.device_time_total / n / 1e3:8.3f}  x{e.count / n:6.0f}  {e.key[:90]}")
 

@@ -3,7 +3,7 @@
     python scripts/profile_focal_loss.py [--shape 16 10 512 512] [--iters 50]
 
 Prints, for float32 and bfloat16 logits (float32 targets, reduction "mean", as in benchmarks/focal_loss.py),
-every CUDA kernel launched by one fwd+bwd with its mean device time and the total, then the step time measured the
+every CUDA kernel launched by one fwd+bwd with its mean GPU time and the total, then the step time measured the
 way the benchmark does (CUDA events around one synchronized step): the difference is host-side overhead. Each dtype
 runs twice: the loss itself (grad_output 1, nothing left for the backward to scale) and the loss times 2 (the
 in-place scaling pass of a loss weight or loss scale)."""
@@ -54,7 +54,7 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
         name = str(dtype).replace("torch.", "")
-        print(f"{'x'.join(map(str, shape))} {name} logits, loss x {factor:g}: mean device time per fwd+bwd, by kernel")
+        print(f"{'x'.join(map(str, shape))} {name} logits, loss x {factor:g}: mean GPU time per fwd+bwd, by kernel")
         print_kernel_table(kernel_table(step, args.iters))
         print(f"  {event_ms(step, args.iters) * 1e3:9.2f} us  step time (CUDA events around a synchronized step)")
 

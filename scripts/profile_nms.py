@@ -3,7 +3,7 @@
     python scripts/profile_nms.py [--iters 10]      per-kernel table at 5k / 20k / 100k boxes and batched 20k
     python scripts/profile_nms.py --smoke           small calls only, for compute-sanitizer (memcheck, racecheck)
 
-Each table lists every CUDA kernel (and memset / memcpy) of one call with its mean device time (the bitmask kernel,
+Each table lists every CUDA kernel (and memset / memcpy) of one call with its mean GPU time (the bitmask kernel,
 the one-block reduction, the score sort and the gathers), their sum and the eager time of the call."""
 from __future__ import annotations
 

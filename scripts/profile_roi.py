@@ -3,7 +3,7 @@ scripts/profile_nms.py, which imports `report` from here).
 
     python scripts/profile_roi.py [--iters 20]
 
-For each case and implementation prints every CUDA kernel (and memset / memcpy) of one call with its mean device
+For each case and implementation prints every CUDA kernel (and memset / memcpy) of one call with its mean GPU
 time, their sum (GPU busy time) and the eager time of the call between CUDA events, as `python -m lss bench` measures
 it. eager - busy is what host work (launches, syncs, Python) adds on the GPU's timeline."""
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python scripts/profile_train_step.py [--impl lss] [--steps 10] [--top 30]
 
 Prints the wall time per step, the summed GPU kernel time per step (when it is far below the wall time the step is
-bound by host-side launch overhead, not by the GPU), the kernel launches per step, the top kernels by device time
+bound by host-side launch overhead, not by the GPU), the kernel launches per step, the top kernels by GPU time
 and the top host operators by self CPU time."""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def main() -> None:
     launches = sum(e.count for e in kernels) / args.steps
     print(f"{args.impl}: wall {wall:.2f} ms/step (unprofiled), GPU kernel time {gpu_ms:.2f} ms/step, "
           f"{launches:.0f} kernels/step")
-    print(f"top kernels by device time (ms/step, launches/step):")
+    print(f"top kernels by GPU time (ms/step, launches/step):")
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[: args.top]:
         print(f"  {e.device_time_total / args.steps / 1e3:7.3f}  x{e.count / args.steps:5.0f}  {e.key[:100]}")
     print(f"top host operators by self CPU time (ms/step, calls/step):")
