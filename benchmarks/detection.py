@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lss.boxes import bev_envelopes
+from lss.geometry.boxes import bev_envelopes
 from lss.config import Config
 from lss.geometry import BevGrid
 from lss.models.heads.detection import BoxRefiner, decode_peaks, propose, proposal_rois

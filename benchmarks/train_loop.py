@@ -288,8 +288,8 @@ def loader_rate(
     """Batches/s of the training loader alone (dataset, sampler, workers and pinning as the trainer builds them),
     after every worker has delivered a first batch; returns (rate, workers)."""
     from lss.config import load_config
-    from lss.engine.build import StreamSampler, build_dataset, build_loader, loader_workers
-    from lss.engine.distributed import EpochSampler
+    from lss.data.loader import build_dataset, build_loader, loader_workers
+    from lss.data.samplers import EpochSampler, StreamSampler
 
     cfg = load_config(resolve_config(config), overrides)
     t = cfg.train

@@ -13,7 +13,8 @@ from dataclasses import replace
 import torch
 
 from lss.config import Config, load_config
-from lss.engine.build import apply_channels_last, build_optimizer
+from lss.engine.optim import build_optimizer
+from lss.models.build import apply_channels_last
 from lss.engine.step import compile_encoders
 from lss.geometry import image_augmentation, load_nuscenes_rig, val_augmentation
 

@@ -176,14 +176,14 @@ def cmd_viz(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from lss.demo import demo
+    from lss.engine.demo import demo
 
     demo(config=args.config, overrides=args.overrides, out_dir=args.out)
     return 0
 
 
 def cmd_bench(args) -> int:
-    from lss import bench
+    from lss.engine import bench
 
     bench.run(suites=args.suite or None, device=args.device, out_dir=args.out, quick=args.quick)
     return 0

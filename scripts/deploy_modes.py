@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lss.config import load_config
-from lss.engine.build import device_type
+from lss.engine.distributed import device_type
 from lss.engine.train import train
 from lss.export import export_checkpoint
 from lss.export.check import check_export

@@ -22,8 +22,9 @@ sys.path.insert(0, str(REPO))
 
 from lss.config import load_config  # noqa: E402
 from lss.data import collate  # noqa: E402
-from lss.engine.build import (build_autocast, build_dataset, build_model, select_device,  # noqa: E402
-                              to_device)
+from lss.data.loader import build_dataset  # noqa: E402
+from lss.engine.distributed import build_autocast, select_device, to_device  # noqa: E402
+from lss.models.build import build_model  # noqa: E402
 from lss.engine.checkpoint import load_for_inference  # noqa: E402
 from lss.models.heads.detection import decode_detections, propose  # noqa: E402
 

@@ -22,7 +22,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
 from benchmarks.train_step import make_train_step, random_batches  # noqa: E402
 from lss.config import load_config  # noqa: E402
-from lss.engine.build import apply_channels_last, build_optimizer  # noqa: E402
+from lss.engine.optim import build_optimizer  # noqa: E402
+from lss.models.build import apply_channels_last  # noqa: E402
 from lss.engine.step import GraphedTrainStep, compile_encoders  # noqa: E402
 from lss.models.losses import TotalLoss  # noqa: E402
 from lss.models import LiftSplatShoot  # noqa: E402

@@ -35,14 +35,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/
 from benchmarks.train_step import LSS_CONFIG, QUICK_CONFIG, random_batches  # noqa: E402
 from lss.config import load_config  # noqa: E402
-from lss.engine.build import (  # noqa: E402
-    apply_channels_last,
-    autocast_dtype,
-    build_autocast,
-    build_optimizer,
-    build_scheduler,
-)
-from lss.engine.distributed import DistInfo  # noqa: E402
+from lss.engine.distributed import DistInfo, autocast_dtype, build_autocast  # noqa: E402
+from lss.engine.optim import build_optimizer, build_scheduler  # noqa: E402
+from lss.models.build import apply_channels_last  # noqa: E402
 from lss.engine.step import StepChoice, StepParts, build_step  # noqa: E402
 from lss.models import LiftSplatShoot  # noqa: E402
 from lss.models.losses import TotalLoss  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lss import bench
+from lss.engine import bench
 from lss.cli import main
 from lss.errors import LssError
 

@@ -9,7 +9,7 @@ from lss.config import Config
 from lss.data import NuScenesBEV
 from lss.data import nuscenes as nuscenes_module
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
-from lss.boxes import box_footprints
+from lss.geometry.boxes import box_footprints
 from lss.geometry import BevGrid, FrustumLUT, frustum, frustum_to_ego
 
 VERSION = "v1.0-mini"

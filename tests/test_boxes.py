@@ -1,11 +1,11 @@
-"""Box coding (lss.boxes) and the grid methods it uses: regression and residual round trips, centre cells, the
+"""Box coding (lss.geometry.boxes) and the grid methods it uses: regression and residual round trips, centre cells, the
 jittered ground-truth proposals, box corners."""
 import math
 
 import numpy as np
 import torch
 
-from lss.boxes import (REGRESSION_CHANNELS, box_corners, box_footprints, boxes_to_regression, centre_cells,
+from lss.geometry.boxes import (REGRESSION_CHANNELS, box_corners, box_footprints, boxes_to_regression, centre_cells,
                        ground_truth_proposals, regression_to_boxes)
 from lss.geometry import BevGrid
 

@@ -89,7 +89,7 @@ def test_expected_configs_are_shipped():
 
 
 def test_demo_config_is_embedded_identically():
-    from lss.demo import DEMO_CONFIG_YAML, demo_config
+    from lss.engine.demo import DEMO_CONFIG_YAML, demo_config
 
     assert (ROOT / "configs" / "synthetic_demo.yaml").read_text() == DEMO_CONFIG_YAML
     assert config_to_dict(demo_config()) == config_to_dict(load_config(ROOT / "configs" / "synthetic_demo.yaml"))
@@ -182,7 +182,7 @@ def test_cross_field_rules_see_every_source_and_the_defaults_pass(tmp_path):
 
 def test_load_config_and_config_from_dict_run_validate(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr("lss.config.validate", lambda cfg: seen.append(cfg) or cfg)
+    monkeypatch.setattr("lss.config.load.validate", lambda cfg: seen.append(cfg) or cfg)
     loaded = load_config(write(tmp_path, "model:\n  downsample: 8\n"))
     rebuilt = config_from_dict({"model": {"downsample": 8}})
     assert seen == [loaded, rebuilt] and loaded.model.downsample == 8
@@ -300,18 +300,18 @@ def test_a_yaml_syntax_error_is_one_line_with_the_position(tmp_path):
 
 
 def test_auto_loader_workers_follow_the_cpus_and_ranks(monkeypatch):
-    from lss.engine import build
+    import lss.data.loader as data_loader
 
     cfg = load_config(None, ["data.workers=auto"])
     assert cfg.data.workers == "auto" and load_config(None, ["data.workers=3"]).data.workers == 3
-    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(data_loader.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert build.loader_workers(cfg) == 12
+    assert data_loader.loader_workers(cfg) == 12
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two torchrun ranks share the 16 CPUs
-    assert build.loader_workers(cfg) == 6
-    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert data_loader.loader_workers(cfg) == 6
+    monkeypatch.setattr(data_loader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert build.loader_workers(cfg) == 1  # never none: a 2-core machine still loads in a worker
+    assert data_loader.loader_workers(cfg) == 1  # never none: a 2-core machine still loads in a worker
     with pytest.raises(ConfigError, match=r"data.workers='many': expected int or 'auto'"):
         load_config(None, ["data.workers=many"])
 

@@ -12,8 +12,8 @@ from pyquaternion import Quaternion
 
 from lss.config import NUSCENES_CAMERAS, Config, validate
 from lss.data import DETECTION_CLASSES, NuScenesBEV, collate, locate_dataroot
-from lss.engine.build import build_dataset, build_eval_loader, build_loader, ensure_dataset
-from lss.engine.distributed import EpochSampler
+from lss.data.loader import build_dataset, build_eval_loader, build_loader, ensure_dataset
+from lss.data.samplers import EpochSampler
 from lss.errors import DatasetError
 
 VERSION = "v1.0-mini"

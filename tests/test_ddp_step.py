@@ -267,7 +267,7 @@ def test_split_step_follows_the_graphed_step_in_one_process():
     GraphedTrainStep, both without graphs."""
     cfg = tiny_cfg()
     batches = [rig_batch(cfg, seed=s) for s in range(2)]
-    from lss.engine.build import build_optimizer
+    from lss.engine.optim import build_optimizer
     from lss.models import LiftSplatShoot
     from lss.models.losses import TotalLoss
 
@@ -300,7 +300,7 @@ def test_split_step_captures_two_graphs_and_follows_the_captured_step_on_cuda():
     (cuDNN may pick other algorithms in each capture: the captured-vs-eager test's tolerance)."""
     cfg = tiny_cfg()
     batches = [{k: v.cuda() for k, v in rig_batch(cfg, seed=s).items()} for s in range(4)]
-    from lss.engine.build import build_optimizer
+    from lss.engine.optim import build_optimizer
     from lss.models import LiftSplatShoot
     from lss.models.losses import TotalLoss
 
@@ -475,7 +475,7 @@ def test_a_rank_that_dies_ends_the_others_run_with_a_message(tmp_path):
 def test_the_ddp_suite_launches_torchrun_and_compares_curves_at_common_steps(tmp_path):
     import importlib
 
-    from lss import bench
+    from lss.engine import bench
 
     bench.load_benchmarks()  # the checkout's benchmarks/ on sys.path
     ddp = importlib.import_module("benchmarks.ddp")

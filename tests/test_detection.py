@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import devices
 
-from lss.boxes import (DETECTION_CLASSES, Proposals, apply_residuals, bev_envelopes, box_residuals, encode_targets,
+from lss.geometry.boxes import (DETECTION_CLASSES, Proposals, apply_residuals, bev_envelopes, box_residuals, encode_targets,
                        ground_truth_proposals)
 from lss.config import Config, ConfigError, validate
 from lss.geometry import BevGrid
@@ -404,8 +404,8 @@ def test_camera_projection_inverts_frustum_to_ego():
 
 
 def test_bev_boxes_drawn_forward_up_left_on_the_left():
-    from lss.boxes import box_corners
-    from lss.detection_viz import draw_bev_boxes
+    from lss.geometry.boxes import box_corners
+    from lss.viz.detection import draw_bev_boxes
     from lss.geometry import BevGrid
     from lss.viz import BevView
 
@@ -426,7 +426,7 @@ def test_bev_boxes_drawn_forward_up_left_on_the_left():
 
 @pytest.mark.slow
 def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
-    from lss.demo import demo
+    from lss.engine.demo import demo
 
     tiny = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",
             "grid.ybound=[-16.0, 16.0, 1.0]", "grid.dbound=[4.0, 20.0, 2.0]", "model.context_channels=8",
@@ -458,7 +458,7 @@ def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
 
 
 def test_drawing_no_boxes_leaves_the_pictures_unchanged():
-    from lss.detection_viz import draw_bev_boxes, draw_camera_boxes
+    from lss.viz.detection import draw_bev_boxes, draw_camera_boxes
     from lss.geometry import BevGrid
     from lss.viz import BevView
 
@@ -473,7 +473,8 @@ def test_drawing_no_boxes_leaves_the_pictures_unchanged():
 def test_full_model_lowers_the_detection_loss_on_a_tiny_set(synthetic_root):
     from lss.config import load_config
     from lss.data import collate
-    from lss.engine.build import build_dataset, build_model
+    from lss.data.loader import build_dataset
+    from lss.models.build import build_model
     from lss.models.losses import TotalLoss
 
     tiny = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",

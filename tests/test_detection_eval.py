@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lss.config import DETECTION_CLASSES, Config
-from lss.boxes import encode_targets
+from lss.geometry.boxes import encode_targets
 from lss.engine.detection_eval import (VEHICLE_CLASSES, DetectionCollector, build_submission,
                                        evaluate_submission, subset_scores)
 from lss.engine.hooks import detection_curve_point

@@ -1,4 +1,4 @@
-"""Fixed-shape detection targets (lss.boxes.dense_targets): the same loss as the box lists, the
+"""Fixed-shape detection targets (lss.geometry.boxes.dense_targets): the same loss as the box lists, the
 dataset yields them while training, and with them the detection model's training step runs on static buffers
 (the CUDA-graph step) exactly as eager steps do."""
 import math
@@ -8,7 +8,7 @@ import torch
 from test_detection import GRID, random_boxes
 from test_graph_step import _run_both
 
-from lss.boxes import DENSE_TARGET_KEYS, DETECTION_CLASSES, dense_targets, encode_targets
+from lss.geometry.boxes import DENSE_TARGET_KEYS, DETECTION_CLASSES, dense_targets, encode_targets
 from lss.config import Config, ConfigError, load_config
 from lss.data import collate
 from lss.models.heads.detection_loss import detection_loss
@@ -82,7 +82,7 @@ def test_dense_targets_that_do_not_fit_the_heatmap_are_refused():
 
 
 def test_training_dataset_yields_dense_targets_and_evaluation_dataset_does_not(synthetic_root):
-    from lss.engine.build import build_dataset
+    from lss.data.loader import build_dataset
 
     config = load_config("configs/synthetic_detection.yaml", [
         "data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", f"data.dataroot={synthetic_root}",

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lss.engine.build import apply_channels_last, build_optimizer, build_scheduler
+from lss.engine.optim import build_optimizer, build_scheduler
+from lss.models.build import apply_channels_last
 from lss.engine.distributed import DistInfo
 from lss.engine.step import EagerStep, StepChoice, StepParts, build_step, choose_step
 from lss.engine.step.partial import EncoderGraphs, encoder_graph_problems

@@ -17,12 +17,13 @@ ort = pytest.importorskip("onnxruntime")
 from lss.cli import main  # noqa: E402
 from lss.config import load_config  # noqa: E402
 from lss.data import collate  # noqa: E402
-from lss.engine import build  # noqa: E402
+from lss.data.loader import build_dataset  # noqa: E402
 from lss.engine.checkpoint import load_for_inference  # noqa: E402
 from lss.engine.checkpoint import save_checkpoint  # noqa: E402
 from lss.export import export_checkpoint, export_model  # noqa: E402
 from lss.export.check import check_export  # noqa: E402
 from lss.export.graph import RIG_KEYS  # noqa: E402
+from lss.models import build_model  # noqa: E402
 from lss.ops import UpsampleBilinear, upsample_bilinear_reference  # noqa: E402
 from lss.ops.upsample import MODES  # noqa: E402
 
@@ -39,8 +40,8 @@ def _checkpoint(cfg, path, logit_scale=1.0):
     """A tiny model whose batch-norm statistics come from the validation images (so that the logits have the spread
     of a trained model: tens, not hundredths; `logit_scale` multiplies its segmentation head), saved to path."""
     torch.manual_seed(3)
-    model = build.build_model(cfg)
-    dataset = build.build_dataset(cfg, cfg.data.val_split, False)
+    model = build_model(cfg)
+    dataset = build_dataset(cfg, cfg.data.val_split, False)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.reset_running_stats()
@@ -108,7 +109,7 @@ def test_fixed_rig_export_runs_in_stock_onnxruntime_like_pytorch(checkpoint, tmp
     assert result["max_abs_diff"] <= 1e-3 and result["max_iou_diff_points"] <= 0.1 and result["passed"]
     assert result["iou_torch"] == result["iou_onnx"] and result["rig_deviation"] == 0.0
     # the batch size is dynamic: two samples at once give each sample's own maps
-    dataset = build.build_dataset(cfg, cfg.data.val_split, False)
+    dataset = build_dataset(cfg, cfg.data.val_split, False)
     images = torch.stack([dataset[0]["images"], dataset[1]["images"]]).numpy()
     session = ort.InferenceSession(str(done["path"]), providers=["CPUExecutionProvider"])
     both = session.run(None, {"images": images})[0]
@@ -120,7 +121,7 @@ def test_fixed_rig_export_runs_in_stock_onnxruntime_like_pytorch(checkpoint, tmp
 def test_rig_input_export_builds_each_samples_table_in_the_graph(checkpoint, tmp_path):
     cfg, ckpt = checkpoint
     done = export_checkpoint(cfg, ckpt, tmp_path / "m.onnx", rig_inputs=True)
-    dataset = build.build_dataset(cfg, cfg.data.val_split, False)
+    dataset = build_dataset(cfg, cfg.data.val_split, False)
     batch = collate([dataset[0], dataset[2]])
     batch["sensor2ego_trans"][1, :, 0] += 3.0  # the second sample's rig moved 3 m forward: another table
     with torch.no_grad():
@@ -178,7 +179,7 @@ def test_custom_op_graph_holds_one_documented_bev_pool_node(checkpoint, tmp_path
         def _run(self, depth, feat, sorted_points, cell_start, point_cell, nz=None, nx=None, ny=None):
             return (_BevPoolNumpy.run(depth, feat, sorted_points, cell_start, point_cell, nz, nx, ny),)
 
-    batch = collate([build.build_dataset(cfg, cfg.data.val_split, False)[1]])
+    batch = collate([build_dataset(cfg, cfg.data.val_split, False)[1]])
     batch.update({k: v[None] for k, v in done["rig"].items()})
     with torch.no_grad():
         want = done["model"](batch)["segmentation"].numpy()

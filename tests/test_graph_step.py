@@ -16,7 +16,7 @@ from lss.engine.distributed import DistInfo
 from lss.engine.step import GraphedTrainStep, StepChoice, choose_step
 from lss.engine.step.graph import make_capturable
 from lss.models.losses import TotalLoss
-from lss.engine.build import build_optimizer, lr_factor
+from lss.engine.optim import build_optimizer, lr_factor
 from lss.geometry import inverse_3x3, load_nuscenes_rig
 from lss.models import LiftSplatShoot
 from test_model import rig_batch, tiny_cfg

@@ -89,7 +89,7 @@ def _conv_layouts(module):
     (True, {"channels_last"}, {"channels_last"}), (False, {"contiguous"}, {"contiguous"}),
     ("camera", {"channels_last"}, {"contiguous"}), ("bev", {"contiguous"}, {"channels_last"})])
 def test_train_channels_last_converts_the_parts_it_names_and_keeps_the_output(setting, camera, rest):
-    from lss.engine.build import apply_channels_last
+    from lss.models.build import apply_channels_last
 
     cfg = tiny_cfg(f"train.channels_last={str(setting).lower()}")
     assert cfg.train.channels_last == setting
@@ -105,7 +105,7 @@ def test_train_channels_last_converts_the_parts_it_names_and_keeps_the_output(se
 
 
 def test_train_channels_last_of_a_part_needs_the_lss_model():
-    from lss.engine.build import apply_channels_last
+    from lss.models.build import apply_channels_last
 
     with pytest.raises(ConfigError, match="train.channels_last='bev' .* no camera encoder .* use true or false"):
         apply_channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3)), "bev")

@@ -20,7 +20,7 @@ from lss.data import index_cache
 from lss.engine.run_dir import LOCK_FILE, lock_run_dir, open_run_dir
 from lss.errors import ArgumentError, ConfigError, RunDirInUseError
 from lss.export.exporter import replacing
-from lss.memory_estimate import check_render_memory, host_memory, size_text, training_needs
+from lss.config.memory import check_render_memory, host_memory, size_text, training_needs
 
 
 # ----------------------------------------------------------------------------------- run-directory lock
@@ -290,7 +290,7 @@ def test_synthetic_images_beyond_the_machines_memory_are_refused_before_writing(
     from lss.data.synthetic import generate
     from lss.data.synthetic.render import CameraModel
     from lss.data.synthetic.rig import load_rig
-    from lss.memory_estimate import RENDER_BYTES_PER_PIXEL
+    from lss.config.memory import RENDER_BYTES_PER_PIXEL
 
     kept = CameraModel(load_rig((64, 36))["CAM_FRONT"])
     arrays = [v for v in vars(kept).values() if hasattr(v, "nbytes") and getattr(v, "ndim", 0) >= 2]
@@ -352,7 +352,7 @@ def test_bev_pool_of_an_empty_batch_is_empty(impl, device):
 
 @pytest.mark.cuda
 def test_a_batch_beyond_the_gpus_memory_is_refused_naming_the_gpu():
-    from lss.memory_estimate import check_device_memory
+    from lss.config.memory import check_device_memory
 
     cfg = load_config(None, ["train.device=cuda", "grid.xbound=[-50.0, 50.0, 0.1]",
                              "grid.ybound=[-50.0, 50.0, 0.1]", "train.batch_size=4096"])

@@ -9,7 +9,7 @@ from nuscenes.utils.geometry_utils import view_points
 from pyquaternion import Quaternion
 from shapely.geometry import LineString, Point, Polygon
 
-from lss.boxes import box_footprints
+from lss.geometry.boxes import box_footprints
 from lss.data import targets as T
 from lss.geometry import BevGrid
 

@@ -15,8 +15,10 @@ from torch.utils.data import DataLoader
 
 from lss.config import load_config
 from lss.data import collate
-from lss.engine.build import StreamSampler, build_dataset, build_loader
-from lss.engine.distributed import DistInfo, EpochSampler
+from lss.data.loader import build_dataset, build_loader
+from lss.data.samplers import StreamSampler
+from lss.data.samplers import EpochSampler
+from lss.engine.distributed import DistInfo
 from lss.engine.eval import evaluate, pad_batch
 from lss.engine.hooks import LogHook, StepTimer
 from lss.engine.step import CapturedStep, StepLogs
@@ -310,7 +312,7 @@ def test_a_cached_index_does_not_import_the_devkit(synthetic_root, tmp_path):
     import subprocess
     import sys
 
-    code = (f"import sys; from lss.config import load_config; from lss.engine.build import build_dataset; "
+    code = (f"import sys; from lss.config import load_config; from lss.data.loader import build_dataset; "
             f"cfg = load_config(None, ['data.dataroot={synthetic_root}', 'data.depth_targets=true']); "
             f"ds = build_dataset(cfg, 'train', True); ds[0]; print('nuscenes' in sys.modules)")
     env = dict(os.environ, LSS_CACHE_DIR=str(tmp_path / "cache"))
@@ -322,18 +324,18 @@ def test_lss_train_builds_the_index_in_a_child_and_the_datasets_load_it(syntheti
                                                                           capsys):
     import lss.data.sample_index as sample_index
     from lss.data.index_cache import cache_dir
-    from lss.data.loader import index_splits_in_background, split_dataset
+    from lss.data.loader import index_splits_in_background, build_dataset
 
     cfg = load_config(None, [f"data.dataroot={synthetic_root}", "data.depth_targets=true",
                              "data.train_split=train", "data.val_split=val"])
     monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "in-process"))
-    here = [split_dataset(cfg, "train", True), split_dataset(cfg, "val", False)]
+    here = [build_dataset(cfg, "train", True), build_dataset(cfg, "val", False)]
     monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "background"))
     assert index_splits_in_background(cfg)
     # the tables are read in the child only: this process waits for it and loads both splits from the cache
     monkeypatch.setattr(sample_index, "load_tables", lambda *a: (_ for _ in ()).throw(RuntimeError("tables read here")))
     capsys.readouterr()
-    there = [split_dataset(cfg, "train", True), split_dataset(cfg, "val", False)]
+    there = [build_dataset(cfg, "train", True), build_dataset(cfg, "val", False)]
     assert capsys.readouterr().out.count("(cached index)") == 2
     assert len(list((cache_dir() / "index").glob("*.pkl"))) == 2
     for a, b in zip(here, there):
@@ -348,14 +350,14 @@ def test_a_failed_or_stuck_background_build_leaves_the_work_and_the_error_to_thi
     import time
 
     from lss.data.index_cache import build_in_background, wait_for_background_builds
-    from lss.data.loader import index_splits_in_background, split_dataset
+    from lss.data.loader import index_splits_in_background, build_dataset
     from lss.errors import DatasetError
 
     assert not wait_for_background_builds()  # none started
     cfg = load_config(None, [f"data.dataroot={tmp_path / 'missing'}", "data.make_synthetic_if_missing=false"])
     assert not index_splits_in_background(cfg)  # no dataset: no child
     with pytest.raises(DatasetError, match="missing"):
-        split_dataset(cfg, cfg.data.train_split, True)
+        build_dataset(cfg, cfg.data.train_split, True)
 
     def fails():
         print("from the child")

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from lss.config import ConfigError, load_config
-from lss.detection_viz import GROUND_TRUTH_COLOR, PREDICTION_COLOR
-from lss.boxes import box_corners
+from lss.viz.detection import GROUND_TRUTH_COLOR, PREDICTION_COLOR
+from lss.geometry.boxes import box_corners
 from lss.geometry import BevGrid, ego_to_pixels, load_nuscenes_rig
 from lss.viz import BACK_ROW, FRONT_ROW, BevView, camera_mosaic, class_colors, layer_opacity, render_batch
 from lss.viz import render_sample
@@ -315,12 +315,13 @@ def test_eval_and_viz_of_a_checkpoint_go_through_load_for_inference(synthetic_ro
     import lss.engine.checkpoint as checkpoint
     import lss.engine.eval as eval_module
     import lss.viz as viz
-    from lss.engine import build
+    from lss.data.loader import build_dataset, build_eval_loader
     from lss.engine.checkpoint import save_checkpoint
+    from lss.models import build_model
 
     cfg = load_config(None, TINY + [f"data.dataroot={synthetic_root}"])
     torch.manual_seed(7)
-    saved = build.build_model(cfg)
+    saved = build_model(cfg)
     ckpt = tmp_path / "run" / "checkpoints" / "best.pt"
     save_checkpoint(ckpt, saved, step=5, config=cfg)
     loaded, real_load = [], checkpoint.load_for_inference
@@ -336,7 +337,7 @@ def test_eval_and_viz_of_a_checkpoint_go_through_load_for_inference(synthetic_ro
     weights = saved.state_dict()
     assert all(torch.equal(v, weights[k]) for k, v in loaded[0].state_dict().items())
     cpu = torch.device("cpu")
-    loader = build.build_eval_loader(cfg, build.build_dataset(cfg, cfg.data.val_split, False), cpu)
+    loader = build_eval_loader(cfg, build_dataset(cfg, cfg.data.val_split, False), cpu)
     reference = eval_module.evaluate(saved, loader, cfg, cpu, show_progress=False)
     assert result["iou"] == pytest.approx(reference["iou"], abs=1e-6)
     assert result["step"] == 5 and result["samples"] == 3
@@ -360,7 +361,7 @@ def test_eval_and_viz_write_into_the_run_directory_of_a_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_demo_trains_evaluates_and_renders_on_synthetic_data(synthetic_root, tmp_path):
-    from lss.demo import demo
+    from lss.engine.demo import demo
 
     run = tmp_path / "demo"
     result = demo(overrides=TINY + [f"data.dataroot={synthetic_root}"], out_dir=str(run))

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from lss.boxes import BOX_CENTRE, BOX_DIM, BOX_SIZE, BOX_VELOCITY, BOX_YAW
+from lss.geometry.boxes import BOX_CENTRE, BOX_DIM, BOX_SIZE, BOX_VELOCITY, BOX_YAW
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lss.boxes import DETECTION_CLASSES
+from lss.geometry.boxes import DETECTION_CLASSES
 from lss.errors import ConfigError
 
 # Segmentation object classes: nuScenes category-name prefixes (LSS: all vehicles; all pedestrians).

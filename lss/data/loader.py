@@ -1,19 +1,27 @@
-"""Batching of NuScenesBEV items, the datasets of a config's splits (their indexes built ahead in
-the background for `lss train`), and the synthetic set generated where the config asks for it (the
-loaders themselves: lss.engine.build)."""
+"""The datasets of a config's splits (their indexes built ahead in the background for `lss train`),
+the synthetic set generated where the config asks for it, batching of NuScenesBEV items and the
+loaders that feed training and evaluation (workers, their threads and niceness)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import random
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lss.config import Config
 from lss.data.index_cache import build_in_background
 from lss.data.nuscenes import DatasetNotFoundError, NuScenesBEV, locate_dataroot
+from lss.data.samplers import EpochSampler
 from lss.errors import DatasetError
+
+DatasetFn = Callable[[Config, str, bool], Dataset]
 
 
 # Per-object fields stay lists even when every sample happens to hold the same number of objects.
@@ -45,7 +53,7 @@ def collate(items: Sequence[dict]) -> dict:
     return batch
 
 
-def split_dataset(cfg: Config, split: str, is_train: bool, verbose: bool = True) -> NuScenesBEV:
+def build_dataset(cfg: Config, split: str, is_train: bool, verbose: bool = True) -> NuScenesBEV:
     """NuScenesBEV of `split`. Evaluation reads no lidar: its depth targets feed only the training
     loss."""
     if not is_train and cfg.data.depth_targets:
@@ -76,8 +84,8 @@ def index_splits_in_background(cfg: Config) -> bool:
         return False
 
     def build() -> None:
-        split_dataset(cfg, cfg.data.train_split, True, verbose=False)
-        split_dataset(cfg, cfg.data.val_split, False, verbose=False)
+        build_dataset(cfg, cfg.data.train_split, True, verbose=False)
+        build_dataset(cfg, cfg.data.val_split, False, verbose=False)
 
     return build_in_background(build)
 
@@ -116,3 +124,96 @@ def ensure_dataset(config: Config) -> None:
             image_size=tuple(syn.image_size),
             seed=syn.seed,
         )
+
+
+def loader_workers(cfg: Config) -> int:
+    """data.workers, with "auto" resolved on this machine: this rank's share of the usable CPUs
+    (torchrun's LOCAL_WORLD_SIZE ranks share the host) less 2 for the training process and the
+    pinning thread, at most 12 (enough for the loop to keep up with the captured step,
+    docs/training.md), at least 1."""
+    if cfg.data.workers != "auto":
+        return cfg.data.workers
+    cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    return max(1, min(12, cpus // ranks - 2))
+
+
+def build_loader(
+    cfg: Config,
+    dataset: Dataset,
+    sampler: Sampler,
+    batch_size: int,
+    drop_last: bool,
+    device: torch.device,
+    seed: int,
+    persistent: bool = False,
+    collate_fn: Callable = collate,
+) -> DataLoader:
+    """A loader of `dataset` in `sampler`'s order with data.workers workers. `persistent`: keep
+    the worker processes from epoch to epoch (the training loader: starting them again every
+    epoch stalls training on small sets, whose epochs last seconds)."""
+    workers = loader_workers(cfg)
+    # an own generator keeps the loaders from drawing on the global RNG (resume then continues the
+    # same stream)
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate_fn,
+        pin_memory=device.type == "cuda",
+        drop_last=drop_last,
+        generator=generator,
+        persistent_workers=persistent and workers > 0,
+        worker_init_fn=functools.partial(_init_worker, cfg.data.worker_niceness)
+        if workers
+        else None,
+    )
+
+
+def build_eval_loader(
+    cfg: Config,
+    dataset: Dataset,
+    device: torch.device,
+    collate_fn: Callable = collate,
+    persistent: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+) -> DataLoader:
+    """Every sample of `dataset` once, in order, in eval.batch_size batches (the share of `rank`
+    of `world_size` under torchrun). `persistent`: keep the workers between passes (the trainer's
+    periodic evaluations; starting and stopping them cost seconds per evaluation)."""
+    sampler = EpochSampler(len(dataset), shuffle=False, rank=rank, world_size=world_size, pad=False)
+    return build_loader(
+        cfg,
+        dataset,
+        sampler,
+        cfg.eval.batch_size,
+        False,
+        device,
+        cfg.train.seed,
+        persistent=persistent,
+        collate_fn=collate_fn,
+    )
+
+
+def _init_worker(niceness: int, worker_id: int) -> None:
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+    limit_native_threads()
+    if niceness and hasattr(os, "nice"):
+        os.nice(niceness)
+
+
+def limit_native_threads() -> None:
+    """One BLAS/OpenMP thread in a loader worker (DataLoader already sets torch's): the workers
+    are the parallelism, and every worker's numpy starting a pool of one thread per core
+    oversubscribes the machine many times over (12 workers x 16 spinning BLAS threads on 16
+    cores)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)

@@ -13,7 +13,7 @@ import cv2
 import numpy as np
 import torch
 
-from lss.boxes import DETECTION_CLASSES, dense_targets
+from lss.geometry.boxes import DETECTION_CLASSES, dense_targets
 from lss.config import Config
 from lss.data import targets as T
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
@@ -53,6 +53,7 @@ __all__ = [
     "load_tables",
     "locate_dataroot",
     "normalize_images",
+    "pixel_lut",
     "resolve_split",
 ]
 
@@ -72,6 +73,13 @@ def normalize_images(images: Sequence[np.ndarray], lut: np.ndarray) -> torch.Ten
     return torch.from_numpy(out)
 
 
+def pixel_lut(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """The normalized value of every uint8 level per channel, (level / 255 - mean) / std: 256 x 3
+    float32, the table of normalize_images."""
+    levels = np.arange(256, dtype=np.float64)[:, None] / 255.0
+    return ((levels - np.asarray(mean)) / np.asarray(std)).astype(np.float32)
+
+
 class NuScenesBEV(torch.utils.data.Dataset):
     """Multi-camera images with calibration and augmentation, plus BEV targets, for one split.
 
@@ -82,7 +90,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
       "sample_token" str; "visibility_mask" nx x ny bool when config.data.visibility_mask;
       "det_boxes" M x 9 [x, y, z, w, l, h, yaw, vx, vy] and "det_labels" M int64 (index into
       DETECTION_CLASSES) when config.data.detection_targets, and in a training set also the first
-      stage's fixed-shape targets (lss.boxes.dense_targets: "det_target_heatmap",
+      stage's fixed-shape targets (lss.geometry.boxes.dense_targets: "det_target_heatmap",
       "det_target_index", ...);
       "depth_targets" N x fH x fW int64 when config.data.depth_targets: per camera feature cell
       (fH, fW = final_dim // model.downsample) the grid.dbound bin of the nearest LIDAR_TOP return,
@@ -110,11 +118,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.grid = BevGrid.from_config(self.config.grid)
         self.grid_shape = self.grid.shape
 
-        # Normalized value of every uint8 level per channel: (level / 255 - mean) / std, 256 x 3.
-        self._pixel_lut = (
-            (np.arange(256, dtype=np.float64)[:, None] / 255.0 - np.asarray(data.image_mean))
-            / np.asarray(data.image_std)
-        ).astype(np.float32)
+        self._pixel_lut = pixel_lut(data.image_mean, data.image_std)
         self._decoded = DecodedImages() if data.decoded_cache else None
         self.root, self.layout = locate_dataroot(dataroot, version)
         index, cached = split_index(self.root, version, split, data)

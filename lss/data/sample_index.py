@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from pyquaternion import Quaternion
 
-from lss.boxes import DETECTION_CLASSES, box_footprints
+from lss.geometry.boxes import DETECTION_CLASSES, box_footprints
 from lss.config import DataConfig
 from lss.data.classes import category_matches, class_kinds
 from lss.data.depth import lidar_to_camera_matrix

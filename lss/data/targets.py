@@ -53,7 +53,7 @@ def rasterize_polygons(
 
 
 def rasterize_footprints(canvas: np.ndarray, footprints: np.ndarray, grid: BevGrid) -> np.ndarray:
-    """Fill M x 4 x 2 box footprints (ego metres, lss.boxes.box_footprints) into `canvas`
+    """Fill M x 4 x 2 box footprints (ego metres, lss.geometry.boxes.box_footprints) into `canvas`
     (nx x ny uint8) with 1."""
     for corners in ego_to_raster_points(np.asarray(footprints).reshape(-1, 4, 2), grid):
         cv2.fillConvexPoly(canvas, corners, 1, lineType=cv2.LINE_8, shift=SHIFT)

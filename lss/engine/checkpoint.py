@@ -21,7 +21,8 @@ from torch import nn
 
 import lss
 from lss.config import Config, config_from_dict, config_to_dict
-from lss.engine.build import ModelFn, build_model, select_device
+from lss.engine.distributed import select_device
+from lss.models.build import ModelFn, build_model
 from lss.errors import CheckpointError
 
 FORMAT_VERSION = 1

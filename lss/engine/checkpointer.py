@@ -16,7 +16,7 @@ from torch import nn
 
 from lss.config import Config
 from lss.engine import checkpoint as ckpt_io
-from lss.engine.build import rng_state, set_rng_state
+from lss.engine.distributed import rng_state, set_rng_state
 from lss.errors import CheckpointError
 
 RESUME_HINT = "lss train (the same --config/--set) --out {} --resume"

@@ -1,16 +1,21 @@
-"""Process-group setup for `torchrun --nproc_per_node=K -m lss train ...`; a single process needs
-none of it."""
+"""Where this process runs: its device, its autocast, its RNG state and, under `torchrun
+--nproc_per_node=K -m lss train ...`, the process group (a single process needs none of it)."""
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
+import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, ContextManager, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+
+from lss.config import Config, ConfigError
+
+AutocastFn = Callable[[], ContextManager]
 
 
 @dataclass
@@ -77,45 +82,88 @@ def shutdown(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
-class EpochSampler(Sampler[int]):
-    """Per-epoch shuffled indices, sharded over ranks, that can start mid-epoch (for exact
-    resume).
+def device_type(cfg: Config) -> str:
+    """ "cuda" or "cpu", as train.device asks ("auto": CUDA when a GPU is visible)."""
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device='cuda' but no CUDA GPU is visible; use --set train.device=cpu"
+        )
+    return "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
 
-    The order is a function of (seed, epoch) only. With `pad` each rank gets ceil(len /
-    world_size) indices (the list wraps around, as DistributedSampler does); without it
-    (evaluation) every sample is seen exactly once. The first `start` indices of the rank's share
-    are skipped."""
 
-    def __init__(
-        self,
-        length: int,
-        shuffle: bool = True,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        pad: bool = True,
-    ):
-        self.length, self.shuffle, self.seed, self.pad = length, shuffle, seed, pad
-        self.rank, self.world_size = rank, world_size
-        if pad:
-            self.per_rank = math.ceil(length / world_size) if length else 0
-        else:
-            self.per_rank = len(range(rank, length, world_size))
-        self.epoch, self.start = 0, 0
+def select_device(cfg: Config, dist_info: Optional[DistInfo] = None) -> torch.device:
+    """The device of this process: its torchrun local rank's GPU, the current GPU, or the CPU."""
+    if device_type(cfg) == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", dist_info.local_rank if dist_info else torch.cuda.current_device())
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
 
-    def __len__(self) -> int:
-        return max(self.per_rank - self.start, 0)
+def seed_everything(seed: int, deterministic: bool, cudnn_benchmark: bool = True) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault(
+            "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+        )  # cuBLAS needs it for deterministic GEMMs
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    else:
+        torch.backends.cudnn.benchmark = cudnn_benchmark
 
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-            order = torch.randperm(self.length, generator=g).tolist()
-        else:
-            order = list(range(self.length))
-        if self.pad:
-            total = self.per_rank * self.world_size
-            order = (order * math.ceil(total / max(len(order), 1)))[:total]
-        yield from order[self.rank :: self.world_size][self.start :]
+
+def rng_state() -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    # RNG states must be CPU byte tensors; a checkpoint's map_location may have moved them
+    torch.set_rng_state(state["torch"].cpu())
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Evaluation and pictures inside leave the training RNG stream as it was (the curve does not
+    depend on how often they run)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype for the camera/BEV networks, or None (fp32). Autocast applies on CUDA
+    only."""
+    amp = cfg.train.amp
+    if device.type != "cuda" or amp == "none":
+        return None
+    return torch.bfloat16 if amp == "bf16" else torch.float16
+
+
+def build_autocast(cfg: Config, device: torch.device) -> AutocastFn:
+    """A factory of the forward pass's autocast context (train.amp on CUDA; a no-op context
+    otherwise)."""
+    dtype = autocast_dtype(cfg, device)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+    }

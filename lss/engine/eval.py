@@ -16,13 +16,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lss.config import Config
-from lss.engine.build import (
-    build_autocast,
-    build_dataset,
-    build_eval_loader,
-    select_device,
-    to_device,
-)
+from lss.data.loader import build_dataset, build_eval_loader
+from lss.engine.distributed import build_autocast, select_device, to_device
 from lss.engine.checkpoint import load_checkpoint_model, run_directory
 from lss.engine.detection_eval import DetectionCollector
 from lss.engine.metrics import IoUMeter, format_iou_table

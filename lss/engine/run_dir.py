@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lss import file_lock
+from lss.data import file_lock
 from lss.errors import ArgumentError, RunDirInUseError
 
-# Locked (lss.file_lock) by the process that trains into the directory, released when it dies.
+# Locked (lss.data.file_lock) by the process that trains into the directory, released when it dies.
 LOCK_FILE = ".lss-run.lock"
 
 # What a run leaves in its directory (besides config.yaml, rewritten by every run): their presence
@@ -63,7 +63,8 @@ def clear_run(run_dir: Path) -> None:
 
 
 class RunDirLock:
-    """The lock (lss.file_lock) on RUN_DIR/LOCK_FILE, held until `release` or the process ends."""
+    """The lock (lss.data.file_lock) on RUN_DIR/LOCK_FILE, held until `release` or the process
+    ends."""
 
     def __init__(self, path: Path, fd: Optional[int]):
         self.path, self._fd = path, fd

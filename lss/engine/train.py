@@ -17,36 +17,31 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from lss.config import Config, ConfigError, config_to_dict, save_config
+from lss.config.memory import check_device_memory
 from lss.data import collate
-from lss.engine.build import (
+from lss.data.loader import (
     DatasetFn,
-    ModelFn,
-    StreamSampler,
-    apply_channels_last,
-    autocast_dtype,
-    build_autocast,
     build_dataset,
     build_eval_loader,
     build_loader,
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    device_type,
     ensure_dataset,
-    lr_factor,
-    preserved_rng,
-    seed_everything,
-    select_device,
-    to_device,
 )
+from lss.data.samplers import EpochSampler, StreamSampler
 from lss.engine.checkpointer import Checkpointer, read_resume_state
 from lss.engine.distributed import (
     DistInfo,
-    EpochSampler,
+    autocast_dtype,
+    barrier,
+    build_autocast,
+    device_type,
     init_distributed,
     lost_peer,
     lost_peer_message,
+    preserved_rng,
+    seed_everything,
+    select_device,
     shutdown,
+    to_device,
 )
 from lss.engine.eval import EvalPasses, evaluate
 from lss.engine.hooks import (
@@ -60,10 +55,11 @@ from lss.engine.hooks import (
     is_due,
 )
 from lss.engine.run_dir import clear_run, open_run_dir
+from lss.engine.optim import build_optimizer, build_scheduler, lr_factor
 from lss.engine.step import StepChoice, StepLogs, StepParts, build_step, choose_step, uncompiled
 from lss.errors import ProcessGroupError, ResourceError
 from lss.geometry import BevGrid
-from lss.memory_estimate import check_device_memory
+from lss.models.build import ModelFn, apply_channels_last, build_model
 from lss.models.losses import TotalLoss
 
 # validation batch, the model's outputs for it (eval mode), config -> H x W x 3 uint8 picture
@@ -150,7 +146,13 @@ class Trainer:
         self.val_loader, self.val_passes = None, None
         if val_set is not None and len(val_set) > 0:
             self.val_loader = build_eval_loader(
-                cfg, val_set, device, dist_info, collate_fn, persistent=True
+                cfg,
+                val_set,
+                device,
+                collate_fn,
+                persistent=True,
+                rank=dist_info.rank,
+                world_size=dist_info.world_size,
             )
             self.val_passes = EvalPasses(self.val_loader)
         self._train_iter: Optional[Iterator[dict]] = None
@@ -378,7 +380,9 @@ def train(
             cfg.train.seed + dist_info.rank, cfg.train.deterministic, cfg.train.cudnn_benchmark
         )
         if cfg.data.make_synthetic_if_missing:
-            ensure_dataset(cfg, dist_info)
+            if dist_info.is_main:  # rank 0 generates a missing synthetic set, the others wait
+                ensure_dataset(cfg)
+            barrier(dist_info)
         train_set = dataset_fn(cfg, cfg.data.train_split, True)
         val_set = dataset_fn(cfg, cfg.data.val_split, False)
         timer.mark("datasets")

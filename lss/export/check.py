@@ -56,7 +56,7 @@ def check_export(
     reported ("rig_deviation"). Returns max_abs_diff, max_abs_logit, the IoU of both
     (IoUMeter.compute), the largest IoU difference in points and "passed"."""
     from lss.data import collate
-    from lss.engine.build import build_dataset
+    from lss.data.loader import build_dataset
     from lss.engine.metrics import IoUMeter
 
     if samples < 1:

@@ -124,7 +124,7 @@ def write_rig(rig: dict, path: Path) -> None:
 def dataset_rig(cfg: Config, index: int = 0) -> dict:
     """The rig (and evaluation augmentation) of validation sample `index`: the fixed rig by
     default."""
-    from lss.engine.build import build_dataset
+    from lss.data.loader import build_dataset
 
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     if not 0 <= index < len(dataset):

@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 
 from lss.data import MAP_LINE_LAYERS, MAP_POLYGON_LAYERS
-from lss.detection_viz import draw_bev_boxes
+from lss.viz.detection import draw_bev_boxes
 from lss.geometry import BevGrid
 
 # RGB per class: map areas light, lines and objects saturated; none equal to the ego or box colours.
@@ -214,7 +214,7 @@ def bev_panel(
     boxes: Sequence[tuple[np.ndarray, Sequence[int]]] = (),
 ) -> np.ndarray:
     """One BEV panel, view.height x view.width x 3 uint8: the K x nx x ny layers (compose_layers),
-    then `boxes` ((M x 9 boxes, RGB) pairs, lss.detection_viz.draw_bev_boxes), the ego car, the
+    then `boxes` ((M x 9 boxes, RGB) pairs, lss.viz.detection.draw_bev_boxes), the ego car, the
     scale bar and a border."""
     panel = view.raster(compose_layers(opacity, colors, order))
     for box_set, color in boxes:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from lss.config import Config
-from lss.detection_viz import (
+from lss.viz.detection import (
     GROUND_TRUTH_COLOR,
     PREDICTION_COLOR,
     SCORE_THRESHOLD,
@@ -174,7 +174,8 @@ def render_checkpoint(
     from PIL import Image
     from tqdm import tqdm
 
-    from lss.engine.build import build_dataset, select_device
+    from lss.data.loader import build_dataset
+    from lss.engine.distributed import select_device
     from lss.engine.checkpoint import load_checkpoint_model, run_directory
 
     device = select_device(cfg)

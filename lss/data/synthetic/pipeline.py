@@ -13,9 +13,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from lss import file_lock
+from lss.data import file_lock
 from lss.errors import ArgumentError
-from lss.memory_estimate import check_render_memory
+from lss.config.memory import check_render_memory
 
 from . import lidar as lidar_mod
 from .maps import location_geometry, write_map_expansion, write_semantic_prior
@@ -30,8 +30,8 @@ VERSIONS = ("v1.0-mini", "v1.0-trainval")
 OUTPUTS = ("samples", "sweeps", "maps")  # what generate writes next to the tables directory
 # the files generate wrote into a directory: what --force may delete there
 MANIFEST = ".lss-synthetic.json"
-# generate writes into OUT_DIR/STAGING<host>-<pid>, holding its STAGING_LOCK (lss.file_lock), and
-# moves the finished set into place
+# generate writes into OUT_DIR/STAGING<host>-<pid>, holding its STAGING_LOCK (lss.data.file_lock),
+# and moves the finished set into place
 STAGING = ".lss-synthetic-partial-"
 STAGING_LOCK = ".lock"
 MIN_SCENES = 2  # one for the training split, one for the validation split

@@ -25,14 +25,9 @@ import torch
 from tqdm import tqdm
 
 from lss.config import Config
-from lss.engine.build import (
-    ModelFn,
-    apply_channels_last,
-    autocast_dtype,
-    build_autocast,
-    build_optimizer,
-    seed_everything,
-)
+from lss.engine.distributed import autocast_dtype, build_autocast, seed_everything
+from lss.engine.optim import build_optimizer
+from lss.models.build import ModelFn, apply_channels_last
 from lss.engine.hooks import Hook
 from lss.models.losses import TotalLoss
 from lss.engine.step.compiled import CompiledStep, compile_encoders

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lss.engine.build import AutocastFn
+from lss.engine.distributed import AutocastFn
 from lss.engine.distributed import DistInfo
 from lss.engine.step.logs import StepLogs
 

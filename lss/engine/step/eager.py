@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from lss.engine.build import to_device
+from lss.engine.distributed import to_device
 from lss.engine.step.base import StepParts, TrainStep, check_finite
 from lss.engine.step.logs import StepLogs
 from lss.engine.step.partial import EncoderGraphs

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lss.config import Config
-from lss.engine.build import ModelFn
+from lss.models.build import ModelFn
 from lss.engine.distributed import DistInfo
 from lss.models.depth_loss import check_depth_targets
 from lss.engine.step.background import BackgroundCompileHook

@@ -1,7 +1,7 @@
 """3D object detection on the BEV features: CenterPoint-style centre heatmaps and box regression,
 decoding by top-K heatmap peaks and batched NMS, and a second stage that pools the BEV features
 around each proposal with RoIAlign and refines its score and box with a small MLP. Boxes and their
-coding: lss.boxes."""
+coding: lss.geometry.boxes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lss.boxes import (
+from lss.geometry.boxes import (
     BOX_DIM,
     DETECTION_CLASSES,
     REGRESSION_CHANNELS,
@@ -204,7 +204,7 @@ def proposal_rois(
 class BoxRefiner(nn.Module):
     """Second stage: RoIAlign pools the BEV features over each proposal's envelope; an MLP on the
     pooled features, the class and the proposal's own geometry predicts a score logit and box
-    residuals (lss.boxes.box_residuals)."""
+    residuals (lss.geometry.boxes.box_residuals)."""
 
     def __init__(
         self,
@@ -291,8 +291,8 @@ class DetectionHead(nn.Module):
     with cfg.refine also "det_proposals" (Proposals: the detached first-stage boxes, followed by
     `extra_proposals` and, while training with cfg.refine_gt_proposals, jittered copies of the
     ground truth gt_boxes / gt_labels (one M_b x 9 / M_b tensor per sample,
-    lss.boxes.ground_truth_proposals), all scored by the heatmap), "det_refine_scores" B x P
-    logits and "det_refine_residuals" B x P x 9.
+    lss.geometry.boxes.ground_truth_proposals), all scored by the heatmap), "det_refine_scores"
+    B x P logits and "det_refine_residuals" B x P x 9.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """Losses of the 3D detection head (lss.models.heads.detection): the first stage's heatmap focal
-loss and box regression against the targets of lss.boxes.encode_targets, and the second stage's
-score and residuals of the proposals matched to the ground truth."""
+loss and box regression against the targets of lss.geometry.boxes.encode_targets, and the second
+stage's score and residuals of the proposals matched to the ground truth."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from lss.boxes import (
+from lss.geometry.boxes import (
     BOX_DIM,
     DENSE_TARGET_KEYS,
     RESIDUAL_WEIGHT_CHANNELS,
@@ -70,8 +70,9 @@ def first_stage_targets(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first stage's targets on the device: heatmap B x K x H x W, centre cells B x M
     (row * W + col), regression B x M x 10 and its mask B x M x 10 (0 on padding rows). From the
-    batch's dense targets when the dataset made them (lss.boxes.dense_targets, while training),
-    else encoded from "det_boxes" / "det_labels" by the same encoder (lss.boxes.encode_targets)."""
+    batch's dense targets when the dataset made them (lss.geometry.boxes.dense_targets, while
+    training), else encoded from "det_boxes" / "det_labels" by the same encoder
+    (lss.geometry.boxes.encode_targets)."""
     device = heatmap_logits.device
     if DENSE_TARGET_KEYS[0] in batch:
         heat, index, target, mask = (batch[k] for k in DENSE_TARGET_KEYS)

@@ -1,8 +1,8 @@
-"""Typed configuration: dataclass defaults (the LSS paper recipe, lss.config_schema), overridden
-by YAML, then by `--set` pairs.
+"""Loading a config: dataclass defaults (the LSS paper recipe, lss.config.schema), overridden by
+YAML, then by `--set` pairs.
 
 Unknown keys, wrong types and values outside a `Literal[...]` are errors that name the key, where it
-came from and what is allowed; `validate` (lss.config_validate) then checks ranges and cross-field
+came from and what is allowed; `validate` (lss.config.validation) then checks ranges and cross-field
 rules (of the device or the data where known).
 """
 
@@ -16,47 +16,10 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from lss.boxes import DETECTION_CLASSES
-from lss.config_io import parse_override, read_number, read_yaml_file
-from lss.config_schema import (
-    Config,
-    DataConfig,
-    DetectionConfig,
-    EvalConfig,
-    GridConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    SyntheticConfig,
-    TrainConfig,
-    VizConfig,
-)
-from lss.config_validate import validate
+from lss.config.io import parse_override, read_number, read_yaml_file
+from lss.config.schema import Config
+from lss.config.validation import validate
 from lss.errors import ConfigError
-from lss.geometry import NUSCENES_CAMERAS
-
-__all__ = [
-    "DETECTION_CLASSES",
-    "NUSCENES_CAMERAS",
-    "Config",
-    "ConfigError",
-    "DataConfig",
-    "DetectionConfig",
-    "EvalConfig",
-    "GridConfig",
-    "LossConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "SyntheticConfig",
-    "TrainConfig",
-    "VizConfig",
-    "config_from_dict",
-    "config_to_dict",
-    "dump_config",
-    "load_config",
-    "save_config",
-    "validate",
-]
 
 
 def _type_name(tp: Any) -> str:

@@ -10,11 +10,11 @@ import math
 import typing
 from typing import Any
 
-from lss.boxes import DETECTION_CLASSES, REGRESSION_CHANNELS
-from lss.config_schema import Config
+from lss.geometry.boxes import DETECTION_CLASSES, REGRESSION_CHANNELS
+from lss.config.schema import Config
 from lss.errors import ConfigError
 from lss.geometry import NUSCENES_CAMERAS, BevGrid, depth_bin_count
-from lss.memory_estimate import check_config_memory
+from lss.config.memory import check_config_memory
 
 MAX_VISIBILITY = 4  # nuScenes visibility tokens: 1 (0-40 % visible) to 4 (80-100 %)
 # the camera trunk's deepest reduction: the input height and width must divide by it

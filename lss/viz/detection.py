@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import cv2
 import numpy as np
 
-from lss.boxes import box_corners
+from lss.geometry.boxes import box_corners
 from lss.geometry import RIG_KEYS, ego_to_pixels
 
 PREDICTION_COLOR = (230, 30, 30)

@@ -1,7 +1,7 @@
 """The configuration schema: one dataclass per section, its defaults the LSS paper recipe.
 
 Enumerations are `Literal[...]`, so that loading (lss.config) refuses other values by name; ranges
-and cross-field rules are checked by lss.config_validate.
+and cross-field rules are checked by lss.config.validation.
 """
 
 from __future__ import annotations

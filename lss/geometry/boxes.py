@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from lss.geometry import BevGrid
+from lss.geometry.grid import BevGrid
 
 # The nuScenes detection benchmark's classes in label order (the heatmap channels of the head).
 DETECTION_CLASSES = (

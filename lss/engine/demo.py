@@ -13,7 +13,7 @@ from lss.config import Config, load_config
 
 # The packaged copy of configs/synthetic_demo.yaml (an installed lss has no configs/ folder); a test
 # keeps them equal.
-DEMO_CONFIG_YAML = resources.files("lss").joinpath("demo.yaml").read_text()
+DEMO_CONFIG_YAML = resources.files("lss.engine").joinpath("demo.yaml").read_text()
 
 
 def demo_config(overrides: Sequence[str] = ()) -> Config:

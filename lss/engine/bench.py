@@ -18,7 +18,7 @@ def find_checkout(candidates: Optional[list[Path]] = None) -> Optional[Path]:
     """The first of `candidates` (default: the folder above the lss package, then the current
     directory) that holds benchmarks/_harness.py, else None."""
     if candidates is None:
-        candidates = [Path(__file__).resolve().parents[1], Path.cwd()]
+        candidates = [Path(__file__).resolve().parents[2], Path.cwd()]
     for root in candidates:
         if (root / "benchmarks" / "_harness.py").is_file():
             return root
@@ -29,7 +29,7 @@ def load_benchmarks(candidates: Optional[list[Path]] = None):
     """The checkout's `benchmarks` package, its folder put first on sys.path."""
     root = find_checkout(candidates)
     if root is None:
-        searched = candidates or [Path(__file__).resolve().parents[1], Path.cwd()]
+        searched = candidates or [Path(__file__).resolve().parents[2], Path.cwd()]
         raise LssError(
             "lss bench runs the benchmark suites of a source checkout, and none was found: no "
             f"benchmarks/_harness.py under {', '.join(str(p) for p in searched)}. The installed "
