@@ -18,9 +18,10 @@ LOGIT_TOLERANCE = 1e-3  # fp32: max |logit difference| of a faithful export
 IOU_TOLERANCE = 0.1  # IoU points
 
 
-def onnxruntime_session(path: Union[str, Path], threads: Optional[int] = None):
-    """An onnxruntime CPU session of the model at `path`; a clear error where onnxruntime is missing
-    or the graph holds our custom node (stock onnxruntime has no kernel for it)."""
+def onnxruntime_session(path: Union[str, Path], threads: Optional[int] = None, cuda: bool = False):
+    """An onnxruntime CPU session of the model at `path` (`cuda`: on onnxruntime's CUDA execution
+    provider where it is installed); a clear error where onnxruntime is missing or the graph holds
+    our custom node (stock onnxruntime has no kernel for it)."""
     try:
         import onnx
         import onnxruntime as ort
@@ -40,7 +41,10 @@ def onnxruntime_session(path: Union[str, Path], threads: Optional[int] = None):
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    providers = ["CPUExecutionProvider"]
+    if cuda and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    return ort.InferenceSession(str(path), options, providers=providers)
 
 
 def check_export(

@@ -16,7 +16,6 @@ Conventions (nuScenes):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,30 +273,21 @@ def ego_to_pixels(
 
 
 def load_nuscenes_rig(cameras: Optional[Sequence[str]] = None, path: Optional[Path] = None):
-    """The real nuScenes camera rig (lss/data/nuscenes_rig.json, 1600 x 900 images).
+    """The real nuScenes camera rig (lss/data/nuscenes_rig.json, 1600 x 900 images), or the rig file
+    at `path` (lss.geometry.rig_file).
 
     Returns (intrinsics N x 3 x 3, sensor2ego_rot N x 3 x 3, sensor2ego_trans N x 3), float32, in
     `cameras` order (default: the six cameras in NUSCENES_CAMERAS order)."""
-    from pyquaternion import Quaternion
+    from lss.geometry.rig_file import read_rig_file
 
-    path = Path(path) if path is not None else NUSCENES_RIG_PATH
-    if not path.exists():
-        raise FileNotFoundError(
-            f"nuScenes rig file {path} not found; it ships with lss (lss/data/nuscenes_rig.json)"
-        )
-    rig = json.loads(path.read_text())
     cameras = tuple(cameras) if cameras is not None else NUSCENES_CAMERAS
-    missing = [c for c in cameras if c not in rig]
-    if missing:
-        raise KeyError(
-            f"cameras {missing} not in {path}; it has {[k for k in rig if not k.startswith('_')]}"
-        )
-    K = torch.tensor([rig[c]["camera_intrinsic"] for c in cameras], dtype=torch.float32)
-    rot = torch.stack(
-        [torch.from_numpy(Quaternion(rig[c]["rotation"]).rotation_matrix) for c in cameras]
-    ).float()
-    trans = torch.tensor([rig[c]["translation"] for c in cameras], dtype=torch.float32)
-    return K, rot, trans
+    K, cam_to_ego, _ = read_rig_file(path if path is not None else NUSCENES_RIG_PATH, cameras)
+    cam_to_ego = torch.from_numpy(cam_to_ego).float()
+    return (
+        torch.from_numpy(K).float(),
+        cam_to_ego[:, :3, :3].contiguous(),
+        cam_to_ego[:, :3, 3].contiguous(),
+    )
 
 
 @dataclass(frozen=True)
