@@ -1,7 +1,7 @@
 """Multi-GPU scaling of the real training loop (opt-in: `lss bench --suite ddp`; scripts/gpu_ddp.sh
-runs it after the DDP tests on a CUDA machine): `lss train` on 1 GPU and under `torchrun --standalone` on 2 (and 4, 8
-where the machine has them), the same per-GPU batch and the same synthetic set, and the loss curves
-of 1 vs 2 GPUs at equal global batch.
+runs it after the DDP tests on a CUDA machine): `lss train` on 1 GPU and under `torchrun
+--standalone` on 2 (and 4, 8 where the machine has them), the same per-GPU batch and the same
+synthetic set, and the loss curves of 1 vs 2 GPUs at equal global batch.
 
 Rows, one per run: the steady steps/s of the loop (train_loop.loop_rates: the "train" records'
 `elapsed` after the first WARMUP_FRACTION of them) as ms per step, samples/s over all GPUs, the

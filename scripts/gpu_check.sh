@@ -25,7 +25,8 @@ fi
 cuda_tests() {  # one pytest process per file: a crash in one file does not hide the others' results
   local rc=0 f
   for f in tests/test_*.py; do
-    timeout ${TEST_SECONDS:-300} python3 -m pytest -q -m cuda -p no:cacheprovider "$f" ${LSS_TEST_ARGS:-} > "$OUT/t.log" 2>&1
+    timeout ${TEST_SECONDS:-300} python3 -m pytest -q -m cuda -p no:cacheprovider "$f" ${LSS_TEST_ARGS:-} \
+      > "$OUT/t.log" 2>&1
     local r=$?
     cat "$OUT/t.log"; rm -f "$OUT/t.log"
     [ $r -eq 5 ] && continue  # no CUDA tests in this file
@@ -40,14 +41,16 @@ has sanitizer && step sanitizer sanitizer.log timeout ${SANITIZER_SECONDS:-300} 
 has profile && step profile profile.log timeout 120 python3 scripts/profile_bev_pool.py
 # the compiled train-step variants take minutes to compile; name them in LSS_TRAIN_STEP_IMPLS to include them
 export LSS_TRAIN_STEP_IMPLS=${LSS_TRAIN_STEP_IMPLS:-lss_cuda_graph,lss,lss_fp32,reference_splat_fp32}
-bench_suites() {  # one process and time limit per suite; bench.md collects every suite's table, bench.jsonl its JSON (a line per suite)
+# one process and time limit per suite; bench.md collects every suite's table, bench.jsonl its JSON (a line per suite)
+bench_suites() {
   local rc=0 suite
   for suite in ${BENCH_SUITES:-$(python3 -c "from benchmarks import available_suites as a; print(*a())")}; do
     timeout ${BENCH_SECONDS:-300} python3 -m lss bench --suite "$suite" --out "$OUT/bench_$suite" ${LSS_BENCH_ARGS:-} \
       || { rc=1; echo "SUITE FAILED: $suite"; }
     cat "$OUT/bench_$suite/bench.md" >> "$OUT/bench.md" 2>/dev/null
-    [ -f "$OUT/bench_$suite/bench.json" ] && python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))" \
-      "$OUT/bench_$suite/bench.json" >> "$OUT/bench.jsonl"
+    [ -f "$OUT/bench_$suite/bench.json" ] \
+      && python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))" "$OUT/bench_$suite/bench.json" \
+      >> "$OUT/bench.jsonl"
     rm -rf "$OUT/bench_$suite"
   done
   return $rc
