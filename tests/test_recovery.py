@@ -379,6 +379,30 @@ def test_a_step_out_of_device_memory_names_the_settings_to_lower_and_keeps_the_c
               model_fn=lambda c: OutOfMemoryAt(2), dataset_fn=no_val, collate_fn=collate)
 
 
+# what torch's CPU allocator raised for a training step larger than the host's memory
+HOST_OUT_OF_MEMORY = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                      "tried to allocate 1327159296 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def test_a_step_out_of_host_memory_ends_in_the_same_message_and_other_errors_keep_theirs(tmp_path):
+    def host_allocation_fails():
+        raise RuntimeError(HOST_OUT_OF_MEMORY)
+
+    def a_bug():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(ResourceError) as error:
+        train(fake_cfg(tmp_path, "train.eval_every=0"), str(tmp_path / "run"),
+              model_fn=lambda c: OutOfMemoryAt(2, host_allocation_fails), dataset_fn=no_val, collate_fn=collate)
+    assert str(error.value).startswith(
+        f"training step 2 ran out of memory on cpu ({HOST_OUT_OF_MEMORY}): lower train.batch_size (now 2), "
+        "data.final_dim (now [128, 352]) or the BEV grid")
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as error:
+        train(fake_cfg(tmp_path, "train.eval_every=0"), str(tmp_path / "bug"),
+              model_fn=lambda c: OutOfMemoryAt(2, a_bug), dataset_fn=no_val, collate_fn=collate)
+    assert not isinstance(error.value, ResourceError)
+
+
 @pytest.mark.cuda
 def test_a_real_cuda_out_of_memory_step_ends_in_one_line_and_keeps_the_checkpoint(tmp_path):
     def more_than_the_gpu_has():

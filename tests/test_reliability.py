@@ -252,10 +252,26 @@ def test_the_training_batch_is_checked_against_the_devices_memory_before_anythin
         train(cfg, out_dir=str(tmp_path / "run"), dataset_fn=no_dataset)
 
 
+def test_an_input_beyond_the_hosts_memory_is_refused_in_one_line_before_anything_is_built(tmp_path, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.setattr("lss.config.memory.host_memory", lambda: 16 * 2**30)
+    root = tmp_path / "synthetic"
+    rc = main(["train", "--config", "configs/synthetic.yaml", "--set", "data.final_dim=[32,96000]", "--set",
+               "train.device=cpu", "--set", f"data.dataroot={root}", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and err[0] == (
+        "lss train: error: data.final_dim: camera inputs of 32 x 96000 pixels (6 cameras x 1 samples: images and the "
+        "camera trunk's maps) need at least 26.0 GiB for one sample (26.2 GiB with the rest "
+        "of the network's largest tensors), more than this machine's memory (16.0 GiB); use a smaller "
+        "data.final_dim")
+    assert not root.exists() and not (tmp_path / "run").exists()  # no synthetic set generated, no run directory
+
+
 @torch.no_grad()
 def test_the_estimate_counts_no_more_than_the_tensors_it_names():
     """Each share against the real tensors of a small float32 step: frustum points and their lookup
-    table, the pooled grid and the BEV encoder's maps, the camera images and the trunk's stem."""
+    table, the pooled grid and the BEV encoder's maps, the camera images and the maps the camera trunk
+    keeps for the backward pass."""
     from lss.geometry import BevGrid, FrustumLUT, frustum, frustum_to_ego
     from lss.models.bev import BevEncoder
     from lss.models.camera import EfficientNetTrunk
@@ -282,8 +298,15 @@ def test_the_estimate_counts_no_more_than_the_tensors_it_names():
     assert actual - 4 <= bev.size <= actual  # cell_start has one offset more than cells
 
     images = torch.rand(batch * cameras, 3, *cfg.data.final_dim)
-    stem = EfficientNetTrunk().net._conv_stem(images)
-    assert camera.size == images.nbytes + stem.nbytes
+    trunk = EfficientNetTrunk().train()
+    weights = {w.data_ptr() for w in trunk.parameters()}
+    kept = {}  # the activations the trunk's training forward keeps for backward, once each
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+            lambda t: kept.setdefault((t.data_ptr(), t.shape), t.nbytes) and t, lambda t: t):
+        trunk(images.requires_grad_())
+    maps = sum(size for (pointer, _), size in kept.items() if pointer not in weights and pointer != images.data_ptr())
+    stem = trunk.net._conv_stem(images)
+    assert images.nbytes + 3 * stem.nbytes < camera.size <= images.nbytes + maps
 
 
 def test_synthetic_images_beyond_the_machines_memory_are_refused_before_writing(tmp_path):

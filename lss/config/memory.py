@@ -2,9 +2,9 @@
 size too large for the machine is refused with the key and the size before anything is built.
 
 Each estimate is a lower bound: it counts only the largest tensors whose sizes the config fixes
-(BEV maps, frustum points and their lookup table, camera inputs), not the rest of the network, the
-optimizer or the allocator's slack. A refusal therefore never stops a run that could have fit; a
-config that passes may still run out of memory later.
+(BEV maps, frustum points and their lookup table, camera inputs and the camera trunk's maps), not
+the rest of the network, the optimizer or the allocator's slack. A refusal therefore never stops a
+run that could have fit; a config that passes may still run out of memory later.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ from typing import Optional, Sequence
 from lss.errors import ConfigError
 from lss.geometry import BevGrid, depth_bin_count
 
-# The camera encoder's stem: 32 channels at stride 2.
+# The camera trunk's stem: 32 channels at stride 2.
 CAMERA_STEM_CHANNELS = 32
+# Maps a convolution -> batch norm -> swish keeps for the backward pass: the convolution's output
+# (the norm's input), the normalised map (the swish's input) and the activated one (the next
+# convolution's input).
+MAPS_PER_CONV = 3
 # The BEV encoder's stem (64 channels at stride 2) and its output (128 channels at full size).
 BEV_STEM_CHANNELS = 64
 BEV_FEATURE_CHANNELS = 128
@@ -68,6 +72,27 @@ def activation_bytes(cfg, device_type: Optional[str]) -> int:
     return 2
 
 
+def camera_trunk_values(backbone: str) -> float:
+    """Activation values per input pixel that a training step of the camera trunk `backbone` keeps
+    for the backward pass at the least: MAPS_PER_CONV maps of the stem and of every block's
+    expansion and depthwise convolutions, and each block's output (efficientnet-pytorch's block
+    table)."""
+    from efficientnet_pytorch.utils import get_model_params
+
+    blocks, _ = get_model_params(backbone, None)
+    stride = 2
+    values = MAPS_PER_CONV * CAMERA_STEM_CHANNELS / stride**2
+    for block in blocks:
+        for repeat in range(block.num_repeat):
+            channels = block.output_filters if repeat else block.input_filters
+            expanded = channels * block.expand_ratio
+            if block.expand_ratio != 1:
+                values += MAPS_PER_CONV * expanded / stride**2
+            stride *= 1 if repeat else block.stride[0]
+            values += (MAPS_PER_CONV * expanded + block.output_filters) / stride**2
+    return values
+
+
 def training_needs(cfg, batch: int, device_type: Optional[str] = None) -> list[Need]:
     """What one step of `batch` samples needs at the least on `device_type` ("cpu", "cuda" or None
     for not known yet), per part of the network."""
@@ -107,8 +132,8 @@ def training_needs(cfg, batch: int, device_type: Optional[str] = None) -> list[N
         Need(
             "data.final_dim",
             f"camera inputs of {height} x {width} pixels ({cameras} cameras x {batch} samples: "
-            "images and the encoder's first maps)",
-            camera_pixels * (3 * 4 + CAMERA_STEM_CHANNELS // 4 * a),
+            "images and the camera trunk's maps)",
+            int(camera_pixels * (3 * 4 + camera_trunk_values(model.backbone) * a)),
             "use a smaller data.final_dim",
         ),
     ]

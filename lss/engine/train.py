@@ -198,7 +198,7 @@ class Trainer:
 
     def fit(self, stream: Optional[Iterator[dict]] = None) -> dict:
         """Train to train.max_steps on `stream` (default: self.batches()); returns what the hooks
-        report at the end. A step that runs out of device memory raises ResourceError."""
+        report at the end. A step that runs out of device (or host) memory raises ResourceError."""
         t = self.cfg.train
         stream = stream if stream is not None else self.batches()
         bar = tqdm(
@@ -219,7 +219,9 @@ class Trainer:
                     hook.before_step(self, micro_batches)
                 try:
                     logs = self.run_step(micro_batches)
-                except torch.OutOfMemoryError as e:
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if not out_of_memory(e):
+                        raise
                     raise ResourceError(out_of_memory_message(self, e)) from e
                 logs.host.update(start=start, fetched=fetched, ran=time.perf_counter())
                 logs.add(lr=self.learning_rate())
@@ -326,6 +328,15 @@ def default_hooks(
     if writer is not None and trainer.val_loader is not None and render_fn is not None:
         hooks.append(VizHook(t.viz_every, bev_pictures(trainer, render_fn), writer))
     return hooks
+
+
+# what torch's CPU allocator says when the host has no memory left (CUDA raises OutOfMemoryError)
+CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is a failed allocation of device or host memory."""
+    return isinstance(error, torch.OutOfMemoryError) or CPU_OUT_OF_MEMORY in str(error)
 
 
 def out_of_memory_message(trainer: Trainer, error: BaseException) -> str:
