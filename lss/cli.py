@@ -1,5 +1,5 @@
 """The `lss` command line:
-train / eval / viz / demo / bench / export / make-synthetic / config / env."""
+train / eval / viz / predict / demo / bench / export / make-synthetic / config / env."""
 
 from __future__ import annotations
 
@@ -222,6 +222,72 @@ def cmd_export(args) -> int:
     return 0 if result["passed"] else 1
 
 
+def cmd_predict(args) -> int:
+    import dataclasses
+
+    from torch.utils.data import Subset
+
+    from lss.data.camera_inputs import RigImageFolder, scene_samples
+    from lss.engine.predictor import Predictor, write_predictions
+    from lss.errors import ArgumentError
+
+    if (args.dataroot is None) == (args.images is None) or (args.dataroot and not args.scene):
+        raise ArgumentError(
+            "give a nuScenes scene (--dataroot DIR --scene NAME) or camera images with their "
+            "calibration (--images DIR --calib RIG.json), one of the two"
+        )
+    if args.images and not args.calib:
+        raise ArgumentError(f"--images {args.images} needs --calib RIG.json (docs/predict.md)")
+    if args.batch_size == 0:
+        raise ArgumentError("--batch-size 0: give at least 1 sample per batch")
+    if args.no_pictures and (args.gif or args.mp4):
+        raise ArgumentError("--gif and --mp4 animate the pictures: leave out --no-pictures")
+    predictor = Predictor(
+        args.ckpt,
+        args.device,
+        config=_load(args) if args.config else None,
+        overrides=() if args.config else args.overrides,
+        backend=args.backend,
+        onnx=args.onnx,
+    )
+    cfg = predictor.cfg
+    if args.dataroot:
+        data = dataclasses.replace(cfg.data, dataroot=args.dataroot, decoded_cache=False)
+        dataset, scene = scene_samples(dataclasses.replace(cfg, data=data), args.scene), args.scene
+    else:
+        dataset, scene = (
+            RigImageFolder(args.images, args.calib, cfg),
+            os.path.basename(os.path.normpath(args.images)),
+        )
+    if args.num is not None:
+        dataset = Subset(dataset, range(min(args.num, len(dataset))))
+    render, animate = None, []
+    if not args.no_pictures:
+        from lss.viz.render import render_sample, write_scene_gifs, write_scene_videos
+
+        def render(item, prediction):
+            title = f"{prediction.name[:40]}   checkpoint step {predictor.step}"
+            return render_sample(
+                item, prediction.probabilities, cfg, title, prediction.detections
+            ).image
+
+        animate = [write_scene_gifs] * args.gif + [write_scene_videos] * args.mp4
+    done = write_predictions(
+        predictor,
+        dataset,
+        args.out,
+        render_fn=render,
+        animate_fns=animate,
+        scene=scene,
+        batch_size=args.batch_size,
+    )
+    print(
+        f"wrote {len(done['written'])} file(s) for {done['samples']} sample(s) to {args.out} "
+        f"({done['samples_per_s']:.2f} samples/s on {predictor.device}, {args.backend})"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lss", description="Lift-Splat-Shoot BEV perception trainer"
@@ -366,6 +432,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--check-samples", type=int, default=8, help="validation samples for --check (default 8)"
     )
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "predict",
+        help="BEV maps of a checkpoint on a nuScenes scene or on camera images (docs/predict.md)",
+    )
+    _add_config_args(p, required=False)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--dataroot", default=None, help="a nuScenes (or synthetic) set; with --scene")
+    p.add_argument("--scene", default=None, help="the scene's name, e.g. scene-0103")
+    p.add_argument(
+        "--images",
+        default=None,
+        help="a folder with a subfolder of images per camera; with --calib",
+    )
+    p.add_argument("--calib", default=None, help="the rig file of the images (docs/predict.md)")
+    p.add_argument("--out", required=True, help="folder for the .npz (and .png) of every sample")
+    p.add_argument("--gif", action="store_true", help="also one GIF of the pictures")
+    p.add_argument("--mp4", action="store_true", help="also one MP4 of the pictures")
+    p.add_argument("--no-pictures", action="store_true", help="write only the .npz files")
+    p.add_argument("--backend", default="torch", choices=("torch", "onnxruntime"))
+    p.add_argument(
+        "--onnx",
+        default=None,
+        help="onnxruntime: an export made with --rig-inputs (default: "
+        "the checkpoint exported into a temporary folder)",
+    )
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument(
+        "--batch-size", type=_sample_count, default=None, help="default: eval.batch_size"
+    )
+    p.add_argument("--num", type=_sample_count, default=None, help="only the first NUM samples")
+    p.set_defaults(func=cmd_predict)
     return parser
 
 

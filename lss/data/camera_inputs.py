@@ -228,7 +228,8 @@ def _frame_files(folder: Path, cameras: Sequence[str]) -> list[list[Path]]:
 class RigImageFolder(Dataset):
     """The frames of a folder of camera images (`_frame_files`) with their rig file
     (lss.geometry.rig_file), as model input items (camera_inputs) with "sample_token": the frame's
-    name (its first camera's file name without the suffix)."""
+    name (its first camera's file name without the suffix and the camera: nuScenes'
+    LOG__CAM_FRONT__TIME becomes LOG__TIME)."""
 
     def __init__(self, folder: Union[str, Path], rig_file: Union[str, Path], cfg: Config):
         self.cfg = cfg
@@ -243,7 +244,8 @@ class RigImageFolder(Dataset):
     def __getitem__(self, index: int) -> dict:
         files = self.frames[index]
         item = camera_inputs(files, self.intrinsics, self.cam_to_ego, self.cfg, self.image_sizes)
-        item["sample_token"] = files[0].stem
+        camera = self.cfg.data.cameras[0]
+        item["sample_token"] = files[0].stem.replace(f"__{camera}__", "__")
         return item
 
 
@@ -279,5 +281,5 @@ def scene_samples(cfg: Config, scene: str) -> Subset:
 
 
 def frame_name(token: str) -> str:
-    """A sample's token or frame name as a file-name part (at most 40 characters)."""
-    return re.sub(r"[^\w.-]+", "_", token)[:40]
+    """A sample's token or frame name as a file-name part (at most 64 characters)."""
+    return re.sub(r"[^\w.-]+", "_", token)[:64]

@@ -39,9 +39,9 @@ def prediction_title(cfg: Config) -> str:
     return "prediction: opacity = probability"
 
 
-def legend_entries(cfg: Config, with_boxes: bool) -> list[LegendEntry]:
-    """The classes in their colours, the ego car and, with the detection head, the two kinds of
-    boxes."""
+def legend_entries(cfg: Config, with_boxes: bool, with_truth: bool = True) -> list[LegendEntry]:
+    """The classes in their colours, the ego car and, with the detection head, the predicted and
+    (`with_truth`) the true boxes."""
     classes = cfg.data.classes
     entries = [LegendEntry(c, color) for c, color in zip(classes, class_colors(classes))]
     entries.append(LegendEntry("ego car", EGO_COLOR))
@@ -50,8 +50,9 @@ def legend_entries(cfg: Config, with_boxes: bool) -> list[LegendEntry]:
             LegendEntry(
                 f"predicted boxes (score >= {SCORE_THRESHOLD:g})", PREDICTION_COLOR, "outline"
             ),
-            LegendEntry("true boxes", GROUND_TRUTH_COLOR, "outline"),
         ]
+        if with_truth:
+            entries.append(LegendEntry("true boxes", GROUND_TRUTH_COLOR, "outline"))
     return entries
 
 
@@ -83,9 +84,10 @@ def render_sample(
 ) -> Figure:
     """The picture of one dataset item (tensors on any device) and the model's K x nx x ny
     probabilities: the cameras on top, the prediction (left) and ground-truth (right) BEV panels
-    below them, each at least as tall as the cameras, and the legend. `detections` ({"boxes",
-    "scores"} of decode_detections, with the detection head): predicted boxes in the prediction
-    panel, true boxes in the truth panel, both in the cameras."""
+    below them, each at least as tall as the cameras, and the legend. An item without "targets"
+    (camera images of `lss predict` without a dataset) gets the prediction panel alone.
+    `detections` ({"boxes", "scores"} of decode_detections, with the detection head): predicted
+    boxes in the prediction panel, true boxes in the truth panel, both in the cameras."""
     classes = cfg.data.classes
     if probs.shape[0] != len(classes):
         raise ValueError(
@@ -97,7 +99,6 @@ def render_sample(
         BevGrid.from_config(cfg.grid), (mosaic.shape[1] - GAP) // 2, min_height=mosaic.shape[0]
     )
     colors, order = class_colors(classes), drawing_order(classes)
-    truth = (item["targets"].detach().float().cpu().numpy() > 0.5).astype(np.float32)
     predicted_boxes, truth_boxes = [], []
     if detections is not None:
         predicted_boxes = [(confident_boxes(detections), PREDICTION_COLOR)]
@@ -109,9 +110,13 @@ def render_sample(
             prediction_title(cfg),
             bev_panel(opacity, colors, order, view, predicted_boxes),
         ),
-        ("truth", "ground truth", bev_panel(truth, colors, order, view, truth_boxes)),
     ]
-    return compose_figure(title, mosaic, panels, legend_entries(cfg, detections is not None))
+    with_truth = "targets" in item
+    if with_truth:
+        truth = (item["targets"].detach().float().cpu().numpy() > 0.5).astype(np.float32)
+        panels.append(("truth", "ground truth", bev_panel(truth, colors, order, view, truth_boxes)))
+    legend = legend_entries(cfg, detections is not None, with_truth)
+    return compose_figure(title, mosaic, panels, legend)
 
 
 def _predictions(outputs: dict, cfg: Config) -> tuple[np.ndarray, Optional[list[dict]]]:
@@ -153,6 +158,23 @@ def write_scene_gifs(frames: dict[str, list[np.ndarray]], out: Path) -> list[Pat
         ]
         file = out / f"{name}.gif"
         pil[0].save(file, save_all=True, append_images=pil[1:], duration=500, loop=0)
+        written.append(file)
+    return written
+
+
+def write_scene_videos(frames: dict[str, list[np.ndarray]], out: Path) -> list[Path]:
+    """One MP4 (MPEG-4 part 2, OpenCV's writer) per scene (name -> its pictures in time order, of
+    one size) in `out`, two frames a second."""
+    written = []
+    for name, images in frames.items():
+        file = out / f"{name}.mp4"
+        height, width = images[0].shape[:2]
+        writer = cv2.VideoWriter(str(file), cv2.VideoWriter_fourcc(*"mp4v"), 2.0, (width, height))
+        if not writer.isOpened():
+            raise OSError(f"cannot write {file}: OpenCV's MP4 writer is not available (use --gif)")
+        for image in images:
+            writer.write(cv2.cvtColor(image, cv2.COLOR_RGB2BGR))
+        writer.release()
         written.append(file)
     return written
 

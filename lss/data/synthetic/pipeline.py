@@ -15,6 +15,7 @@ import numpy as np
 
 from lss.data import file_lock
 from lss.errors import ArgumentError
+from lss.geometry.rig_file import rig_record, write_rig_file
 from lss.config.memory import check_render_memory
 
 from . import lidar as lidar_mod
@@ -27,7 +28,10 @@ from .tables import MINI_LOCATIONS, TokenFactory, build_tables, sample_filename,
 from .world import build_scene
 
 VERSIONS = ("v1.0-mini", "v1.0-trainval")
-OUTPUTS = ("samples", "sweeps", "maps")  # what generate writes next to the tables directory
+# an example rig file of the set's cameras (lss.geometry.rig_file), for `lss predict --calib`
+RIG_EXAMPLE = "rig.json"
+# what generate writes next to the tables directory
+OUTPUTS = ("samples", "sweeps", "maps", RIG_EXAMPLE)
 # the files generate wrote into a directory: what --force may delete there
 MANIFEST = ".lss-synthetic.json"
 # generate writes into OUT_DIR/STAGING<host>-<pid>, holding its STAGING_LOCK (lss.data.file_lock),
@@ -71,14 +75,12 @@ def scene_location(version: str, name: str, index: int) -> str:
 
 
 def _written_files(out: Path, version: str) -> list[Path]:
-    """Every file under the folders that generate writes (the tables of `version`, samples/,
-    sweeps/, maps/)."""
+    """Every file that generate writes: under the tables of `version`, samples/, sweeps/, maps/,
+    and the rig file."""
+    paths = [out / sub for sub in (version,) + OUTPUTS]
     return sorted(
-        f
-        for sub in (version,) + OUTPUTS
-        if (out / sub).is_dir()
-        for f in (out / sub).rglob("*")
-        if not f.is_dir()
+        [f for p in paths if p.is_dir() for f in p.rglob("*") if not f.is_dir()]
+        + [p for p in paths if p.is_file()]
     )
 
 
@@ -337,5 +339,13 @@ def _write_set(
                 bar.update()
     bar.close()
     write_tables(root / version, build_tables(scene_list, rig, stats, seed, map_tokens))
+    write_rig_file(
+        root / RIG_EXAMPLE,
+        {
+            ch: rig_record(rig[ch].intrinsic, rig[ch].rotation, rig[ch].translation, size)
+            for ch in CAMERAS
+        },
+        note=f"the cameras of this synthetic set ({size[0]}x{size[1]} images); docs/predict.md",
+    )
     files = [str(f.relative_to(root)) for f in _written_files(root, version)]
     (root / MANIFEST).write_text(json.dumps({"version": version, "files": files}, indent=0))
