@@ -111,8 +111,9 @@ def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * n * 4 / (ms * 1e-3)
 
 
-# suites that train models for minutes instead of timing ops: they run only when named (--suite accuracy)
-OPT_IN_SUITES = ("accuracy", "ddp", "train_loop")
+# suites that train models for minutes or generate a data set instead of timing ops: they run only when named
+# (--suite accuracy)
+OPT_IN_SUITES = ("accuracy", "ddp", "predict", "train_loop")
 
 
 def available_suites(opt_in: bool = False) -> list[str]:

@@ -61,22 +61,28 @@ def _numpy(value, dtype=None) -> np.ndarray:
     return np.asarray(value, dtype=dtype)
 
 
+def _encoded_size(data: bytes, what: str) -> tuple[int, int]:
+    try:
+        return image_size_from_header(data)
+    except OSError:
+        raise ArgumentError(
+            f"{what} is not a JPEG or PNG image ({len(data)} bytes): give a JPEG or PNG file"
+        ) from None
+
+
 def _read_image(image: ImageInput, camera: str) -> tuple[Union[bytes, np.ndarray], tuple, str]:
     """(encoded bytes or H x W x 3 uint8 BGR pixels, (W, H), what it is in a message)."""
     if isinstance(image, (str, Path)):
         try:
             data = Path(image).read_bytes()
-            return data, image_size_from_header(data), f"image {image}"
         except OSError as e:
-            reason = e.strerror or str(e) or type(e).__name__
             raise ArgumentError(
-                f"image {image} ({camera}) cannot be read: {reason}; give a JPEG or PNG file"
+                f"image {image} ({camera}) cannot be read: {e.strerror or e}; give a JPEG or PNG "
+                "file"
             ) from None
+        return data, _encoded_size(data, f"image {image} ({camera})"), f"image {image}"
     if isinstance(image, bytes):
-        try:
-            return image, image_size_from_header(image), f"the encoded image of {camera}"
-        except OSError as e:
-            raise ArgumentError(f"the encoded image of {camera} cannot be read: {e}") from None
+        return image, _encoded_size(image, f"the image of {camera}"), f"the image of {camera}"
     if not isinstance(image, (np.ndarray, torch.Tensor)):
         raise ArgumentError(
             f"the image of {camera} is a {type(image).__name__}: give a file path or an H x W x 3 "
@@ -195,9 +201,11 @@ def camera_inputs(
     }
 
 
-def _frame_files(folder: Path, cameras: Sequence[str]) -> list[list[Path]]:
-    """Per frame the image file of every camera: FOLDER/<camera>/ folders (frame i: the i-th image
-    of each in name order, as nuScenes' samples/) or FOLDER/<camera>.<jpg|png> (one frame)."""
+def _frames(folder: Path, cameras: Sequence[str]) -> list[tuple[str, list[Path]]]:
+    """(name, the image file of every camera) per frame: FOLDER/<camera>/ folders (frame i: the
+    i-th image of each in name order, as nuScenes' samples/; named after its first camera's file,
+    nuScenes' LOG__CAM_FRONT__TIME as LOG__TIME) or FOLDER/<camera>.<jpg|png> (one frame, named
+    after the folder)."""
     if not folder.is_dir():
         raise ArgumentError(f"--images {folder}: no such folder")
 
@@ -213,7 +221,10 @@ def _frame_files(folder: Path, cameras: Sequence[str]) -> list[list[Path]]:
                 f"--images {folder}: the camera folders hold different numbers of images ({listed}"
                 "); each needs one image per frame (frame i: the i-th file of each in name order)"
             )
-        return [list(frame) for frame in zip(*per_camera)]
+        return [
+            (frame[0].stem.replace(f"__{cameras[0]}__", "__"), list(frame))
+            for frame in zip(*per_camera)
+        ]
     singles = {p.stem: p for p in images_in(folder)}
     missing = [camera for camera in cameras if camera not in singles]
     if missing:
@@ -222,30 +233,28 @@ def _frame_files(folder: Path, cameras: Sequence[str]) -> list[list[Path]]:
             f"per camera ({', '.join(cameras)}), each with one image per frame, or one file per "
             "camera named after it (CAM_FRONT.jpg, ...)"
         )
-    return [[singles[camera] for camera in cameras]]
+    return [(folder.resolve().name, [singles[camera] for camera in cameras])]
 
 
 class RigImageFolder(Dataset):
-    """The frames of a folder of camera images (`_frame_files`) with their rig file
+    """The frames of a folder of camera images (`_frames`) with their rig file
     (lss.geometry.rig_file), as model input items (camera_inputs) with "sample_token": the frame's
-    name (its first camera's file name without the suffix and the camera: nuScenes'
-    LOG__CAM_FRONT__TIME becomes LOG__TIME)."""
+    name."""
 
     def __init__(self, folder: Union[str, Path], rig_file: Union[str, Path], cfg: Config):
         self.cfg = cfg
         cameras = tuple(cfg.data.cameras)
         self.intrinsics, self.cam_to_ego, self.image_sizes = read_rig_file(rig_file, cameras)
         check_calibration(self.intrinsics, self.cam_to_ego, cameras)
-        self.frames = _frame_files(Path(folder), cameras)
+        self.frames = _frames(Path(folder), cameras)
 
     def __len__(self) -> int:
         return len(self.frames)
 
     def __getitem__(self, index: int) -> dict:
-        files = self.frames[index]
+        name, files = self.frames[index]
         item = camera_inputs(files, self.intrinsics, self.cam_to_ego, self.cfg, self.image_sizes)
-        camera = self.cfg.data.cameras[0]
-        item["sample_token"] = files[0].stem.replace(f"__{camera}__", "__")
+        item["sample_token"] = name
         return item
 
 
