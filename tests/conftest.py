@@ -67,3 +67,28 @@ def synthetic_root(tmp_path_factory):
 
     return generate(tmp_path_factory.mktemp("synthetic_nuscenes"), version="v1.0-mini", scenes=2,
                     samples_per_scene=3, image_size=(400, 225), seed=0, workers=1)
+
+
+def val_statistics_checkpoint(cfg, path, logit_scale=1.0, step=1):
+    """A tiny model of `cfg` whose batch-norm statistics come from the validation images (so that the logits have the
+    spread of a trained model: tens, not hundredths; `logit_scale` multiplies its segmentation head), saved to path at
+    `step`. Returns path."""
+    from torch import nn
+
+    from lss.data import collate
+    from lss.data.loader import build_dataset
+    from lss.engine.checkpoint import save_checkpoint
+    from lss.models.build import build_model
+
+    torch.manual_seed(3)
+    model = build_model(cfg)
+    dataset = build_dataset(cfg, cfg.data.val_split, False, verbose=False)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.reset_running_stats()
+            module.momentum = None
+    with torch.no_grad():
+        model.train()(collate([dataset[i] for i in range(len(dataset))]))
+        model.segmentation.conv.weight.mul_(logit_scale)
+    save_checkpoint(path, model.eval(), step=step, config=cfg)
+    return path

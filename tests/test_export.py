@@ -14,16 +14,15 @@ pytestmark = [pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
+from conftest import val_statistics_checkpoint  # noqa: E402
 from lss.cli import main  # noqa: E402
 from lss.config import load_config  # noqa: E402
 from lss.data import collate  # noqa: E402
 from lss.data.loader import build_dataset  # noqa: E402
 from lss.engine.checkpoint import load_for_inference  # noqa: E402
-from lss.engine.checkpoint import save_checkpoint  # noqa: E402
 from lss.export import export_checkpoint, export_model  # noqa: E402
 from lss.export.check import check_export  # noqa: E402
 from lss.export.graph import RIG_KEYS  # noqa: E402
-from lss.models import build_model  # noqa: E402
 from lss.ops import UpsampleBilinear, upsample_bilinear_reference  # noqa: E402
 from lss.ops.upsample import MODES  # noqa: E402
 
@@ -37,20 +36,8 @@ def _tiny_config(root, *extra):
 
 
 def _checkpoint(cfg, path, logit_scale=1.0):
-    """A tiny model whose batch-norm statistics come from the validation images (so that the logits have the spread
-    of a trained model: tens, not hundredths; `logit_scale` multiplies its segmentation head), saved to path."""
-    torch.manual_seed(3)
-    model = build_model(cfg)
-    dataset = build_dataset(cfg, cfg.data.val_split, False)
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            module.reset_running_stats()
-            module.momentum = None
-    with torch.no_grad():
-        model.train()(collate([dataset[i] for i in range(len(dataset))]))
-        model.segmentation.conv.weight.mul_(logit_scale)
-    save_checkpoint(path, model.eval(), step=1, config=cfg)
-    return cfg, path
+    """(cfg, path) of conftest.val_statistics_checkpoint."""
+    return cfg, val_statistics_checkpoint(cfg, path, logit_scale)
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,19 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import lss
+from conftest import val_statistics_checkpoint
 from lss.cli import main
 from lss.config import load_config
 from lss.data import collate
-from lss.data.camera_inputs import RigImageFolder, camera_inputs, scene_samples
+from lss.data.camera_inputs import RigImageFolder, camera_inputs
 from lss.data.loader import build_dataset
 from lss.data.tables import load_tables
-from lss.engine.checkpoint import save_checkpoint
-from lss.engine.predictor import CapturedForward, EagerForward, Prediction, Predictor, write_predictions
+from lss.engine.predictor import CapturedForward, EagerForward, Prediction, Predictor
 from lss.errors import ArgumentError, CheckpointError
 from lss.geometry import RIG_KEYS, ego_to_pixels
 from lss.geometry.rig_file import read_rig_file, rig_record, write_rig_file
-from lss.models.build import build_model
 
 TINY = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=[-16.0, 16.0, 1.0]",
         "grid.ybound=[-16.0, 16.0, 1.0]", "grid.dbound=[4.0, 20.0, 2.0]", "model.context_channels=8",
@@ -34,19 +32,7 @@ DETECTION = ["model.heads=[segmentation, detection]", "data.detection_targets=tr
 
 
 def _checkpoint(cfg, path):
-    """A tiny model whose batch-norm statistics come from the validation images (logits with the spread of a trained
-    model), saved to path."""
-    torch.manual_seed(3)
-    model = build_model(cfg)
-    dataset = build_dataset(cfg, cfg.data.val_split, False, verbose=False)
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            module.reset_running_stats()
-            module.momentum = None
-    with torch.no_grad():
-        model.train()(collate([dataset[i] for i in range(len(dataset))]))
-    save_checkpoint(path, model.eval(), step=7, config=cfg)
-    return path
+    return val_statistics_checkpoint(cfg, path, step=7)
 
 
 @pytest.fixture(scope="module")
