@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ops/bev_pool.h"
+#include "ops/host_check.h"
 
 namespace lss {
 namespace {
@@ -15,11 +16,42 @@ using bev_pool::Shape;
 
 constexpr int64_t kTile = 64;  // consecutive cells (along ny) per task
 
+// Every index read from the table is checked where it is read: a FrustumLUT whose fields were replaced past its
+// frozen guard reaches the kernel unvalidated, and a bad index must raise instead of reading outside the inputs.
+[[noreturn]] C10_NOINLINE void bad_index(const char* field, int64_t position, int64_t value,
+                                         const std::string& expected) {
+  raise_error(host::message("bev_pool: ", field, "[", position, "] = ", value, ", expected ", expected,
+                            "; the FrustumLUT's index tensors were replaced or corrupted: build the table again with "
+                            "lss.geometry.FrustumLUT.build (or check one made from tensors with lut.validate()) and "
+                            "do not modify its fields"));
+}
+
+[[noreturn]] C10_NOINLINE void bad_interval(int64_t cell, int64_t begin, int64_t end, int64_t points) {
+  if (begin < 0 || begin > points)
+    bad_index("cell_start", cell, begin, host::message("an offset in [0, P] = [0, ", points, "]"));
+  if (end < 0 || end > points)
+    bad_index("cell_start", cell + 1, end, host::message("an offset in [0, P] = [0, ", points, "]"));
+  bad_index("cell_start", cell + 1, end,
+            host::message("a value >= cell_start[", cell, "] = ", begin, " (cell_start is non-decreasing)"));
+}
+
+// The points of cell c: sorted_points[cell_start[c]:cell_start[c + 1]], inside [0, P).
+template <typename index_t>
+inline void check_interval(index_t begin, index_t end, int64_t cell, int64_t points) {
+  if (C10_UNLIKELY(begin < 0 || begin > end || end > points)) bad_interval(cell, begin, end, points);
+}
+
+template <typename index_t>
+inline void check_point(index_t p, int64_t k, int64_t points) {
+  if (C10_UNLIKELY(p < 0 || p >= points))
+    bad_index("sorted_points", k, p, host::message("a point index in [0, P) = [0, ", points, ")"));
+}
+
 template <typename scalar_t, typename index_t>
 void forward_kernel(const scalar_t* depth, const scalar_t* feat, const index_t* sorted_points,
                     const index_t* cell_start, scalar_t* out, const Shape& s) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t C = s.C, cells = s.cells(), nxy = s.nxy();
+  const int64_t C = s.C, cells = s.cells(), nxy = s.nxy(), points = s.points();
   const index_t dhw = static_cast<index_t>(s.dhw()), hw = static_cast<index_t>(s.hw());
   at::parallel_for(0, ceil_div(cells, kTile), 1, [&](int64_t tile_begin, int64_t tile_end) {
     std::vector<acc_t> acc(kTile * C);
@@ -31,8 +63,11 @@ void forward_kernel(const scalar_t* depth, const scalar_t* feat, const index_t* 
         const int64_t cell = first + t, plane = cell / nxy;
         base[t] = plane * C * nxy + (cell - plane * nxy);
         acc_t* a = acc.data() + t * C;
-        for (index_t k = cell_start[cell]; k < cell_start[cell + 1]; ++k) {
+        const index_t begin = cell_start[cell], end = cell_start[cell + 1];
+        check_interval(begin, end, cell, points);
+        for (index_t k = begin; k < end; ++k) {
           const index_t p = sorted_points[k];
+          check_point(p, k, points);
           const acc_t w = static_cast<acc_t>(depth[p]);
           const scalar_t* row = feat + (static_cast<int64_t>(p / dhw) * hw + p % hw) * C;
           for (int64_t c = 0; c < C; ++c) a[c] += w * static_cast<acc_t>(row[c]);
@@ -49,7 +84,7 @@ template <typename scalar_t, typename index_t>
 void forward_channels_last_kernel(const scalar_t* depth, const scalar_t* feat, const index_t* sorted_points,
                                   const index_t* cell_start, scalar_t* out, const Shape& s) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t C = s.C, cells = s.cells(), nxy = s.nxy(), nz = s.nz;
+  const int64_t C = s.C, cells = s.cells(), nxy = s.nxy(), nz = s.nz, points = s.points();
   const index_t dhw = static_cast<index_t>(s.dhw()), hw = static_cast<index_t>(s.hw());
   at::parallel_for(0, ceil_div(cells, kTile), 1, [&](int64_t tile_begin, int64_t tile_end) {
     std::vector<acc_t> acc(C);
@@ -57,8 +92,11 @@ void forward_channels_last_kernel(const scalar_t* depth, const scalar_t* feat, c
       const int64_t plane = cell / nxy, b = plane / nz, z = plane - b * nz;
       scalar_t* dst = out + (b * nxy + cell - plane * nxy) * nz * C + z * C;
       std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (index_t k = cell_start[cell]; k < cell_start[cell + 1]; ++k) {
+      const index_t begin = cell_start[cell], end = cell_start[cell + 1];
+      check_interval(begin, end, cell, points);
+      for (index_t k = begin; k < end; ++k) {
         const index_t p = sorted_points[k];
+        check_point(p, k, points);
         const acc_t w = static_cast<acc_t>(depth[p]);
         const scalar_t* row = feat + (static_cast<int64_t>(p / dhw) * hw + p % hw) * C;
         for (int64_t c = 0; c < C; ++c) acc[c] += w * static_cast<acc_t>(row[c]);
@@ -91,7 +129,7 @@ void backward_kernel(const scalar_t* grad_rows, bev_pool::GradRows rows, const s
                      const index_t* point_cell, scalar_t* grad_depth, scalar_t* grad_feat,
                      bev_pool::PixelStrides grad_feat_strides, const Shape& s) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t C = s.C, D = s.D, hw = s.hw(), nxy = s.nxy(), planes = s.nz * nxy;
+  const int64_t C = s.C, D = s.D, hw = s.hw(), nxy = s.nxy(), planes = s.nz * nxy, cells = s.cells();
   at::parallel_for(0, s.pixels(), 16, [&](int64_t pixel_begin, int64_t pixel_end) {
     std::vector<acc_t> f(C), acc(C);
     for (int64_t pixel = pixel_begin; pixel < pixel_end; ++pixel) {
@@ -101,6 +139,9 @@ void backward_kernel(const scalar_t* grad_rows, bev_pool::GradRows rows, const s
       for (int64_t d = 0; d < D; ++d) {
         const int64_t p = (bn * D + d) * hw + hwi;
         const int64_t cell = point_cell[p];
+        if (C10_UNLIKELY(cell < -1 || cell >= cells))
+          bad_index("point_cell", p, cell, host::message("-1 (outside the grid) or a cell in [0, B*nz*nx*ny) = [0, ",
+                                                         cells, ")"));
         if (cell < 0) {
           grad_depth[p] = scalar_t(0);
           continue;

@@ -26,6 +26,11 @@
 //     phase, kPointUnroll at a time: for point p in cell c, grad_depth[p] = dot(feat[pixel], G[c]) (reduced over
 //     the lanes of the phase) and grad_feat[pixel] += depth[p] * G[c] (reduced over the phases at the end).
 //     feat is read and grad_feat written with their own strides (grad_feat follows feat's layout): no copies.
+//
+// Every index read from the table is checked before it is used (a FrustumLUT whose fields were replaced past its
+// frozen guard reaches the kernels unvalidated): a bad one fails a device-side assertion and is never followed (an
+// offset is clamped into [0, P], a point or a cell is skipped), so nothing outside the inputs is read or written
+// even where device assertions are compiled out.
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -61,6 +66,39 @@ struct alignas(sizeof(T) * V) Vec {
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
   return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+
+// cell_start[c], clamped into [0, P]: the points of every cell then lie inside sorted_points.
+template <typename index_t>
+__device__ __forceinline__ index_t checked_offset(index_t offset, int64_t points) {
+  if (offset >= 0 && offset <= points) return offset;
+  CUDA_KERNEL_ASSERT_MSG(false,
+                         "bev_pool: cell_start holds an offset outside [0, P]: the FrustumLUT's index tensors were "
+                         "replaced or corrupted; build the table again with lss.geometry.FrustumLUT.build and do "
+                         "not modify its fields");
+  return offset < 0 ? index_t(0) : static_cast<index_t>(points);
+}
+
+// Whether sorted_points' entry p is a point of depth (in [0, P)).
+template <typename index_t>
+__device__ __forceinline__ bool valid_point(index_t p, int64_t points) {
+  if (p >= 0 && p < points) return true;
+  CUDA_KERNEL_ASSERT_MSG(false,
+                         "bev_pool: sorted_points holds an index outside [0, P): the FrustumLUT's index tensors "
+                         "were replaced or corrupted; build the table again with lss.geometry.FrustumLUT.build and "
+                         "do not modify its fields");
+  return false;
+}
+
+// point_cell's entry as a cell in [0, cells), or -1 (outside the grid, or a bad entry: skipped).
+template <typename index_t>
+__device__ __forceinline__ int64_t checked_cell(index_t cell, int64_t cells) {
+  if (cell >= -1 && cell < cells) return cell;
+  CUDA_KERNEL_ASSERT_MSG(false,
+                         "bev_pool: point_cell holds a value outside -1 and [0, B*nz*nx*ny): the FrustumLUT's index "
+                         "tensors were replaced or corrupted; build the table again with "
+                         "lss.geometry.FrustumLUT.build and do not modify its fields");
+  return -1;
 }
 
 // Pointers and sizes of the cell kernels' grid: cell and channel group of this thread, or false past the end.
@@ -100,10 +138,10 @@ __device__ __forceinline__ int64_t cell_offset(int64_t cell, int64_t nxy, int64_
 // (-1 past the last cell). Returns whether the tile holds any point.
 template <typename index_t>
 __device__ __forceinline__ bool load_tile(const index_t* __restrict__ cell_start, int64_t first, int64_t cells,
-                                          int64_t nxy, int64_t C, index_t* start, int64_t* base) {
+                                          int64_t points, int64_t nxy, int64_t C, index_t* start, int64_t* base) {
   if (threadIdx.x <= kTile) {
     const int64_t cell = first + threadIdx.x < cells ? first + threadIdx.x : cells;
-    start[threadIdx.x] = cell_start[cell];
+    start[threadIdx.x] = checked_offset(cell_start[cell], points);
     if (threadIdx.x < kTile) {
       const int64_t plane = cell / nxy;
       base[threadIdx.x] = first + threadIdx.x < cells ? plane * C * nxy + (cell - plane * nxy) : -1;
@@ -117,14 +155,14 @@ template <typename scalar_t, typename index_t>
 __global__ void __launch_bounds__(kTileThreads)
     bev_pool_forward_kernel(const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
                             const index_t* __restrict__ sorted_points, const index_t* __restrict__ cell_start,
-                            scalar_t* __restrict__ out, int64_t cells, int64_t nxy, int64_t C, index_t dhw,
-                            index_t hw) {
+                            scalar_t* __restrict__ out, int64_t cells, int64_t points, int64_t nxy, int64_t C,
+                            index_t dhw, index_t hw) {
   using acc_t = at::opmath_type<scalar_t>;
   __shared__ acc_t tile[kTile][kChunk + 1];  // +1: the channel-major write-out reads without bank conflicts
   __shared__ index_t start[kTile + 1];
   __shared__ int64_t base[kTile];
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kTile;
-  if (!load_tile(cell_start, first, cells, nxy, C, start, base)) {
+  if (!load_tile(cell_start, first, cells, points, nxy, C, start, base)) {
     for (int64_t e = threadIdx.x; e < C * kTile; e += kTileThreads) {
       const int t = static_cast<int>(e % kTile);
       if (base[t] >= 0) out[base[t] + (e / kTile) * nxy] = scalar_t(0);
@@ -144,8 +182,11 @@ __global__ void __launch_bounds__(kTileThreads)
         int64_t my_row = 0;
         if (lane < n) {  // one round trip for up to 32 points: indices, depths and row offsets
           const index_t p = sorted_points[k0 + lane];
-          my_w = static_cast<acc_t>(depth[p]);
-          my_row = static_cast<int64_t>((p / dhw) * hw + p % hw) * C + c0;
+          if (valid_point(p, points)) {
+            my_w = static_cast<acc_t>(depth[p]);
+            my_row = static_cast<int64_t>((p / dhw) * hw + p % hw) * C;
+          }
+          my_row += c0;  // a bad point: weight 0 on the first pixel's row (P >= 1 here)
         }
 #pragma unroll 4
         for (int j = 0; j < n; ++j) {
@@ -178,8 +219,8 @@ __global__ void __launch_bounds__(kCellThreads)
     bev_pool_forward_channels_last_kernel(const scalar_t* __restrict__ depth, const scalar_t* __restrict__ feat,
                                           const index_t* __restrict__ sorted_points,
                                           const index_t* __restrict__ cell_start, scalar_t* __restrict__ out,
-                                          int64_t cells, int groups, int64_t nxy, int64_t nz, int64_t C, index_t dhw,
-                                          index_t hw) {
+                                          int64_t cells, int64_t points, int groups, int64_t nxy, int64_t nz,
+                                          int64_t C, index_t dhw, index_t hw) {
   using acc_t = at::opmath_type<scalar_t>;
   using vec_t = Vec<scalar_t, V>;
   constexpr int kVectors = kGroup / V;
@@ -190,16 +231,18 @@ __global__ void __launch_bounds__(kCellThreads)
   acc_t acc[kGroup];
 #pragma unroll
   for (int r = 0; r < kGroup; ++r) acc[r] = acc_t(0);
-  const index_t begin = cell_start[cell], end = cell_start[cell + 1];
+  const index_t begin = checked_offset(cell_start[cell], points);
+  const index_t end = checked_offset(cell_start[cell + 1], points);
   for (index_t k0 = begin; k0 < end; k0 += kPointUnroll) {
     acc_t w[kPointUnroll];
     const scalar_t* row[kPointUnroll];
 #pragma unroll
     for (int u = 0; u < kPointUnroll; ++u) {
       w[u] = acc_t(0);
-      row[u] = feat;
+      row[u] = feat;  // past the end or a bad point: weight 0 on the first pixel's row (P >= 1 here)
       if (k0 + u < end) {
         const index_t p = sorted_points[k0 + u];
+        if (!valid_point(p, points)) continue;
         w[u] = static_cast<acc_t>(depth[p]);
         row[u] = feat + static_cast<int64_t>((p / dhw) * hw + p % hw) * C + c0;
       }
@@ -262,7 +305,7 @@ void launch_forward_channels_last(const scalar_t* depth, const scalar_t* feat, c
   const dim3 grid = cell_grid<true>(s.cells(), groups);
   with_vector_width<scalar_t>(vector_width<scalar_t>(s.C, {feat, out}), [&](auto v) {
     bev_pool_forward_channels_last_kernel<scalar_t, index_t, decltype(v)::value><<<grid, kCellThreads, 0, stream>>>(
-        depth, feat, sorted_points, cell_start, out, s.cells(), groups, s.nxy(), s.nz, s.C,
+        depth, feat, sorted_points, cell_start, out, s.cells(), s.points(), groups, s.nxy(), s.nz, s.C,
         static_cast<index_t>(s.dhw()), static_cast<index_t>(s.hw()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -276,8 +319,8 @@ void launch_forward(const scalar_t* depth, const scalar_t* feat, const index_t* 
             "bev_pool: " + std::to_string(s.cells()) +
                 " cells exceed the CUDA grid limit; use a smaller batch or grid");
   bev_pool_forward_kernel<scalar_t, index_t><<<static_cast<unsigned>(blocks), kTileThreads, 0, stream>>>(
-      depth, feat, sorted_points, cell_start, out, s.cells(), s.nxy(), s.C, static_cast<index_t>(s.dhw()),
-      static_cast<index_t>(s.hw()));
+      depth, feat, sorted_points, cell_start, out, s.cells(), s.points(), s.nxy(), s.C,
+      static_cast<index_t>(s.dhw()), static_cast<index_t>(s.hw()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -332,7 +375,7 @@ __global__ void __launch_bounds__(kPixelWarps * 32)
                              scalar_t* __restrict__ grad_depth, scalar_t* __restrict__ grad_feat,
                              PixelStrides grad_feat_strides, at::opmath_type<scalar_t>* __restrict__ dot_partial,
                              int64_t pixels, int64_t N, int64_t fH, int64_t fW, int64_t D, int64_t C, int64_t nxy,
-                             int64_t planes, int lane_bits) {
+                             int64_t planes, int64_t cells, int lane_bits) {
   using acc_t = at::opmath_type<scalar_t>;
   using vec_t = Vec<scalar_t, V>;
   constexpr int kVectors = kGroup / V;
@@ -362,7 +405,7 @@ __global__ void __launch_bounds__(kPixelWarps * 32)
       for (int u = 0; u < kPointUnroll; ++u) {
         const int64_t d = d0 + u * phases + phase;
         p[u] = d < D ? first_point + d * hw : -1;
-        cell[u] = p[u] >= 0 ? static_cast<int64_t>(point_cell[p[u]]) : -1;
+        cell[u] = p[u] >= 0 ? checked_cell(point_cell[p[u]], cells) : -1;
         wt[u] = p[u] >= 0 ? static_cast<acc_t>(depth[p[u]]) : acc_t(0);
       }
       vec_t x[kPointUnroll][kVectors];
@@ -489,7 +532,7 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad
             bev_pool::pixel_strides(feat), point_cell.data_ptr<index_t>(), grad_depth.data_ptr<scalar_t>(),
             grad_feat.data_ptr<scalar_t>(), bev_pool::pixel_strides(grad_feat),
             dot_partial.defined() ? dot_partial.data_ptr<acc_t>() : nullptr, s.pixels(), s.N, s.fH, s.fW, s.D, s.C,
-            s.nxy(), s.nz * s.nxy(), lane_bits);
+            s.nxy(), s.nz * s.nxy(), s.cells(), lane_bits);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
