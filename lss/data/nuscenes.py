@@ -20,11 +20,7 @@ from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
 from lss.data.classes import class_kinds
 from lss.data.decoded_cache import DecodedImages
 from lss.data.depth import load_lidar_points, project_depth_targets
-from lss.data.original_conventions import (
-    load_augmented_pil,
-    original_post_matrices,
-    rasterize_footprints_original,
-)
+from lss.data.original_conventions import rasterize_footprints_original
 from lss.data.sample_index import INDEX_FIELDS, split_index
 from lss.data.tables import (
     DatasetNotFoundError,
@@ -36,7 +32,7 @@ from lss.data.tables import (
     resolve_split,
 )
 from lss.data.transforms import (
-    augment_decoded,
+    augment_image,
     decode_scaled,
     image_size_from_header,
     jpeg_scale,
@@ -179,25 +175,18 @@ class NuScenesBEV(torch.utils.data.Dataset):
                     rng,
                 )
                 if data.image_resize == "pil":
-                    image, rot, trans = load_augmented_pil(
-                        encoded if encoded is not None else Path(path).read_bytes(),
-                        size,
-                        aug,
-                        tuple(data.final_dim),
-                    )
+                    source = encoded if encoded is not None else Path(path).read_bytes()
                 else:
-                    decoded = self._cached_decode(path, size, aug.resize_dims)
-                    if decoded is None:
-                        decoded = decode_scaled(
+                    source = self._cached_decode(path, size, aug.resize_dims)
+                    if source is None:
+                        source = decode_scaled(
                             encoded if encoded is not None else Path(path).read_bytes(),
                             size,
                             aug.resize_dims,
                         )
                         if self._decoded is not None:
-                            self._decoded.store(path, *decoded)
-                    image, rot, trans = augment_decoded(*decoded, aug, tuple(data.final_dim))
-                if data.post_matrices == "original":
-                    rot, trans = original_post_matrices(aug, tuple(data.final_dim))
+                            self._decoded.store(path, *source)
+                image, rot, trans = augment_image(source, size, aug, data)
             except FileNotFoundError:
                 raise FileNotFoundError(self._missing_image_message(index, k)) from None
             except OSError as e:

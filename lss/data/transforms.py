@@ -16,12 +16,14 @@ content.
 from __future__ import annotations
 
 import io
-from typing import Optional
+from typing import Optional, Union
 
 import cv2
 import numpy as np
 from PIL import Image
 
+from lss.config.schema import DataConfig
+from lss.data.original_conventions import load_augmented_pil, original_post_matrices
 from lss.geometry import (
     ImageAugmentation,
     affine_to_post,
@@ -193,3 +195,27 @@ def augment_decoded(
     post_rot, post_trans = affine_to_post(warp @ resize_m)
     # Channel swap after the warp: on final_dim pixels it is the cheapest place.
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), post_rot, post_trans
+
+
+def augment_image(
+    source: Union[bytes, tuple[np.ndarray, int]],
+    size: tuple[int, int],
+    aug: ImageAugmentation,
+    data: DataConfig,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One camera image of `size` (W, H) as the data path makes it, data.image_resize and
+    data.post_matrices included: (final_dim H x W x 3 uint8 RGB, post_rot 3 x 3, post_trans 3).
+    `source`: the encoded file, or the image already decoded as (BGR uint8 array, DCT scale k)
+    (decode_scaled; pixels decoded in full: k = 1)."""
+    final_dim = tuple(data.final_dim)
+    if data.image_resize == "pil":
+        if not isinstance(source, bytes):  # PNG is lossless: PIL decodes the pixels as they are
+            source = cv2.imencode(".png", source[0])[1].tobytes()
+        image, rot, trans = load_augmented_pil(source, size, aug, final_dim)
+    else:
+        encoded = isinstance(source, bytes)
+        decoded = decode_scaled(source, size, aug.resize_dims) if encoded else source
+        image, rot, trans = augment_decoded(*decoded, aug, final_dim)
+    if data.post_matrices == "original":
+        rot, trans = original_post_matrices(aug, final_dim)
+    return image, rot, trans

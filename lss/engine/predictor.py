@@ -132,9 +132,14 @@ class EagerForward:
         self.model, self.amp_dtype = model, amp_dtype
         self.device = next(model.parameters()).device
 
+    autocast_cache = True
+
     def run(self, inputs: dict) -> dict:
         autocast = torch.autocast(
-            self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
+            self.device.type,
+            dtype=self.amp_dtype,
+            enabled=self.amp_dtype is not None,
+            cache_enabled=self.autocast_cache,
         )
         with torch.no_grad(), autocast:
             return self.model(inputs)
@@ -164,16 +169,10 @@ class CapturedForward(EagerForward):
         # batch size -> (graph or None, static inputs, static outputs)
         self.graphs: dict[int, tuple] = {}
 
+    autocast_cache = False
+
     def run(self, inputs: dict) -> dict:
-        autocast = torch.autocast(
-            self.device.type,
-            dtype=self.amp_dtype,
-            enabled=self.amp_dtype is not None,
-            cache_enabled=False,
-        )
-        with torch.no_grad(), autocast:
-            outputs = self.model(inputs)
-        return {k: v for k, v in outputs.items() if k in PREDICTION_OUTPUTS}
+        return {k: v for k, v in super().run(inputs).items() if k in PREDICTION_OUTPUTS}
 
     def __call__(self, batch: dict) -> dict:
         size = batch["images"].shape[0]
@@ -381,10 +380,11 @@ def write_predictions(
             stem = out / f"{count:04d}_{frame_name(prediction.name) or 'sample'}"
             written.append(prediction.save(stem.with_suffix(".npz")))
             if render_fn is not None:
-                item = {k: v[i] for k, v in batch.items()}
-                frames.append(render_fn(item, prediction))
-                Image.fromarray(frames[-1]).save(stem.with_suffix(".png"), compress_level=1)
+                picture = render_fn({k: v[i] for k, v in batch.items()}, prediction)
+                Image.fromarray(picture).save(stem.with_suffix(".png"), compress_level=1)
                 written.append(stem.with_suffix(".png"))
+                if animate_fns:  # kept only for the animations
+                    frames.append(picture)
             count += 1
         bar.update(size)
     bar.close()
