@@ -438,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="BEV maps of a checkpoint on a nuScenes scene or on camera images (docs/predict.md)",
     )
     _add_config_args(p, required=False)
-    p.add_argument("--ckpt", required=True)
+    p.add_argument(
+        "--ckpt", required=True, help="the checkpoint; its own config unless --config is given"
+    )
     p.add_argument("--dataroot", default=None, help="a nuScenes (or synthetic) set; with --scene")
     p.add_argument("--scene", default=None, help="the scene's name, e.g. scene-0103")
     p.add_argument(
