@@ -266,7 +266,7 @@ def cmd_predict(args) -> int:
         from lss.viz.render import render_sample, write_scene_gifs, write_scene_videos
 
         def render(item, prediction):
-            title = f"{prediction.name[:40]}   checkpoint step {predictor.step}"
+            title = f"{prediction.name[:64]}   checkpoint step {predictor.step}"
             return render_sample(
                 item, prediction.probabilities, cfg, title, prediction.detections
             ).image
