@@ -59,14 +59,17 @@ def assert_backward_reads_strided_grad(pool, x, kind, deterministic):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+# the arguments of lss.data.synthetic.generate for synthetic_root
+SYNTHETIC_SET = dict(version="v1.0-mini", scenes=2, samples_per_scene=3, image_size=(400, 225), seed=0, workers=1)
+
+
 @pytest.fixture(scope="session")
 def synthetic_root(tmp_path_factory):
     """A tiny synthetic nuScenes v1.0-mini (2 scenes x 3 key frames, 400 x 225 images; one scene in mini_train,
     one in mini_val), generated once per test session. Returns the dataroot (pathlib.Path)."""
     from lss.data.synthetic import generate
 
-    return generate(tmp_path_factory.mktemp("synthetic_nuscenes"), version="v1.0-mini", scenes=2,
-                    samples_per_scene=3, image_size=(400, 225), seed=0, workers=1)
+    return generate(tmp_path_factory.mktemp("synthetic_nuscenes"), **SYNTHETIC_SET)
 
 
 def val_statistics_checkpoint(cfg, path, logit_scale=1.0, step=1):

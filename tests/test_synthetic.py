@@ -1,13 +1,19 @@
 """The synthetic dataset against the real nuscenes-devkit: tables, images, lidar and maps load and
 agree."""
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import cv2
 import matplotlib
 import numpy as np
 import pytest
+import shapely
+from conftest import SYNTHETIC_SET
 
 matplotlib.use("Agg")
 
@@ -363,3 +369,64 @@ def test_force_replaces_only_its_own_files(tmp_path):
         and sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file() and p != foreign)
         == first
     )
+
+
+# sha256 by part of the conftest set (SYNTHETIC_SET): what seed 0 gives on every CPU. The losses of
+# test_recorded_run were computed on this set.
+SYNTHETIC_SET_SHA256 = {
+    "tables": "03917c2dd0cec936063d414ce7099ca6dd8c40d4e023b371d73a2b1806b2847e",
+    "camera images": "557c458e6f782fb04b9eb9ecb577031e936bb44b17fe39f87889416367ec3f47",
+    "lidar": "e292795cd800f8950a79ec4f59d8b7b3f60ce652cce20254b745b09600454204",
+    "map masks": "b6f8477e5a9cdfafa37b3cb471e8a27cedfc7fa032cfb778c4ecb49be6e0045c",
+}
+# versions of the libraries that draw and encode the set, as recorded
+RECORDED_WITH = {"numpy": "1.26", "cv2": "4.11", "shapely": "2.0"}
+INSTALLED = {"numpy": np.__version__, "cv2": cv2.__version__, "shapely": shapely.__version__}
+# switches that make numpy, OpenBLAS and OpenCV (IPP) take other CPU code paths in one process
+OTHER_CPU_PATHS = {
+    "OPENBLAS_CORETYPE": "Haswell",
+    "NPY_DISABLE_CPU_FEATURES": "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL",
+    "OPENCV_IPP": "SSE42",
+}
+recorded_libraries = pytest.mark.skipif(
+    any(not INSTALLED[k].startswith(v + ".") for k, v in RECORDED_WITH.items()),
+    reason=f"digests recorded with {RECORDED_WITH}, installed {INSTALLED}",
+)
+
+
+def set_digests(root: Path) -> dict:
+    """sha256 by part of a generated set: the bytes of tables and lidar sweeps, the decoded pixels
+    of camera images and map masks (PNG compression may vary, pixels must not)."""
+    parts = {"tables": [], "camera images": [], "lidar": [], "map masks": []}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if path.suffix in (".jpg", ".png"):
+            content = cv2.imread(str(path), cv2.IMREAD_UNCHANGED).tobytes()
+            part = "camera images" if path.suffix == ".jpg" else "map masks"
+        else:
+            content = path.read_bytes()
+            part = "lidar" if path.suffix == ".bin" else "tables"
+        parts[part].append(rel.encode() + b"\0" + hashlib.sha256(content).digest())
+    return {k: hashlib.sha256(b"".join(v)).hexdigest() for k, v in parts.items()}
+
+
+@recorded_libraries
+def test_seed_gives_the_recorded_set(synthetic_root):
+    assert set_digests(synthetic_root) == SYNTHETIC_SET_SHA256, (
+        "the synthetic set of seed 0 changed: if the generator was changed on purpose, record the "
+        "new digests here and the first-step losses of test_recorded_run (computed by the trainer "
+        "as it was before the change)"
+    )
+
+
+@pytest.mark.slow
+def test_set_does_not_depend_on_the_cpu_code_paths(synthetic_root, tmp_path):
+    """The set generated with numpy, OpenBLAS and IPP on other CPU code paths (as another CPU picks
+    them) is the same."""
+    code = (
+        "import sys; from lss.data.synthetic import generate; "
+        f"generate(sys.argv[1], **{SYNTHETIC_SET!r})"
+    )
+    env = {**os.environ, **OTHER_CPU_PATHS}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "set")], env=env, check=True)
+    assert set_digests(tmp_path / "set") == set_digests(synthetic_root)

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from .reproducible import matmul
 from .scenery import (
     ASPHALT,
     BARRIER,
@@ -88,7 +89,7 @@ def sweep(
     Returns (points P x 5 float32 [x, y, z, intensity, ring] in the lidar frame, box index per point
     P (-1 for ground))."""
     d_lidar, az, rings = beam_directions()
-    d = d_lidar @ rot.T  # B x A x 3 global
+    d = matmul(d_lidar, rot.T)  # B x A x 3 global
     rng_t = np.full(d.shape[:2], np.inf)
     hit = np.full(d.shape[:2], -1, np.int64)
     down = d[..., 2] < -1e-6
@@ -114,8 +115,8 @@ def sweep(
             cols = np.arange(lo, hi + 1) % AZIMUTH_STEPS
         cy, sy = math.cos(yaw), math.sin(yaw)
         to_box = np.array([[cy, sy, 0.0], [-sy, cy, 0.0], [0.0, 0.0, 1.0]])
-        o = to_box @ (pos - c)
-        dd = d[:, cols] @ to_box.T
+        o = matmul(to_box, pos - c)
+        dd = matmul(d[:, cols], to_box.T)
         half_ext = np.array([size[1], size[0], size[2]]) / 2
         with np.errstate(divide="ignore", invalid="ignore"):
             t1 = (-half_ext - o) / dd

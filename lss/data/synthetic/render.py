@@ -14,6 +14,7 @@ import math
 import cv2
 import numpy as np
 
+from .reproducible import dot, exp, inverse3, matmul, norm
 from .rig import Sensor
 from .scenery import (
     BARRIER,
@@ -72,7 +73,7 @@ def _clip_near(poly: np.ndarray, near: float = NEAR_PLANE) -> np.ndarray:
 
 def _project(points_cam: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Pixel coordinates (M x 2) of camera-frame points (M x 3, z > 0)."""
-    uvw = points_cam @ k.T
+    uvw = matmul(points_cam, k.T)
     return uvw[:, :2] / uvw[:, 2:3]
 
 
@@ -88,23 +89,21 @@ class CameraModel:
         self.u = np.arange(w, dtype=np.float64)  # pixel centres at integer coordinates
         self.v = np.arange(h, dtype=np.float64)
         uu, vv = np.meshgrid(self.u, self.v)
-        rays = (
-            np.stack([uu, vv, np.ones_like(uu)], -1) @ np.linalg.inv(self.k).T
-        )  # camera frame, z = 1
-        d_ego = rays @ sensor.rotation_matrix.T
+        rays = matmul(np.stack([uu, vv, np.ones_like(uu)], -1), inverse3(self.k).T)  # z = 1
+        d_ego = matmul(rays, sensor.rotation_matrix.T)
         height = sensor.translation[2]
         self.ground = d_ego[..., 2] < -1e-6
         t = np.where(self.ground, height / np.where(self.ground, -d_ego[..., 2], 1.0), 0.0)
         self.ground_x = (sensor.translation[0] + t * d_ego[..., 0]).astype(np.float32)
         self.ground_y = (sensor.translation[1] + t * d_ego[..., 1]).astype(np.float32)
         self.inv_ground_depth = np.where(self.ground, 1.0 / np.where(self.ground, t, 1.0), 0.0)
-        norm = np.linalg.norm(d_ego, axis=-1)
-        dist = t * norm
-        fog = np.where(self.ground, 1.0 - np.exp(-dist / FOG_DISTANCE), 1.0)[..., None]
+        length = np.sqrt(d_ego[..., 0] ** 2 + d_ego[..., 1] ** 2 + d_ego[..., 2] ** 2)
+        dist = t * length
+        fog = np.where(self.ground, 1.0 - exp(-dist / FOG_DISTANCE), 1.0)[..., None]
         blend = np.clip((dist - 15.0) / 25.0, 0.0, 1.0)[..., None]
         self.w_near = np.repeat((1 - blend) * (1 - fog), 3, axis=2).astype(np.float32)
         self.w_far = np.repeat(blend * (1 - fog), 3, axis=2).astype(np.float32)
-        elevation = np.clip(d_ego[..., 2] / norm, 0.0, 1.0)[..., None]
+        elevation = np.clip(d_ego[..., 2] / length, 0.0, 1.0)[..., None]
         sky = SKY_HORIZON + (SKY_ZENITH - SKY_HORIZON) * np.sqrt(elevation)
         self.background = np.where(self.ground[..., None], fog * SKY_HORIZON, sky).astype(
             np.float32
@@ -157,8 +156,8 @@ def render_camera(
         cam.background,
     )
 
-    rot = yaw_matrix(eyaw) @ cam.sensor.rotation_matrix  # camera -> global
-    pos = yaw_matrix(eyaw) @ np.asarray(cam.sensor.translation) + np.array([ex, ey, 0.0])
+    rot = matmul(yaw_matrix(eyaw), cam.sensor.rotation_matrix)  # camera -> global
+    pos = matmul(yaw_matrix(eyaw), cam.sensor.translation) + np.array([ex, ey, 0.0])
     n = len(boxes)
     ids = np.full((h, w), -1, np.int32)
     visible = np.zeros(n, np.int64)
@@ -194,7 +193,7 @@ def _shadow_mask(boxes: BoxSet, rot, pos, k, w, h, sun) -> np.ndarray:
         corners = box_corners(boxes.center[i], boxes.size[i], boxes.yaw[i])
         flat = corners[:, :2] - sun[None, :2] * (corners[:, 2:3] / sun[2])
         hull = cv2.convexHull(flat.astype(np.float32)).reshape(-1, 2).astype(np.float64)
-        cam = _clip_near((np.concatenate([hull, np.zeros((len(hull), 1))], 1) - pos) @ rot)
+        cam = _clip_near(matmul(np.concatenate([hull, np.zeros((len(hull), 1))], 1) - pos, rot))
         if len(cam) < 3:
             continue
         uv = _project(cam, k)
@@ -221,7 +220,7 @@ def _rasterize_faces(
     Returns per-face arrays: box index, kind, face type, colour, shade, metric size (across, up)."""
     k = cam.k
     h, w = face_id.shape
-    k_inv = np.linalg.inv(k)
+    k_inv = inverse3(k)
     shift = 4
     recs = {"box": [], "kind": [], "type": [], "color": [], "shade": [], "extent": []}
     for i in range(len(boxes)):
@@ -229,17 +228,17 @@ def _rasterize_faces(
         half = np.array([size[1], size[0], size[2]]) / 2  # box-frame x: l, y: w, z: h
         box_rot = yaw_matrix(boxes.yaw[i])
         center = boxes.center[i]
-        if np.linalg.norm((center - pos) @ rot) > 400.0:
+        if norm(center - pos) > 400.0:
             continue
         for f in range(5):
-            normal_g = box_rot @ _FACES[f, 0]
-            origin_g = box_rot @ (_FACES[f, 1] * half) + center
-            if np.dot(normal_g, pos - origin_g) <= 1e-9:
+            normal_g = matmul(box_rot, _FACES[f, 0])
+            origin_g = matmul(box_rot, _FACES[f, 1] * half) + center
+            if dot(normal_g, pos - origin_g) <= 1e-9:
                 continue  # facing away from the camera
-            e_s = box_rot @ ((_FACES[f, 2] - _FACES[f, 1]) * half)
-            e_t = box_rot @ ((_FACES[f, 3] - _FACES[f, 1]) * half)
+            e_s = matmul(box_rot, (_FACES[f, 2] - _FACES[f, 1]) * half)
+            e_t = matmul(box_rot, (_FACES[f, 3] - _FACES[f, 1]) * half)
             quad_g = np.stack([origin_g, origin_g + e_s, origin_g + e_s + e_t, origin_g + e_t])
-            quad = _clip_near((quad_g - pos) @ rot)
+            quad = _clip_near(matmul(quad_g - pos, rot))
             if len(quad) < 3:
                 continue
             uv = _project(quad, k)
@@ -259,9 +258,9 @@ def _rasterize_faces(
                 continue
             projected[i] += count
             # Plane n . X = d in the camera frame; 1/z = (n^T K^-1 [u, v, 1]) / d.
-            n_c = rot.T @ normal_g
-            d = float(n_c @ ((origin_g - pos) @ rot))
-            a, b, c0 = (n_c @ k_inv) / d
+            n_c = matmul(rot.T, normal_g)
+            d = dot(n_c, matmul(origin_g - pos, rot))
+            a, b, c0 = matmul(n_c, k_inv) / d
             inv_z = (a * cam.u[x0 : x1 + 1])[None, :] + (b * cam.v[y0 : y1 + 1] + c0)[:, None]
             sub = inv_depth[y0 : y1 + 1, x0 : x1 + 1]
             win = inside & (inv_z > sub)
@@ -272,7 +271,8 @@ def _rasterize_faces(
             np.copyto(face_id[y0 : y1 + 1, x0 : x1 + 1], fidx, where=win)
             # [u, v, 1] ~ K [e_s, e_t, origin] [s, t, 1] (camera frame), so [s, t, 1] ~ M^-1 [u, v,
             # 1].
-            hinv = _inverse3(k @ np.stack([e_s @ rot, e_t @ rot, (origin_g - pos) @ rot], 1))
+            corners = [matmul(e_s, rot), matmul(e_t, rot), matmul(origin_g - pos, rot)]
+            hinv = inverse3(matmul(k, np.stack(corners, 1)))
             uu, vv = cam.u[x0 : x1 + 1][None, :], cam.v[y0 : y1 + 1][:, None]
             q = [hinv[r, 0] * uu + (hinv[r, 1] * vv + hinv[r, 2]) for r in range(3)]
             np.copyto(
@@ -285,19 +285,11 @@ def _rasterize_faces(
             recs["kind"].append(boxes.kind[i])
             recs["type"].append(f)
             recs["color"].append(boxes.color[i])
-            recs["shade"].append(0.5 + 0.55 * max(0.0, float(normal_g @ sun)))
-            recs["extent"].append((np.linalg.norm(e_s), np.linalg.norm(e_t)))
+            recs["shade"].append(0.5 + 0.55 * max(0.0, dot(normal_g, sun)))
+            recs["extent"].append((norm(e_s), norm(e_t)))
     if not recs["box"]:
         return {"box": np.zeros(0, np.int32)}
     return {key: np.asarray(v) for key, v in recs.items()}
-
-
-def _inverse3(m: np.ndarray) -> np.ndarray:
-    """Inverse of a 3 x 3 matrix by cross products (LAPACK's per-call overhead dominates at this
-    size)."""
-    a, b, c = m[:, 0], m[:, 1], m[:, 2]
-    rows = np.stack([np.cross(b, c), np.cross(c, a), np.cross(a, b)])
-    return rows / np.dot(a, rows[0])
 
 
 def _paint_pixels(faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:

@@ -4,11 +4,13 @@ roof."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from pyquaternion import Quaternion
+
+from .reproducible import matmul, quaternion_matrix
 
 CAMERAS = (
     "CAM_FRONT",
@@ -46,7 +48,7 @@ class Sensor:
     @property
     def rotation_matrix(self) -> np.ndarray:
         """3 x 3 sensor -> ego rotation."""
-        return Quaternion(self.rotation).rotation_matrix
+        return quaternion_matrix(self.rotation)
 
 
 def scaled_intrinsic(k: np.ndarray, image_size: tuple[int, int]) -> np.ndarray:
@@ -87,8 +89,8 @@ def sensor_pose(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sensor -> global rotation (3 x 3) and sensor position (3,) for an ego pose on the ground
     plane."""
-    c, s = np.cos(ego_yaw), np.sin(ego_yaw)
+    c, s = math.cos(ego_yaw), math.sin(ego_yaw)
     ego_rot = np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
-    rot = ego_rot @ sensor.rotation_matrix
-    pos = ego_rot @ np.asarray(sensor.translation) + np.array([ego_x, ego_y, 0.0])
+    rot = matmul(ego_rot, sensor.rotation_matrix)
+    pos = matmul(ego_rot, sensor.translation) + np.array([ego_x, ego_y, 0.0])
     return rot, pos

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .reproducible import norm
+
 LOCATIONS = (
     "singapore-onenorth",
     "singapore-hollandvillage",
@@ -59,7 +61,7 @@ class Road:
 
     @property
     def length(self) -> float:
-        return float(np.linalg.norm(self.end - self.start))
+        return norm(self.end - self.start)
 
     @property
     def direction(self) -> np.ndarray:

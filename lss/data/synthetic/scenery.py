@@ -13,6 +13,7 @@ import cv2
 import numpy as np
 
 from .maps import LocationGeometry
+from .reproducible import matmul, norm, resize_cubic
 from .roads import Location
 from .world import Scene
 
@@ -107,7 +108,7 @@ def box_corners(center, size, yaw) -> np.ndarray:
     x = np.array([1, 1, -1, -1, 1, 1, -1, -1]) * l / 2
     y = np.array([1, -1, -1, 1, 1, -1, -1, 1]) * w / 2
     z = np.array([-1, -1, -1, -1, 1, 1, 1, 1]) * h / 2
-    return np.stack([x, y, z], axis=1) @ yaw_matrix(yaw).T + np.asarray(center)
+    return matmul(np.stack([x, y, z], axis=1), yaw_matrix(yaw).T) + np.asarray(center)
 
 
 @dataclass
@@ -181,7 +182,7 @@ def build_ground_texture(
             continue
         on, off = m.dash
         for a, b in zip(pts[:-1], pts[1:]):
-            length = float(np.linalg.norm(b - a))
+            length = norm(b - a)
             u = (b - a) / max(length, 1e-9)
             s = 0.0
             while s < length:
@@ -200,11 +201,11 @@ def build_ground_texture(
     # maths: the texture has tens of millions of texels).
     tile = rng.normal(0.0, 5.0, size=(256, 256)).astype(np.int16)
     grain = np.tile(tile, (h // 256 + 1, w // 256 + 1))[:h, :w]
-    blotch = cv2.resize(
+    blotch = resize_cubic(
         rng.normal(0.0, 6.0, size=(max(2, h // 60), max(2, w // 60))).astype(np.float32),
         (w, h),
-        interpolation=cv2.INTER_CUBIC,
-    ).astype(np.int16)
+        np.int16,
+    )
     slab = max(1, int(round(1.5 / resolution)))
     seam = np.zeros((h, w), bool)
     seam[:, ::slab] = True

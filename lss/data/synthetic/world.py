@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .reproducible import dot
 from .roads import (
     CROSSING_DEPTH,
     CROSSING_GAP,
@@ -230,7 +231,7 @@ def build_scene(index: int, name: str, location: Location, num_samples: int, see
                 if not (window[0] - 5 <= st <= window[1] + 5):
                     continue
                 pos = rd.point(st, 0.0)
-                if abs(float(np.dot(pos - road.start, road.left))) > 1.0:
+                if abs(dot(pos - road.start, road.left)) > 1.0:
                     continue
                 for d in (-1, 1):
                     for ln in range(rd.lanes):
