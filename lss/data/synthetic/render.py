@@ -14,7 +14,7 @@ import math
 import cv2
 import numpy as np
 
-from .reproducible import dot, exp, inverse3, matmul, norm
+from .reproducible import dots, exp, inverse3, inverses3, matmul, matvec
 from .rig import Sensor
 from .scenery import (
     BARRIER,
@@ -30,7 +30,8 @@ from .scenery import (
     VERGE,
     BoxSet,
     GroundTexture,
-    box_corners,
+    boxes_corners,
+    yaw_matrices,
     yaw_matrix,
 )
 
@@ -187,16 +188,33 @@ def _shadow_mask(boxes: BoxSet, rot, pos, k, w, h, sun) -> np.ndarray:
     z = 0)."""
     mask = np.zeros((h, w), np.uint8)
     shift = 4
-    for i in range(len(boxes)):
-        if boxes.kind[i] == BUILDING:
-            continue  # building shadows would fall on the verges and blocks, which we keep plain
-        corners = box_corners(boxes.center[i], boxes.size[i], boxes.yaw[i])
-        flat = corners[:, :2] - sun[None, :2] * (corners[:, 2:3] / sun[2])
-        hull = cv2.convexHull(flat.astype(np.float32)).reshape(-1, 2).astype(np.float64)
-        cam = _clip_near(matmul(np.concatenate([hull, np.zeros((len(hull), 1))], 1) - pos, rot))
-        if len(cam) < 3:
-            continue
-        uv = _project(cam, k)
+    # building shadows would fall on the verges and blocks, which we keep plain
+    cast = np.flatnonzero(boxes.kind != BUILDING)
+    if len(cast) == 0:
+        return mask.astype(bool)
+    corners = boxes_corners(boxes)[cast]
+    flat = corners[..., :2] - sun[None, None, :2] * (corners[..., 2:3] / sun[2])
+    flat32 = flat.astype(np.float32)
+    hulls = [cv2.convexHull(f).reshape(-1, 2).astype(np.float64) for f in flat32]
+    ground = np.concatenate(hulls)
+    ground = np.concatenate([ground, np.zeros((len(ground), 1))], 1)
+    cam_pts = matmul(ground - pos, rot)  # every hull point in the camera frame, at once
+    with np.errstate(divide="ignore", invalid="ignore"):
+        uv_all = _project(cam_pts, k)
+    start = 0
+    for hull in hulls:
+        stop = start + len(hull)
+        pts = cam_pts[start:stop]
+        ahead = pts[:, 2] >= NEAR_PLANE
+        if ahead.all() and len(pts) >= 3:
+            uv = uv_all[start:stop]
+        else:
+            clipped = _clip_near(pts)
+            if len(clipped) < 3:
+                start = stop
+                continue
+            uv = _project(clipped, k)
+        start = stop
         if uv[:, 0].max() < 0 or uv[:, 1].max() < 0 or uv[:, 0].min() >= w or uv[:, 1].min() >= h:
             continue
         cv2.fillConvexPoly(
@@ -207,6 +225,44 @@ def _shadow_mask(boxes: BoxSet, rot, pos, k, w, h, sun) -> np.ndarray:
             shift,
         )
     return mask.astype(bool)
+
+
+def _face_geometry(boxes: BoxSet, rot, pos, k) -> dict:
+    """The camera-facing box faces within reach of the camera at pos (rotation rot, intrinsic k), in
+    box-then-face order, and what rasterizing them needs: box index, face type, global normal,
+    edges e_s and e_t, corners in the camera frame, the inverse-depth plane (a, b, c) and the
+    homography from pixels to face coordinates. Every value rounds as the per-face products of
+    reproducible.py do."""
+    n = len(boxes)
+    half = np.stack([boxes.size[:, 1], boxes.size[:, 0], boxes.size[:, 2]], 1) / 2
+    box_rot = yaw_matrices(boxes.yaw)[:, None]  # N x 1 x 3 x 3
+    normal = matvec(box_rot, np.broadcast_to(_FACES[None, :, 0], (n, 5, 3)))
+    origin = matvec(box_rot, _FACES[None, :, 1] * half[:, None]) + boxes.center[:, None]
+    e_s = matvec(box_rot, (_FACES[None, :, 2] - _FACES[None, :, 1]) * half[:, None])
+    e_t = matvec(box_rot, (_FACES[None, :, 3] - _FACES[None, :, 1]) * half[:, None])
+    offset = boxes.center - pos
+    near = ~(np.sqrt(dots(offset, offset)) > 400.0)
+    facing = ~(dots(normal, pos - origin) <= 1e-9)
+    box, face = np.nonzero(near[:, None] & facing)
+    normal, origin, e_s, e_t = (v[box, face] for v in (normal, origin, e_s, e_t))
+    quad = np.stack([origin, origin + e_s, origin + e_s + e_t, origin + e_t], 1)
+    quad_cam = matmul(quad - pos, rot)  # F x 4 x 3
+    # Plane n . X = d in the camera frame; 1/z = (n^T K^-1 [u, v, 1]) / d.
+    n_cam = matvec(rot.T, normal)
+    plane = matmul(n_cam, inverse3(k)) / dots(n_cam, quad_cam[:, 0])[:, None]
+    # [u, v, 1] ~ K [e_s, e_t, origin] [s, t, 1] (camera frame), so [s, t, 1] ~ M^-1 [u, v, 1].
+    cols = np.stack([matmul(e_s, rot), matmul(e_t, rot), quad_cam[:, 0]], -1)
+    hinv = inverses3(matvec(k, np.swapaxes(cols, -1, -2)).swapaxes(-1, -2))
+    return {
+        "box": box,
+        "type": face,
+        "normal": normal,
+        "e_s": e_s,
+        "e_t": e_t,
+        "quad": quad_cam,
+        "plane": plane,
+        "hinv": hinv,
+    }
 
 
 def _rasterize_faces(
@@ -220,76 +276,73 @@ def _rasterize_faces(
     Returns per-face arrays: box index, kind, face type, colour, shade, metric size (across, up)."""
     k = cam.k
     h, w = face_id.shape
-    k_inv = inverse3(k)
     shift = 4
-    recs = {"box": [], "kind": [], "type": [], "color": [], "shade": [], "extent": []}
-    for i in range(len(boxes)):
-        size = boxes.size[i]
-        half = np.array([size[1], size[0], size[2]]) / 2  # box-frame x: l, y: w, z: h
-        box_rot = yaw_matrix(boxes.yaw[i])
-        center = boxes.center[i]
-        if norm(center - pos) > 400.0:
+    geo = _face_geometry(boxes, rot, pos, k)
+    quads = geo["quad"]
+    ahead = quads[..., 2] >= NEAR_PLANE
+    with np.errstate(divide="ignore", invalid="ignore"):
+        uv_all = _project(quads.reshape(-1, 3), k).reshape(-1, 4, 2)
+        lo = np.floor(uv_all.min(1)).astype(np.int64)  # used only where all 4 corners are ahead
+        hi = np.ceil(uv_all.max(1)).astype(np.int64)
+    whole = ahead.all(1)
+    won = []
+    for j in range(len(quads)):
+        if whole[j]:
+            uv = uv_all[j]
+            x0, y0 = lo[j].tolist()
+            x1, y1 = hi[j].tolist()
+        elif not ahead[j].any():
             continue
-        for f in range(5):
-            normal_g = matmul(box_rot, _FACES[f, 0])
-            origin_g = matmul(box_rot, _FACES[f, 1] * half) + center
-            if dot(normal_g, pos - origin_g) <= 1e-9:
-                continue  # facing away from the camera
-            e_s = matmul(box_rot, (_FACES[f, 2] - _FACES[f, 1]) * half)
-            e_t = matmul(box_rot, (_FACES[f, 3] - _FACES[f, 1]) * half)
-            quad_g = np.stack([origin_g, origin_g + e_s, origin_g + e_s + e_t, origin_g + e_t])
-            quad = _clip_near(matmul(quad_g - pos, rot))
+        else:
+            quad = _clip_near(quads[j])
             if len(quad) < 3:
                 continue
             uv = _project(quad, k)
-            x0, y0 = np.floor(uv.min(0)).astype(np.int64)
-            x1, y1 = np.ceil(uv.max(0)).astype(np.int64)
-            x0, y0, x1, y1 = max(x0, 0), max(y0, 0), min(x1, w - 1), min(y1, h - 1)
-            if x1 < x0 or y1 < y0:
-                continue
-            mask = np.zeros((y1 - y0 + 1, x1 - x0 + 1), np.uint8)
-            local = np.clip(uv - (x0, y0), -1e5, 1e5)
-            cv2.fillConvexPoly(
-                mask, np.round(local * (1 << shift)).astype(np.int32), 1, cv2.LINE_8, shift
-            )
-            inside = mask.view(bool)
-            count = int(np.count_nonzero(inside))
-            if count == 0:
-                continue
-            projected[i] += count
-            # Plane n . X = d in the camera frame; 1/z = (n^T K^-1 [u, v, 1]) / d.
-            n_c = matmul(rot.T, normal_g)
-            d = dot(n_c, matmul(origin_g - pos, rot))
-            a, b, c0 = matmul(n_c, k_inv) / d
-            inv_z = (a * cam.u[x0 : x1 + 1])[None, :] + (b * cam.v[y0 : y1 + 1] + c0)[:, None]
-            sub = inv_depth[y0 : y1 + 1, x0 : x1 + 1]
-            win = inside & (inv_z > sub)
-            if not win.any():
-                continue
-            fidx = len(recs["box"])
-            np.copyto(sub, inv_z, where=win)
-            np.copyto(face_id[y0 : y1 + 1, x0 : x1 + 1], fidx, where=win)
-            # [u, v, 1] ~ K [e_s, e_t, origin] [s, t, 1] (camera frame), so [s, t, 1] ~ M^-1 [u, v,
-            # 1].
-            corners = [matmul(e_s, rot), matmul(e_t, rot), matmul(origin_g - pos, rot)]
-            hinv = inverse3(matmul(k, np.stack(corners, 1)))
-            uu, vv = cam.u[x0 : x1 + 1][None, :], cam.v[y0 : y1 + 1][:, None]
-            q = [hinv[r, 0] * uu + (hinv[r, 1] * vv + hinv[r, 2]) for r in range(3)]
-            np.copyto(
-                face_st[0, y0 : y1 + 1, x0 : x1 + 1], q[0] / q[2], where=win, casting="unsafe"
-            )
-            np.copyto(
-                face_st[1, y0 : y1 + 1, x0 : x1 + 1], q[1] / q[2], where=win, casting="unsafe"
-            )
-            recs["box"].append(i)
-            recs["kind"].append(boxes.kind[i])
-            recs["type"].append(f)
-            recs["color"].append(boxes.color[i])
-            recs["shade"].append(0.5 + 0.55 * max(0.0, dot(normal_g, sun)))
-            recs["extent"].append((norm(e_s), norm(e_t)))
-    if not recs["box"]:
+            x0, y0 = np.floor(uv.min(0)).astype(np.int64).tolist()
+            x1, y1 = np.ceil(uv.max(0)).astype(np.int64).tolist()
+        x0, y0, x1, y1 = max(x0, 0), max(y0, 0), min(x1, w - 1), min(y1, h - 1)
+        if x1 < x0 or y1 < y0:
+            continue
+        mask = np.zeros((y1 - y0 + 1, x1 - x0 + 1), np.uint8)
+        local = np.clip(uv - (x0, y0), -1e5, 1e5)
+        cv2.fillConvexPoly(
+            mask, np.round(local * (1 << shift)).astype(np.int32), 1, cv2.LINE_8, shift
+        )
+        inside = mask.view(bool)
+        count = int(np.count_nonzero(inside))
+        if count == 0:
+            continue
+        i = int(geo["box"][j])
+        projected[i] += count
+        a, b, c0 = geo["plane"][j].tolist()
+        uu, vv = cam.u[x0 : x1 + 1], cam.v[y0 : y1 + 1]
+        inv_z = (a * uu)[None, :] + (b * vv + c0)[:, None]
+        sub = inv_depth[y0 : y1 + 1, x0 : x1 + 1]
+        win = inside & (inv_z > sub)
+        if not win.any():
+            continue
+        np.copyto(sub, inv_z, where=win)
+        np.copyto(face_id[y0 : y1 + 1, x0 : x1 + 1], len(won), where=win)
+        won.append(j)
+        hinv = geo["hinv"][j].tolist()
+        uu, vv = uu[None, :], vv[:, None]
+        q = [hinv[r][0] * uu + (hinv[r][1] * vv + hinv[r][2]) for r in range(3)]
+        np.copyto(face_st[0, y0 : y1 + 1, x0 : x1 + 1], q[0] / q[2], where=win, casting="unsafe")
+        np.copyto(face_st[1, y0 : y1 + 1, x0 : x1 + 1], q[1] / q[2], where=win, casting="unsafe")
+    if not won:
         return {"box": np.zeros(0, np.int32)}
-    return {key: np.asarray(v) for key, v in recs.items()}
+    won = np.array(won)
+    box = geo["box"][won]
+    light = dots(geo["normal"][won], sun)
+    e_s, e_t = geo["e_s"][won], geo["e_t"][won]
+    return {
+        "box": box,
+        "kind": boxes.kind[box],
+        "type": geo["type"][won],
+        "color": boxes.color[box],
+        "shade": 0.5 + 0.55 * np.where(light > 0.0, light, 0.0),
+        "extent": np.stack([np.sqrt(dots(e_s, e_s)), np.sqrt(dots(e_t, e_t))], 1),
+    }
 
 
 def _paint_pixels(faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:

@@ -46,6 +46,38 @@ def dot(a: Sequence[float], b: Sequence[float]) -> float:
     return total
 
 
+def matvec(m: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """m @ v for stacks of matrices m (... x M x K) and vectors v (... x K), broadcast against each
+    other, summed over K in index order (each element rounds as in matmul). Returns ... x M."""
+    out = m[..., 0] * v[..., None, 0]
+    for j in range(1, m.shape[-1]):
+        out = out + m[..., j] * v[..., None, j]
+    return out
+
+
+def dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Dot products over the last axis of a and b (broadcast), each summed in index order as in
+    dot."""
+    total = 0.0 + a[..., 0] * b[..., 0]
+    for j in range(1, a.shape[-1]):
+        total = total + a[..., j] * b[..., j]
+    return total
+
+
+def _cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cross products over the last axis, each component rounded as in np.cross."""
+    a0, a1, a2 = a[..., 0], a[..., 1], a[..., 2]
+    b0, b1, b2 = b[..., 0], b[..., 1], b[..., 2]
+    return np.stack([a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0], -1)
+
+
+def inverses3(m: np.ndarray) -> np.ndarray:
+    """inverse3 of each 3 x 3 matrix of a stack (... x 3 x 3)."""
+    a, b, c = m[..., :, 0], m[..., :, 1], m[..., :, 2]
+    rows = np.stack([_cross(b, c), _cross(c, a), _cross(a, b)], -2)
+    return rows / dots(a, rows[..., 0, :])[..., None, None]
+
+
 def norm(v: Sequence[float]) -> float:
     """Euclidean length of a vector."""
     return math.sqrt(dot(v, v))

@@ -13,7 +13,7 @@ import cv2
 import numpy as np
 
 from .maps import LocationGeometry
-from .reproducible import matmul, norm, resize_cubic
+from .reproducible import matmul, matvec, norm, resize_cubic
 from .roads import Location
 from .world import Scene
 
@@ -109,6 +109,24 @@ def box_corners(center, size, yaw) -> np.ndarray:
     y = np.array([1, -1, -1, 1, 1, -1, -1, 1]) * w / 2
     z = np.array([-1, -1, -1, -1, 1, 1, 1, 1]) * h / 2
     return matmul(np.stack([x, y, z], axis=1), yaw_matrix(yaw).T) + np.asarray(center)
+
+
+def yaw_matrices(yaws) -> np.ndarray:
+    """yaw_matrix of every yaw: N x 3 x 3."""
+    c = np.array([math.cos(y) for y in np.asarray(yaws, np.float64).tolist()])
+    s = np.array([math.sin(y) for y in np.asarray(yaws, np.float64).tolist()])
+    zero, one = np.zeros_like(c), np.ones_like(c)
+    return np.stack([c, -s, zero, s, c, zero, zero, zero, one], -1).reshape(-1, 3, 3)
+
+
+def boxes_corners(boxes: "BoxSet") -> np.ndarray:
+    """box_corners of every box: N x 8 x 3."""
+    w, l, h = boxes.size[:, 0:1], boxes.size[:, 1:2], boxes.size[:, 2:3]
+    x = np.array([1, 1, -1, -1, 1, 1, -1, -1]) * l / 2
+    y = np.array([1, -1, -1, 1, 1, -1, -1, 1]) * w / 2
+    z = np.array([-1, -1, -1, -1, 1, 1, 1, 1]) * h / 2
+    local = np.stack([x, y, z], -1)
+    return matvec(yaw_matrices(boxes.yaw)[:, None], local) + boxes.center[:, None]
 
 
 @dataclass
