@@ -18,8 +18,6 @@ import numpy as np
 
 # cubic convolution kernel parameter of cv2.INTER_CUBIC
 CUBIC_A = -0.75
-# rows of a resized image computed at a time (bounds the temporaries on large ground textures)
-RESIZE_ROWS = 1024
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -135,11 +133,14 @@ def resize_cubic(src: np.ndarray, size: tuple[int, int], dtype=np.float32) -> np
     tall = wy[0][:, None] * src[rows[0]]
     for j in range(1, 4):
         tall = tall + wy[j][:, None] * src[rows[j]]  # h x source width
+    # An upsampling reads the same four source columns for runs of output columns: each run is a
+    # product of a source column and a run of weights, without gathering a full-size image.
+    tall_t = np.ascontiguousarray(tall.T)  # source width x h
     out = np.empty((h, w), dtype)
-    for r0 in range(0, h, RESIZE_ROWS):
-        band = tall[r0 : r0 + RESIZE_ROWS]
-        acc = band[:, cols[0]] * wx[0]
+    starts = np.flatnonzero(np.r_[True, np.any(cols[:, 1:] != cols[:, :-1], 0)]).tolist()
+    for a, b in zip(starts, starts[1:] + [w]):
+        acc = tall_t[cols[0, a]][:, None] * wx[0, a:b]
         for j in range(1, 4):
-            acc = acc + band[:, cols[j]] * wx[j]
-        out[r0 : r0 + RESIZE_ROWS] = acc
+            acc += tall_t[cols[j, a]][:, None] * wx[j, a:b]
+        out[:, a:b] = acc
     return out
