@@ -120,6 +120,36 @@ def test_depth_is_a_distribution():
     torch.testing.assert_close(depth.sum(1), torch.ones(2, 4, 4))
 
 
+@pytest.mark.parametrize("downsample, fine, coarse", [(8, 128, 256), (16, 256, 512)])
+def test_the_resnet18_trunk_lifts_at_its_stride_and_reaches_the_bev_grid(downsample, fine, coarse):
+    from lss.models.camera import ResNetTrunk
+
+    trunk = ResNetTrunk(downsample).eval()
+    a, b = trunk(torch.randn(2, 3, 64, 96))
+    assert a.shape == (2, fine, 64 // downsample, 96 // downsample)
+    assert b.shape == (2, coarse, 32 // downsample, 48 // downsample)
+    cfg = tiny_cfg("model.backbone=resnet18", f"model.downsample={downsample}", "model.camera_channels=16")
+    model = LiftSplatShoot(cfg)
+    assert model.camera.fuse.conv[0].in_channels == fine + coarse and model.camera.head.in_channels == 16
+    out = model(rig_batch(cfg))
+    assert out["depth_logits"].shape == (2, 6, 4, 32 // downsample, 96 // downsample)
+    out["segmentation"].square().mean().backward()
+    for name in ("camera.trunk.stem.0.weight", "camera.head.weight", "bev.stem.0.weight"):
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_camera_trunk_strides_and_weights_are_checked_when_the_config_loads():
+    with pytest.raises(ConfigError, match="model.downsample=8: the efficientnet-b0 camera encoder outputs stride 16$"):
+        tiny_cfg("model.downsample=8")
+    with pytest.raises(ConfigError, match="model.downsample=4: the resnet18 camera encoder outputs stride 8 or 16"):
+        tiny_cfg("model.backbone=resnet18", "model.downsample=4")
+    with pytest.raises(ConfigError, match="ImageNet weights are loaded for efficientnet-b0 only; set model.pretrained"):
+        tiny_cfg("model.backbone=resnet18", "model.pretrained=imagenet")
+    with pytest.raises(ConfigError, match="model.camera_channels"):
+        tiny_cfg("model.camera_channels=0")
+
+
 def test_depth_logits_are_exposed_and_the_depth_loss_trains_the_camera_encoder():
     cfg = tiny_cfg()
     model = LiftSplatShoot(cfg).eval()

@@ -309,6 +309,26 @@ def test_the_estimate_counts_no_more_than_the_tensors_it_names():
     assert images.nbytes + 3 * stem.nbytes < camera.size <= images.nbytes + maps
 
 
+@pytest.mark.parametrize("downsample", [8, 16])
+def test_the_estimate_of_the_resnet18_trunk_counts_no_more_than_it_keeps(downsample):
+    from lss.models.camera import ResNetTrunk
+
+    cfg = load_config(None, ["train.device=cpu", "data.final_dim=[64, 128]", "train.amp=none",
+                             "model.backbone=resnet18", f"model.downsample={downsample}"])
+    batch, cameras = 2, len(cfg.data.cameras)
+    camera = training_needs(cfg, batch, "cpu")[2]
+    images = torch.rand(batch * cameras, 3, *cfg.data.final_dim)
+    trunk = ResNetTrunk(downsample).train()
+    weights = {w.data_ptr() for w in trunk.parameters()}
+    kept = {}
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+            lambda t: kept.setdefault((t.data_ptr(), t.shape), t.nbytes) and t, lambda t: t):
+        trunk(images.requires_grad_())
+    maps = sum(size for (pointer, _), size in kept.items() if pointer not in weights and pointer != images.data_ptr())
+    stem = trunk.stem[0](images)
+    assert images.nbytes + 2 * stem.nbytes < camera.size <= images.nbytes + maps
+
+
 def test_synthetic_images_beyond_the_machines_memory_are_refused_before_writing(tmp_path):
     from lss.data.synthetic import generate
     from lss.data.synthetic.render import CameraModel

@@ -72,11 +72,16 @@ def activation_bytes(cfg, device_type: Optional[str]) -> int:
     return 2
 
 
-def camera_trunk_values(backbone: str) -> float:
+def camera_trunk_values(backbone: str, downsample: int = 16) -> float:
     """Activation values per input pixel that a training step of the camera trunk `backbone` keeps
-    for the backward pass at the least: MAPS_PER_CONV maps of the stem and of every block's
-    expansion and depthwise convolutions, and each block's output (efficientnet-pytorch's block
-    table)."""
+    for the backward pass at the least: for efficientnet-b0 MAPS_PER_CONV maps of the stem and of
+    every block's expansion and depthwise convolutions, and each block's output (efficientnet-
+    pytorch's block table); for resnet18 two maps per convolution (its output and the normalised
+    one; the ReLUs work in place) up to the stage of stride 2 * `downsample`."""
+    if backbone == "resnet18":
+        stages = [(64, 4), (128, 8), (256, 16), (512, 32)][: {8: 3, 16: 4}[downsample]]
+        stem = 2 * 64 / 2**2 + 64 / 4**2  # the 7x7 convolution at stride 2, the max-pool's output
+        return stem + sum(4 * 2 * channels / stride**2 for channels, stride in stages)
     from efficientnet_pytorch.utils import get_model_params
 
     blocks, _ = get_model_params(backbone, None)
@@ -133,7 +138,9 @@ def training_needs(cfg, batch: int, device_type: Optional[str] = None) -> list[N
             "data.final_dim",
             f"camera inputs of {height} x {width} pixels ({cameras} cameras x {batch} samples: "
             "images and the camera trunk's maps)",
-            int(camera_pixels * (3 * 4 + camera_trunk_values(model.backbone) * a)),
+            int(
+                camera_pixels * (3 * 4 + camera_trunk_values(model.backbone, model.downsample) * a)
+            ),
             "use a smaller data.final_dim",
         ),
     ]

@@ -87,11 +87,17 @@ class GridConfig:
 
 @dataclass
 class ModelConfig:
-    backbone: Literal["efficientnet-b0"] = "efficientnet-b0"
-    # ImageNet weights for the camera backbone: "imagenet" (efficientnet-pytorch's, through
-    # torch.hub's download cache), a local state-dict path, or null (random initialisation)
+    # the camera trunk: EfficientNet-B0 (the LSS paper's), or torchvision's ResNet-18, cheaper per
+    # image on a CPU (the CPU demo's)
+    backbone: Literal["efficientnet-b0", "resnet18"] = "efficientnet-b0"
+    # ImageNet weights for efficientnet-b0: "imagenet" (efficientnet-pytorch's, through torch.hub's
+    # download cache), a local state-dict path, or null (random initialisation; resnet18: only null)
     pretrained: Optional[str] = None
-    downsample: int = 16  # the EfficientNet camera encoder's output stride: 16 only
+    # the camera encoder's output stride: 16 (efficientnet-b0), 8 or 16 (resnet18: its stride-8
+    # and stride-16 maps fused, or its stride-16 and stride-32 maps)
+    downsample: int = 16
+    # channels of the camera encoder's fused map, before its depth and context head
+    camera_channels: int = 512
     context_channels: int = 64
     splat: Literal["bev_pool", "reference"] = "bev_pool"  # our op, or pure PyTorch (for comparison)
     # segmentation is required

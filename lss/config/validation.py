@@ -127,16 +127,23 @@ def validate(cfg: Config) -> Config:
         "(adjust grid.xbound/ybound)",
     )
 
+    strides = (8, 16) if model.backbone == "resnet18" else (16,)
     _check(
-        model.downsample == 16,
-        f"model.downsample={model.downsample}: the EfficientNet camera encoder outputs stride 16",
+        model.downsample in strides,
+        f"model.downsample={model.downsample}: the {model.backbone} camera encoder outputs stride "
+        + " or ".join(map(str, strides)),
+    )
+    _check(
+        model.backbone != "resnet18" or model.pretrained is None,
+        f"model.pretrained={model.pretrained!r}: ImageNet weights are loaded for efficientnet-b0 "
+        "only; set model.pretrained: null with model.backbone: resnet18",
     )
     _check(
         "segmentation" in model.heads,
         f"model.heads={list(model.heads)}: the segmentation head is required "
         "(evaluation and checkpoint selection use its IoU)",
     )
-    _at_least(model, "model", ("context_channels",), 1)
+    _at_least(model, "model", ("context_channels", "camera_channels"), 1)
     detecting = "detection" in model.heads
     _check(
         data.detection_targets in (None, detecting),

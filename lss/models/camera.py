@@ -1,5 +1,5 @@
-"""Camera encoder: EfficientNet-B0 trunk -> fused stride-16 features -> per-pixel depth distribution
-and context."""
+"""Camera encoder: EfficientNet-B0 (or ResNet-18) trunk -> fused stride-16 (or 8) features ->
+per-pixel depth distribution and context."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from efficientnet_pytorch import EfficientNet
 from torch import nn
+from torchvision.models import resnet18
 
 from lss.errors import ConfigError
 from lss.models.blocks import Up
@@ -110,12 +111,34 @@ class EfficientNetTrunk(nn.Module):
         return stride16, x
 
 
-class CameraEncoder(nn.Module):
-    """Lift: per camera pixel of the stride-16 feature map, a softmax depth distribution over D bins
-    and C context features.
+class ResNetTrunk(nn.Module):
+    """torchvision's ResNet-18 (random initialisation) up to the stage of stride 2 * `downsample`;
+    returns the maps of stride `downsample` and 2 * `downsample` (downsample 8: layer2 and layer3;
+    16: layer3 and layer4).
 
-    forward(images B*N x 3 x H x W) -> (depth B*N x D x H/16 x W/16 (probabilities), context
-    B*N x C x H/16 x W/16); with return_logits=True also the depth logits B*N x D x H/16 x W/16 (for
+    forward(images B x 3 x H x W) -> (B x C1 x H/s x W/s, B x C2 x H/2s x W/2s), s = downsample.
+    """
+
+    def __init__(self, downsample: int = 16):
+        super().__init__()
+        net = resnet18(weights=None)
+        self.stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)  # stride 4
+        layers = [net.layer1, net.layer2, net.layer3, net.layer4]
+        last = {8: 3, 16: 4}[downsample]
+        self.layers = nn.Sequential(*layers[:last])
+        self.fine_channels, self.coarse_channels = (128, 256) if downsample == 8 else (256, 512)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.layers[:-1](self.stem(images))
+        return x, self.layers[-1](x)
+
+
+class CameraEncoder(nn.Module):
+    """Lift: per camera pixel of the stride-s feature map (s = `downsample`), a softmax depth
+    distribution over D bins and C context features.
+
+    forward(images B*N x 3 x H x W) -> (depth B*N x D x H/s x W/s (probabilities), context
+    B*N x C x H/s x W/s); with return_logits=True also the depth logits B*N x D x H/s x W/s (for
     a depth loss) as a third element.
     """
 
@@ -126,23 +149,26 @@ class CameraEncoder(nn.Module):
         backbone: str = "efficientnet-b0",
         pretrained: Optional[str] = None,
         upsample_mode: str = "pytorch_half_pixel",
+        downsample: int = 16,
+        channels: int = 512,
     ):
         super().__init__()
         self.depth_bins = depth_bins
         self.context_channels = context_channels
-        self.trunk = EfficientNetTrunk(backbone, pretrained)
-        self.fuse = Up(
-            EfficientNetTrunk.stride16_channels + EfficientNetTrunk.stride32_channels,
-            512,
-            upsample_mode=upsample_mode,
-        )
-        self.head = nn.Conv2d(512, depth_bins + context_channels, kernel_size=1)
+        if backbone == "resnet18":
+            self.trunk = ResNetTrunk(downsample)
+            fine, coarse = self.trunk.fine_channels, self.trunk.coarse_channels
+        else:
+            self.trunk = EfficientNetTrunk(backbone, pretrained)
+            fine, coarse = EfficientNetTrunk.stride16_channels, EfficientNetTrunk.stride32_channels
+        self.fuse = Up(fine + coarse, channels, upsample_mode=upsample_mode)
+        self.head = nn.Conv2d(channels, depth_bins + context_channels, kernel_size=1)
 
     def forward(
         self, images: torch.Tensor, return_logits: bool = False
     ) -> tuple[torch.Tensor, ...]:
-        stride16, stride32 = self.trunk(images)
-        out = self.head(self.fuse(stride32, stride16))
+        fine, coarse = self.trunk(images)
+        out = self.head(self.fuse(coarse, fine))
         logits = out[:, : self.depth_bins]
         context = out[:, self.depth_bins :]
         depth = logits.softmax(dim=1)

@@ -48,6 +48,8 @@ class LiftSplatShoot(nn.Module):
             model.backbone,
             model.pretrained,
             model.upsample_mode,
+            model.downsample,
+            model.camera_channels,
         )
         self.bev = BevEncoder(
             grid.nz * model.context_channels,
