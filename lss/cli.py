@@ -178,7 +178,7 @@ def cmd_viz(args) -> int:
 def cmd_demo(args) -> int:
     from lss.engine.demo import demo
 
-    demo(config=args.config, overrides=args.overrides, out_dir=args.out)
+    demo(config=args.config, overrides=args.overrides, out_dir=args.out, device=args.device)
     return 0
 
 
@@ -357,10 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_viz)
 
-    p = sub.add_parser(
-        "demo", help="generate the synthetic set if missing, train, evaluate and render (CPU ok)"
-    )
-    p.add_argument("--config", default=None, help="default: configs/synthetic_demo.yaml settings")
+    p = sub.add_parser("demo", help="generate a synthetic set if missing, train, evaluate, render")
+    p.add_argument("--config", default=None, help="default: the recipe of --device")
+    recipes = "cpu: configs/synthetic_demo.yaml, cuda: configs/synthetic.yaml (auto: cuda if any)"
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=recipes)
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
     )

@@ -96,6 +96,32 @@ def test_demo_config_is_embedded_identically():
     assert demo_config(["train.max_steps=5"]).train.max_steps == 5
 
 
+def test_each_demo_recipe_is_the_packaged_copy_of_its_config():
+    from lss.engine.demo import CPU_RECIPE, CUDA_RECIPE, recipe_config
+
+    for recipe, name in ((CPU_RECIPE, "synthetic_demo.yaml"), (CUDA_RECIPE, "synthetic.yaml")):
+        assert recipe.config == f"configs/{name}"
+        assert (ROOT / recipe.config).read_text() == recipe.yaml()
+        assert config_to_dict(recipe_config(recipe)) == config_to_dict(load_config(ROOT / recipe.config))
+    assert recipe_config(CUDA_RECIPE, ["train.max_steps=7"]).train.max_steps == 7
+    assert recipe_config(CPU_RECIPE).train.device == "cpu"  # the CPU recipe stays on the CPU on a CUDA machine
+
+
+@pytest.mark.parametrize("device, cuda, expected", [
+    ("auto", False, "cpu"), ("auto", True, "cuda"), ("cpu", True, "cpu"), ("cpu", False, "cpu"), ("cuda", True, "cuda")])
+def test_the_demo_picks_its_recipe_from_the_device(device, cuda, expected):
+    from lss.engine.demo import CPU_RECIPE, CUDA_RECIPE, choose_recipe
+
+    assert choose_recipe(device, cuda) == {"cpu": CPU_RECIPE, "cuda": CUDA_RECIPE}[expected]
+
+
+def test_the_demo_refuses_cuda_without_a_gpu():
+    from lss.engine.demo import choose_recipe
+
+    with pytest.raises(ConfigError, match="^lss demo --device cuda: no CUDA GPU is visible; use --device cpu$"):
+        choose_recipe("cuda", False)
+
+
 def literal_fields():
     """(section.key, allowed values, is a list) of every Literal-typed config field."""
     out = []
@@ -139,7 +165,7 @@ def test_a_bad_enumerated_value_names_key_value_and_allowed_values(tmp_path, key
     (["grid.xbound=[1.0, -1.0, 0.5]"], r"grid.xbound = \(1.0, -1.0, 0.5\) needs finite min < max"),
     (["grid.dbound=[45.0, 4.0, 1.0]"], r"grid.dbound = \(45.0, 4.0, 1.0\) needs min < max"),
     (["model.heads=[detection]"], "segmentation head is required"),
-    (["model.downsample=8"], "model.downsample=8: the EfficientNet camera encoder outputs stride 16"),
+    (["model.downsample=8"], "model.downsample=8: the efficientnet-b0 camera encoder outputs stride 16"),
     (["loss.depth_weight=1.0"], "loss.depth_weight=1.0 needs lidar depth targets: set data.depth_targets: true"),
     (["loss.depth_weight=-1.0", "data.depth_targets=true"], "loss.depth_weight=-1.0: expected >= 0"),
     (["loss.class_weights=[1.0]"], r"loss.class_weights has 1 values but data.classes has 4"),

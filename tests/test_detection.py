@@ -435,7 +435,7 @@ def test_train_eval_viz_with_the_detection_head(synthetic_root, tmp_path):
             "train.device=cpu", "eval.batch_size=2", "viz.num=1", "viz.gif=false",
             "model.heads=[segmentation, detection]", "data.detection_targets=true", "detection.head_channels=8",
             "detection.refine=true", "detection.refine_hidden=16", "detection.refine_proposals=8",
-            f"data.dataroot={synthetic_root}"]
+            f"data.dataroot={synthetic_root}", "data.version=v1.0-mini"]
     run = tmp_path / "run"
     result = demo(overrides=tiny, out_dir=str(run))
     losses = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

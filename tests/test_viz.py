@@ -360,11 +360,21 @@ def test_eval_and_viz_write_into_the_run_directory_of_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_trains_evaluates_and_renders_on_synthetic_data(synthetic_root, tmp_path):
+def test_demo_generates_its_set_trains_evaluates_and_renders(tmp_path, capsys):
+    """The CPU recipe end to end at a tiny size: the demo generates its synthetic set (the recipe's v1.0-trainval
+    scene names: 1 train and 1 val scene of 2 scenes), trains its ResNet-18 trunk, evaluates and renders."""
     from lss.engine.demo import demo
 
-    run = tmp_path / "demo"
-    result = demo(overrides=TINY + [f"data.dataroot={synthetic_root}"], out_dir=str(run))
+    run, data = tmp_path / "demo", tmp_path / "data"
+    tiny_set = ["data.synthetic.scenes=2", "data.synthetic.samples_per_scene=3", "data.synthetic.image_size=[128, 72]",
+                "data.resize_lim=[0.75, 0.8]", f"data.dataroot={data}"]
+    result = demo(overrides=TINY + tiny_set, out_dir=str(run), device="cpu")
+    printed = capsys.readouterr().out
+    assert ("lss demo: the CPU demo recipe (configs/synthetic_demo.yaml): 6 cameras at 32x96 (5 per training "
+            "sample), 32 x 32 grid of 1 m cells, resnet18 camera trunk, 2 steps of batch 2 on cpu; data in "
+            f"{data}\n") in printed
+    assert result["recipe"] == "the CPU demo recipe (configs/synthetic_demo.yaml)"
+    assert (data / "v1.0-trainval").is_dir() and len(list((data / "samples" / "CAM_FRONT").iterdir())) == 6
     assert (run / "checkpoints" / "best.pt").is_file() and (run / "metrics.jsonl").is_file()
     report = json.loads((run / "eval.json").read_text())
     assert set(report["iou"]) == {"vehicle", "drivable_area"} and report["samples"] == 3

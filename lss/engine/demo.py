@@ -1,42 +1,106 @@
-"""`lss demo`: generate the synthetic set if missing, train, evaluate and render, in minutes on a
-CPU. An application over the engine (train, eval) and the pictures (lss.viz)."""
+"""`lss demo`: generate the synthetic set if missing, train, evaluate and render. On a CPU it runs
+the demo recipe (configs/synthetic_demo.yaml, minutes on 2 cores); on a CUDA machine the default
+recipe (configs/synthetic.yaml). An application over the engine (train, eval) and the pictures
+(lss.viz)."""
 
 from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from lss.config import Config, load_config
-
-# The packaged copy of configs/synthetic_demo.yaml (an installed lss has no configs/ folder); a test
-# keeps them equal.
-DEMO_CONFIG_YAML = resources.files("lss.engine").joinpath("demo.yaml").read_text()
+from lss.errors import ConfigError
+from lss.geometry import BevGrid
 
 
-def demo_config(overrides: Sequence[str] = ()) -> Config:
-    """The demo's config (DEMO_CONFIG_YAML) with `overrides` ("section.key=value") applied."""
+@dataclass(frozen=True)
+class DemoRecipe:
+    """A config that `lss demo` runs on `device`: `packaged`, its copy inside lss/engine/ (an
+    installed lss has no configs/ folder; a test keeps the two equal), and `config`, the
+    repository's file."""
+
+    device: Literal["cpu", "cuda"]
+    name: str
+    packaged: str
+    config: str
+
+    def yaml(self) -> str:
+        return resources.files("lss.engine").joinpath(self.packaged).read_text()
+
+
+CPU_RECIPE = DemoRecipe("cpu", "the CPU demo recipe", "demo.yaml", "configs/synthetic_demo.yaml")
+CUDA_RECIPE = DemoRecipe("cuda", "the default recipe", "demo_cuda.yaml", "configs/synthetic.yaml")
+
+DEMO_CONFIG_YAML = CPU_RECIPE.yaml()
+
+
+def choose_recipe(device: str, cuda_available: bool) -> DemoRecipe:
+    """The recipe for `device` ("auto": the CUDA recipe where a GPU is visible, else the CPU
+    one)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"lss demo: device {device!r} is not one of auto, cpu, cuda")
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("lss demo --device cuda: no CUDA GPU is visible; use --device cpu")
+    return CUDA_RECIPE if device == "cuda" or (device == "auto" and cuda_available) else CPU_RECIPE
+
+
+def recipe_config(recipe: DemoRecipe, overrides: Sequence[str] = ()) -> Config:
+    """`recipe`'s config with `overrides` ("section.key=value") applied."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "synthetic_demo.yaml"
-        path.write_text(DEMO_CONFIG_YAML)
+        path = Path(tmp) / Path(recipe.config).name
+        path.write_text(recipe.yaml())
         return load_config(path, overrides)
 
 
+def demo_config(overrides: Sequence[str] = ()) -> Config:
+    """The CPU demo recipe (DEMO_CONFIG_YAML) with `overrides` applied."""
+    return recipe_config(CPU_RECIPE, overrides)
+
+
+def describe(cfg: Config) -> str:
+    """What a run of `cfg` trains, in one line: cameras, input size, grid, steps."""
+    data, t = cfg.data, cfg.train
+    grid = BevGrid.from_config(cfg.grid)
+    cameras = f"{len(data.cameras)} cameras at {data.final_dim[0]}x{data.final_dim[1]}"
+    if data.num_train_cameras is not None and data.num_train_cameras < len(data.cameras):
+        cameras += f" ({data.num_train_cameras} per training sample)"
+    cell = cfg.grid.xbound[2]
+    return (
+        f"{cameras}, {grid.nx} x {grid.ny} grid of {cell:g} m cells, {cfg.model.backbone} camera "
+        f"trunk, {t.max_steps:,} steps of batch {t.batch_size} on {t.device}"
+    )
+
+
 def demo(
-    config: Optional[str] = None, overrides: Sequence[str] = (), out_dir: str = "runs/demo"
+    config: Optional[str] = None,
+    overrides: Sequence[str] = (),
+    out_dir: str = "runs/demo",
+    device: str = "auto",
 ) -> dict:
     """Train on the synthetic set (generated at data.dataroot when missing), evaluate the best
-    checkpoint and render pictures into `out_dir`/viz. Returns {"train": ..., "eval": ...,
-    "pictures": [...], "seconds": ...}."""
+    checkpoint and render pictures into `out_dir`/viz. Without `config`, the recipe of `device`
+    (choose_recipe). Returns {"recipe": ..., "train": ..., "eval": ..., "pictures": [...],
+    "seconds": ...}."""
+    import torch
+
     from lss.engine.eval import evaluate_checkpoint
     from lss.engine.train import train
     from lss.viz import render_batch, render_checkpoint
 
     start = time.perf_counter()
-    cfg = load_config(config, overrides) if config else demo_config(overrides)
+    if config:
+        chosen = [f"train.device={device}"] if device != "auto" else []
+        cfg, recipe = load_config(config, [*chosen, *overrides]), config
+    else:
+        picked = choose_recipe(device, torch.cuda.is_available())
+        cfg = recipe_config(picked, [f"train.device={picked.device}", *overrides])
+        recipe = f"{picked.name} ({picked.config})"
     cfg.data.make_synthetic_if_missing = True
+    print(f"lss demo: {recipe}: {describe(cfg)}; data in {cfg.data.dataroot}", flush=True)
     run_dir = Path(out_dir)
     # a demo run replaces the previous demo run in the same directory
     final = train(cfg, out_dir=str(run_dir), render_fn=render_batch, overwrite=True)
@@ -51,6 +115,7 @@ def demo(
         f"--logdir {run_dir / 'tensorboard'}), pictures in {run_dir / 'viz'}"
     )
     return {
+        "recipe": recipe,
         "train": final,
         "eval": result,
         "pictures": [str(p) for p in pictures],
