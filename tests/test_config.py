@@ -97,12 +97,20 @@ def test_demo_config_is_embedded_identically():
 
 
 def test_each_demo_recipe_is_the_packaged_copy_of_its_config():
-    from lss.engine.demo import CPU_RECIPE, CUDA_RECIPE, recipe_config
+    from lss.engine.demo import CPU_RECIPE, CUDA_RECIPE, describe, recipe_config
 
     for recipe, name in ((CPU_RECIPE, "synthetic_demo.yaml"), (CUDA_RECIPE, "synthetic.yaml")):
         assert recipe.config == f"configs/{name}"
         assert (ROOT / recipe.config).read_text() == recipe.yaml()
-        assert config_to_dict(recipe_config(recipe)) == config_to_dict(load_config(ROOT / recipe.config))
+        expected = load_config(ROOT / recipe.config, recipe.overrides)
+        assert config_to_dict(recipe_config(recipe)) == config_to_dict(expected)
+    assert CPU_RECIPE.overrides == ()  # the CPU demo is configs/synthetic_demo.yaml as it is
+    cuda = recipe_config(CUDA_RECIPE)  # the default recipe on a set of 24 scenes, 4 of them for validation
+    assert (cuda.data.version, cuda.data.synthetic.scenes, cuda.data.dataroot) == (
+        "v1.0-trainval", 24, "data/synthetic-demo-cuda")
+    assert describe(recipe_config(CUDA_RECIPE, ["train.device=cuda"])) == (
+        "6 cameras at 256x704, 200 x 200 grid of 0.5 m cells, efficientnet-b0 camera trunk, 4,000 steps of batch 4 "
+        "on cuda")
     assert recipe_config(CUDA_RECIPE, ["train.max_steps=7"]).train.max_steps == 7
     assert recipe_config(CPU_RECIPE).train.device == "cpu"  # the CPU recipe stays on the CPU on a CUDA machine
 

@@ -372,7 +372,7 @@ def test_demo_generates_its_set_trains_evaluates_and_renders(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert ("lss demo: the CPU demo recipe (configs/synthetic_demo.yaml): 6 cameras at 32x96 (5 per training "
             "sample), 32 x 32 grid of 1 m cells, resnet18 camera trunk, 2 steps of batch 2 on cpu; data in "
-            f"{data}\n") in printed
+            f"{data} (where missing: 2 synthetic scenes x 3 samples at 128x72)\n") in printed
     assert result["recipe"] == "the CPU demo recipe (configs/synthetic_demo.yaml)"
     assert (data / "v1.0-trainval").is_dir() and len(list((data / "samples" / "CAM_FRONT").iterdir())) == 6
     assert (run / "checkpoints" / "best.pt").is_file() and (run / "metrics.jsonl").is_file()
