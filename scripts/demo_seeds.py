@@ -28,8 +28,15 @@ from pathlib import Path
 def machine() -> dict:
     import torch
 
-    names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-             if ln.startswith("model name")] if Path("/proc/cpuinfo").is_file() else []
+    names = (
+        [
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ]
+        if Path("/proc/cpuinfo").is_file()
+        else []
+    )
     cpu = names[0] if names else platform.processor()
     info = {"torch": torch.__version__, "cpus": len(os.sched_getaffinity(0)), "cpu": cpu}
     if torch.cuda.is_available():
@@ -43,8 +50,21 @@ def run_seed(seed: int, args, extra: list[str]) -> dict:
     if not args.keep_data:
         shutil.rmtree(data, ignore_errors=True)
     shutil.rmtree(run, ignore_errors=True)
-    cmd = [sys.executable, "-m", "lss", "demo", "--device", args.device, "--out", str(run),
-           "--set", f"train.seed={seed}", "--set", f"data.dataroot={data}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lss",
+        "demo",
+        "--device",
+        args.device,
+        "--out",
+        str(run),
+        "--set",
+        f"train.seed={seed}",
+        "--set",
+        f"data.dataroot={data}",
+        *extra,
+    ]
     start = time.perf_counter()
     with log.open("w") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
@@ -69,7 +89,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--work", default="runs/demo-seeds")
-    parser.add_argument("--keep-data", action="store_true", help="generate the set once, not per seed")
+    parser.add_argument(
+        "--keep-data", action="store_true", help="generate the set once, not per seed"
+    )
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     Path(args.work).mkdir(parents=True, exist_ok=True)
