@@ -143,13 +143,18 @@ def load_config(
             _merge(cfg, values, "")
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+    return validate(_apply_overrides(cfg, overrides))
+
+
+def _apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    """`overrides` ("section.key=value", value parsed as YAML) merged into `cfg` in order."""
     for item in overrides:
         nested = parse_override(item)
         try:
             _merge(cfg, nested, "")
         except ConfigError as e:
             raise ConfigError(f"--set {item}: {e}") from None
-    return validate(cfg)
+    return cfg
 
 
 def config_to_dict(cfg: Any) -> dict:
@@ -165,8 +170,9 @@ def config_to_dict(cfg: Any) -> dict:
     return plain(cfg)
 
 
-def config_from_dict(values: dict) -> Config:
-    return validate(_merge(Config(), values, "config"))
+def config_from_dict(values: dict, overrides: typing.Sequence[str] = ()) -> Config:
+    """The config of `values` (as config_to_dict writes it), then `overrides` applied."""
+    return validate(_apply_overrides(_merge(Config(), values, "config"), overrides))
 
 
 def dump_config(cfg: Config) -> str:

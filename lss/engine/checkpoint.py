@@ -14,7 +14,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -336,9 +336,9 @@ def check_config_fits(
     )
 
 
-def checkpoint_config(state: dict) -> Config:
-    """The config a checkpoint was trained with."""
-    return config_from_dict(state["config"])
+def checkpoint_config(state: dict, overrides: Sequence[str] = ()) -> Config:
+    """The config a checkpoint was trained with, `overrides` ("section.key=value") applied."""
+    return config_from_dict(state["config"], overrides)
 
 
 # Model state keys renamed since checkpoints were first written: (old prefix, new prefix).

@@ -15,13 +15,17 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from lss.config import Config, config_from_dict
-from lss.config.io import parse_override
+from lss.config import Config
 from lss.data import collate
 from lss.data.camera_inputs import camera_inputs, frame_name
-from lss.engine.checkpoint import check_config_fits, load_checkpoint, load_checkpoint_model
+from lss.engine.checkpoint import (
+    check_config_fits,
+    checkpoint_config,
+    load_checkpoint,
+    load_checkpoint_model,
+)
 from lss.engine.eval import pad_batch
-from lss.errors import ArgumentError, CheckpointError, ConfigError
+from lss.errors import ArgumentError, CheckpointError
 from lss.geometry import RIG_KEYS, BevGrid
 from lss.geometry.boxes import DETECTION_CLASSES
 
@@ -92,25 +96,6 @@ class Prediction:
                 name=str(npz["name"]),
                 **boxes,
             )
-
-
-def _merged(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for key, value in update.items():
-        both = isinstance(out.get(key), dict) and isinstance(value, dict)
-        out[key] = _merged(out[key], value) if both else value
-    return out
-
-
-def checkpoint_config(state: dict, overrides: Sequence[str] = ()) -> Config:
-    """The config a checkpoint was trained with, `overrides` ("section.key=value") applied."""
-    values = state["config"]
-    for item in overrides:
-        values = _merged(values, parse_override(item))
-    try:
-        return config_from_dict(values)
-    except ConfigError as e:
-        raise ConfigError(f"--set {' '.join(overrides)}: {e}") from None
 
 
 def _device(device: Union[None, str, torch.device]) -> torch.device:
