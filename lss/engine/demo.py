@@ -34,9 +34,9 @@ class DemoRecipe:
 
 
 CPU_RECIPE = DemoRecipe("cpu", "the CPU demo recipe", "demo.yaml", "configs/synthetic_demo.yaml")
-# The default recipe on a set of its own that is generated in less than a minute on a 16-core GPU
-# machine: 24 scenes of the trainval names (20 train, 4 val) rather than the 10 of v1.0-mini, whose
-# 8 training scenes the CPU recipe found too few (docs/benchmarks.md#cpu-demo)
+# The default recipe on a set of its own: 24 scenes of the trainval names (20 train, 4 val) rather
+# than the 10 of v1.0-mini, whose 8 training scenes were too few for its 4,000 steps
+# (docs/benchmarks.md#gpu-demo)
 CUDA_RECIPE = DemoRecipe(
     "cuda",
     "the default recipe",
