@@ -36,6 +36,7 @@ def _setup(device: torch.device, quick: bool):
             config.detection.roi_size,
             config.detection.refine_hidden,
             config.detection.roi_enlarge,
+            config.detection.refine_features,
         )
         .to(device)
         .eval()
@@ -91,7 +92,7 @@ def run(ctx) -> list[dict]:
             "notes": "ego-frame boxes, negative coordinates",
         }
     )
-    rois, _ = proposal_rois(proposals, grid, cfg.roi_enlarge)
+    rois = proposal_rois(proposals, grid, cfg.roi_enlarge)
     out = (cfg.roi_size, cfg.roi_size)
     rows.append(
         {

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from lss.geometry.boxes import (REGRESSION_CHANNELS, box_corners, box_footprints, boxes_to_regression, centre_cells,
-                       ground_truth_proposals, regression_to_boxes)
+                       regression_to_boxes)
+from lss.geometry.proposals import ground_truth_proposals
 from lss.geometry import BevGrid
 
 GRID = BevGrid((-50.0, 50.0, 0.5), (-40.0, 40.0, 0.5), (-10.0, 10.0, 20.0))

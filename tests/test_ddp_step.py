@@ -366,11 +366,6 @@ def test_torchrun_on_cuda_picks_the_captured_ddp_step(setting):
         (["train.grad_accum=2"], "cuda", "train.grad_accum: 1"),
         (["train.amp=fp16"], "cuda", "bf16 or none"),
         (["train.compile=true", "train.compile_mode=reduce-overhead"], "cuda", "one or the other"),
-        (
-            ["model.heads=[segmentation, detection]", "detection.refine=true"],
-            "cuda",
-            "second stage",
-        ),
     ],
 )
 def test_every_rule_that_forbids_it_under_torchrun_says_why(overrides, device, reason):

@@ -7,11 +7,12 @@ import pytest
 import torch
 from conftest import devices
 
-from lss.geometry.boxes import (DETECTION_CLASSES, Proposals, apply_residuals, bev_envelopes, box_residuals, encode_targets,
-                       ground_truth_proposals)
+from lss.geometry.boxes import DETECTION_CLASSES, apply_residuals, bev_envelopes, box_residuals, encode_targets
+from lss.geometry.proposals import Proposals, ground_truth_proposals
 from lss.config import Config, ConfigError, validate
 from lss.geometry import BevGrid
-from lss.models.heads.detection import BoxRefiner, DetectionHead, decode_detections, decode_peaks, propose
+from lss.models.heads.detection import (BoxRefiner, DetectionHead, decode_detections, decode_peaks, propose,
+                                       training_proposals)
 from lss.models.heads.detection_loss import detection_loss
 
 GRID = BevGrid.from_config(Config().grid).with_shape((200, 200))
@@ -208,10 +209,21 @@ def test_head_forward_sees_features_only_and_scores_extra_proposals_by_its_heatm
     features = torch.randn(2, 16, 64, 64)
     out = head(features)  # training mode, no labels anywhere
     grid = BevGrid.from_config(config.grid)
-    first = propose(out["det_heatmap"].detach(), out["det_regression"].detach(), grid, config.detection,
-                    config.detection.refine_proposals)
+    # while training: the refine_proposals best peaks in fixed shapes, valid above the score threshold, no NMS
+    first = training_proposals(out["det_heatmap"].detach(), out["det_regression"].detach(), grid, config.detection)
     assert torch.equal(out["det_proposals"].boxes, first.boxes) and torch.equal(out["det_proposals"].valid, first.valid)
+    assert first.valid.shape == (2, config.detection.refine_proposals)
     assert out["det_refine_scores"].shape == first.valid.shape
+    assert torch.equal(first.valid, first.scores > config.detection.score_threshold)
+    peaks, scores, _ = decode_peaks(out["det_heatmap"], out["det_regression"], grid, config.detection.refine_proposals)
+    assert torch.equal(first.boxes, peaks) and torch.equal(first.scores, scores)
+    head.eval()
+    evaluated = head(features)
+    nms = propose(evaluated["det_heatmap"], evaluated["det_regression"], grid, config.detection,
+                  config.detection.max_detections)
+    evaluated = evaluated["det_proposals"]
+    assert torch.equal(evaluated.boxes, nms.boxes) and torch.equal(evaluated.valid, nms.valid)
+    head.train()
 
     boxes = [torch.tensor([[3.0, -4.0, 0.2, 1.9, 4.4, 1.6, 0.4, 2.0, 0.5]]), torch.zeros(0, 9)]
     extra = ground_truth_proposals(boxes, [torch.tensor([2]), torch.zeros(0, dtype=torch.long)], grid,

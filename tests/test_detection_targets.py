@@ -99,7 +99,7 @@ def test_training_dataset_yields_dense_targets_and_evaluation_dataset_does_not(s
     assert not set(DENSE_TARGET_KEYS) & set(evaluation[0])
 
 
-def test_the_captured_step_serves_the_first_stage_only():
+def test_the_captured_step_serves_both_stages():
     from lss.engine.distributed import DistInfo
     from lss.engine.step import choose_step
 
@@ -109,18 +109,17 @@ def test_the_captured_step_serves_the_first_stage_only():
     assert load_config(None, base + ["data.detection_targets=true"]).data.detection_targets is True
     assert choose_step(config, torch.device("cuda", 0), DistInfo()).kind == "captured"
     refining = load_config(None, base + ["detection.refine=true"])
-    with pytest.raises(ConfigError, match=r"second stage \(detection.refine\).*cuda_graph: false"):
-        choose_step(refining, torch.device("cuda", 0), DistInfo())
+    assert choose_step(refining, torch.device("cuda", 0), DistInfo()).kind == "captured"
     with pytest.raises(ConfigError, match="fixed-shape targets"):
         load_config(None, base + ["data.detection_targets=false"])
     assert load_config(None, []).data.detection_targets is False
 
 
-def _detection_cfg():
+def _detection_cfg(*extra):
     from test_model import TINY
 
     return load_config(None, TINY + ["model.heads=[segmentation, detection]", "data.detection_targets=true",
-                                     "detection.head_channels=8"])
+                                     "detection.head_channels=8", *extra])
 
 
 def _detection_batches(cfg, device, count):
@@ -138,16 +137,20 @@ def _detection_batches(cfg, device, count):
     return batches
 
 
+REFINE = ("detection.refine=true", "detection.refine_hidden=16", "detection.refine_proposals=8")
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_detection_training_step_on_static_buffers_follows_eager_steps(device, monkeypatch):
+@pytest.mark.parametrize("extra", [(), REFINE], ids=["first_stage", "second_stage"])
+def test_detection_training_step_on_static_buffers_follows_eager_steps(device, extra, monkeypatch):
     import test_graph_step
 
-    cfg = _detection_cfg()
+    cfg = _detection_cfg(*extra)
     monkeypatch.setattr(test_graph_step, "_batches", _detection_batches)
     capture = device == "cuda"
     eager, graphed, pa, pb, step = _run_both(cfg, device, 3, capture, torch.bfloat16 if capture else None)
     assert (step.graph is not None) == capture
-    assert {"det_target_heatmap", "det_target_index"} <= set(step.static)
+    assert {"det_target_heatmap", "det_target_index", "det_target_boxes", "det_target_labels"} <= set(step.static)
     if not capture:
         assert eager == graphed
         assert all(torch.equal(a, b) for a, b in zip(pa, pb))
@@ -155,6 +158,7 @@ def test_detection_training_step_on_static_buffers_follows_eager_steps(device, m
         for a, b in zip(eager, graphed):
             assert math.isclose(a, b, rel_tol=2e-2), (eager, graphed)
     assert all(math.isfinite(v) and v > 0 for v in graphed)
+    assert ("loss/det_refine_box" in step(_detection_batches(cfg, device, 1)[0])) == bool(extra)
 
 
 def test_heatmap_class_weights_scale_each_class_heatmap_loss():

@@ -32,14 +32,17 @@ TINY = ["data.final_dim=[32, 96]", "data.resize_lim=[0.24, 0.26]", "grid.xbound=
         # the library default when the losses were recorded (now false: a speed setting, docs/training.md)
         "train.channels_last=true"]
 
-# step 1 of metrics.jsonl of this run on CPU (torch 2.14.1), computed by the trainer of f0579f4, which gave the
-# values recorded with the code as it stood on 2026-11-24 before the move on the set its generator drew then (before
-# the generator rounded the same on every CPU)
+# step 1 of metrics.jsonl of this run on CPU (torch 2.14.1). The segmentation, depth and first-stage terms are those
+# the trainer of f0579f4 gave (the code as it stood on 2026-11-24, on the set the generator now draws on every CPU);
+# the second stage's terms and, through its parameter count (the random initialisation after it), every term were
+# recorded anew when the stage moved to fixed-shape proposals and the box-point design (2026-11-28): with
+# detection.refine_features=envelope, whose parameters have the old shapes, the non-refine terms still equal those
+# of f0579f4 to the last digit.
 RECORDED_FIRST_STEP = {
-    "loss": 9.565463066101074, "loss/vehicle": 0.17921718955039978, "loss/drivable_area": 0.07607810199260712,
-    "loss/det_heatmap": 3.828237533569336, "loss/det_regression": 1.4120993614196777,
-    "loss/det_refine_score": 0.6907199621200562, "loss/det_refine_box": 1.4765686988830566,
-    "depth_loss": 2.0301897525787354,
+    "loss": 9.06997299194336, "loss/vehicle": 0.17529088258743286, "loss/drivable_area": 0.08573684096336365,
+    "loss/det_heatmap": 3.6475188732147217, "loss/det_regression": 1.3923989534378052,
+    "loss/det_refine_score": 0.6899327635765076, "loss/det_refine_box": 1.1502918004989624,
+    "depth_loss": 2.059316396713257,
 }
 
 

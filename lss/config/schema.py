@@ -226,12 +226,17 @@ class DetectionConfig:
     nms_iou: float = 0.2  # on the boxes' axis-aligned BEV envelopes, per class; <= 0 disables NMS
     max_detections: int = 300  # per sample (the nuScenes evaluation accepts at most 500)
     max_objects: int = 256  # per training sample: the fixed size of the dataset's padded targets
-    # second stage: RoIAlign on the BEV features + MLP refining score and box; off by default:
-    # at 2,000 steps it scored below the first stage alone (docs/detection.md#measured)
+    # second stage: RoIAlign reads the BEV features of each first-stage box, an MLP refines its
+    # score and box (docs/detection.md#second-stage-roialign-refinement)
     refine: bool = False
     refine_proposals: int = 128  # first-stage boxes refined per sample while training
     refine_gt_proposals: bool = True  # add jittered ground-truth boxes as proposals while training
-    roi_size: int = 7
+    # what RoIAlign reads: the box centre and its four face middles (CenterPoint), or the whole
+    # axis-aligned envelope at roi_size x roi_size
+    refine_features: Literal["points", "envelope"] = "points"
+    # final score = first stage^(1 - alpha) x second stage^alpha
+    refine_score_alpha: float = 0.5
+    roi_size: int = 7  # envelope only
     roi_enlarge: float = 1.5  # envelope scale, for context around the box
     refine_hidden: int = 256
     refine_weight: float = 1.0

@@ -245,6 +245,11 @@ def validate(cfg: Config) -> Config:
         f"detection.gaussian_overlap={d.gaussian_overlap}: expected a fraction in (0, 1)",
     )
     _check(
+        0 <= d.refine_score_alpha <= 1,
+        f"detection.refine_score_alpha={d.refine_score_alpha}: expected a weight in [0, 1] "
+        "(0: the first stage's score, 1: the second stage's)",
+    )
+    _check(
         d.match_distance > 0 and d.roi_enlarge > 0,
         "detection: match_distance and roi_enlarge must be "
         f"positive; got {d.match_distance}, {d.roi_enlarge}",

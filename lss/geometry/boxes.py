@@ -11,7 +11,6 @@ second stage residuals of a proposal (box_residuals / apply_residuals).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -54,36 +53,6 @@ BOX_VELOCITY = slice(7, 9)  # vx, vy
 RESIDUAL_WEIGHT_CHANNELS = (0, 1, 2, 3, 4, 5, 6, 8, 9)
 # Sizes are clamped here when decoded so that an untrained head cannot produce inf boxes.
 MAX_LOG_SIZE = 4.0
-
-
-@dataclass
-class Proposals:
-    """Padded per-sample boxes: boxes B x P x 9, scores B x P, labels B x P (int64), valid B x P
-    (bool)."""
-
-    boxes: torch.Tensor
-    scores: torch.Tensor
-    labels: torch.Tensor
-    valid: torch.Tensor
-
-    @classmethod
-    def zeros(cls, batch: int, slots: int, device: torch.device) -> "Proposals":
-        """batch x slots proposals, all invalid."""
-        return cls(
-            torch.zeros(batch, slots, BOX_DIM, device=device),
-            torch.zeros(batch, slots, device=device),
-            torch.zeros(batch, slots, dtype=torch.long, device=device),
-            torch.zeros(batch, slots, dtype=torch.bool, device=device),
-        )
-
-    def cat(self, other: "Proposals") -> "Proposals":
-        """These proposals followed by `other`'s in each sample: B x (P + Q)."""
-        return Proposals(
-            torch.cat([self.boxes, other.boxes], 1),
-            torch.cat([self.scores, other.scores], 1),
-            torch.cat([self.labels, other.labels], 1),
-            torch.cat([self.valid, other.valid], 1),
-        )
 
 
 def check_boxes(boxes: torch.Tensor, labels: torch.Tensor, where: str) -> None:
@@ -257,43 +226,6 @@ def box_corners(boxes) -> np.ndarray:
     )
 
 
-def ground_truth_proposals(
-    gt_boxes: Sequence[torch.Tensor],
-    gt_labels: Sequence[torch.Tensor],
-    grid: BevGrid,
-    num_classes: int,
-    device: torch.device,
-    generator: Optional[torch.Generator] = None,
-    centre_jitter: float = 0.5,
-    size_jitter: float = 0.1,
-    yaw_jitter: float = 0.2,
-) -> Proposals:
-    """Jittered copies of the ground-truth boxes (one M_b x 9 tensor per sample) whose centre stays
-    on the grid's map, as B x max(M_b) proposals with score 0 (the detection head scores them with
-    its heatmap): positives for the second stage early in training. Jitter: centre std in metres,
-    relative size std, yaw std in radians, one randn(M_b, 4) per non-empty sample from `generator`
-    (default: the global CPU generator)."""
-    M = max((len(b) for b in gt_boxes), default=0)
-    out = Proposals.zeros(len(gt_boxes), M, device)
-    for b, (boxes, labels) in enumerate(zip(gt_boxes, gt_labels)):
-        if not len(boxes):
-            continue
-        boxes = boxes.to(device, torch.float32)
-        noise = torch.randn(len(boxes), 4, generator=generator).to(device)
-        jittered = boxes.clone()
-        jittered[:, :2] += centre_jitter * noise[:, :2]
-        jittered[:, 3:6] *= torch.exp(size_jitter * noise[:, 2:3])
-        jittered[:, 6] += yaw_jitter * noise[:, 3]
-        jittered[:, 7:9] = torch.nan_to_num(jittered[:, 7:9])
-        labels = labels.to(device, torch.long)
-        _, _, ok = centre_cells(jittered, labels, grid, num_classes)
-        n = int(ok.sum())
-        out.boxes[b, :n] = jittered[ok]
-        out.labels[b, :n] = labels[ok]
-        out.valid[b, :n] = True
-    return out
-
-
 def encode_targets(
     boxes: Sequence[torch.Tensor],
     labels: Sequence[torch.Tensor],
@@ -308,7 +240,7 @@ def encode_targets(
 
     Returns a dict: "heatmap" B x num_classes x H x W (a gaussian per box, exactly 1 at its centre
     cell, max where gaussians overlap); for the N boxes whose centre lies on the map: "batch",
-    "row", "col", "labels" (N int64), "regression" N x 10 (REGRESSION_CHANNELS) and
+    "row", "col", "labels" (N int64), "boxes" N x 9, "regression" N x 10 (REGRESSION_CHANNELS) and
     "regression_mask" N x 10 (0 where the velocity is unknown, NaN)."""
     if len(boxes) != len(labels):
         raise ValueError(
@@ -386,6 +318,7 @@ def encode_targets(
         "labels": all_labels,
         "regression": regression,
         "regression_mask": mask,
+        "boxes": all_boxes,
     }
 
 
@@ -396,6 +329,9 @@ DENSE_TARGET_KEYS = (
     "det_target_regression",
     "det_target_mask",
 )
+# The padded ground truth of dense_targets (B x max_objects x 9 boxes, labels -1 on padding), read
+# by the detection head's second stage while training.
+REFINE_TARGET_KEYS = ("det_target_boxes", "det_target_labels")
 
 
 def dense_targets(
@@ -411,7 +347,8 @@ def dense_targets(
     `max_objects` objects: "det_target_heatmap" num_classes x H x W (as encode_targets),
     "det_target_index" max_objects int64 (the centre cell, row * W + col), "det_target_regression"
     and "det_target_mask" max_objects x 10 (the regression target and its mask; padding rows are 0
-    in both). Raises ValueError when more than `max_objects` boxes lie on the map."""
+    in both), "det_target_boxes" max_objects x 9 and "det_target_labels" max_objects (-1 on
+    padding). Raises ValueError when more than `max_objects` boxes lie on the map."""
     targets = encode_targets([boxes], [labels], grid, num_classes, min_overlap, min_radius)
     count = len(targets["labels"])
     if count > max_objects:
@@ -440,9 +377,15 @@ def pad_targets(targets: dict, batch_size: int, width: int, slots: Optional[int]
     regression[sample, slot] = targets["regression"]
     mask = torch.zeros(batch_size, slots, channels, device=device)
     mask[sample, slot] = targets["regression_mask"]
+    boxes = torch.zeros(batch_size, slots, BOX_DIM, device=device)
+    boxes[sample, slot] = targets["boxes"]
+    labels = torch.full((batch_size, slots), -1, dtype=torch.long, device=device)
+    labels[sample, slot] = targets["labels"]
     return {
         "det_target_heatmap": targets["heatmap"],
         "det_target_index": index,
         "det_target_regression": regression,
         "det_target_mask": mask,
+        "det_target_boxes": boxes,
+        "det_target_labels": labels,
     }

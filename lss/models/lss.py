@@ -6,10 +6,14 @@ from torch import nn
 
 from lss.config import Config
 from lss.geometry import BevGrid
+from lss.geometry.boxes import REFINE_TARGET_KEYS
 from lss.models.bev import BevEncoder
 from lss.models.camera import CameraEncoder
 from lss.models.heads import DetectionHead, SegmentationHead
 from lss.models.splat import Splat
+
+# The variable-length ground truth of a batch (one tensor per sample).
+DETECTION_KEYS = ("det_boxes", "det_labels")
 
 
 class LiftSplatShoot(nn.Module):
@@ -21,9 +25,11 @@ class LiftSplatShoot(nn.Module):
 
     batch holds "images" B x N x 3 x H x W and the rig (lss.geometry.RIG_KEYS): "intrinsics",
     "sensor2ego_rot", "post_rot" (B x N x 3 x 3), "sensor2ego_trans", "post_trans" (B x N x 3), as
-    produced by lss.data.collate. Its ground-truth boxes "det_boxes" / "det_labels", when present,
-    go to the detection head as they are (its second stage adds jittered copies as proposals while
-    training, detection.refine_gt_proposals).
+    produced by lss.data.collate. Its ground-truth boxes, when present, go to the detection head
+    as they are (its second stage adds jittered copies as proposals while training,
+    detection.refine_gt_proposals): the padded "det_target_boxes" / "det_target_labels" of the
+    dataset's dense targets (fixed shapes, what a captured step holds), else "det_boxes" /
+    "det_labels".
     """
 
     def __init__(self, config: Config):
@@ -81,6 +87,7 @@ class LiftSplatShoot(nn.Module):
             "depth_logits": depth_logits.unflatten(0, (b, n)),
         }
         if self.detection is not None:
-            truth = {"gt_boxes": batch.get("det_boxes"), "gt_labels": batch.get("det_labels")}
+            keys = REFINE_TARGET_KEYS if REFINE_TARGET_KEYS[0] in batch else DETECTION_KEYS
+            truth = {"gt_boxes": batch.get(keys[0]), "gt_labels": batch.get(keys[1])}
             outputs.update(self.detection(features, **truth))
         return outputs

@@ -76,10 +76,6 @@ def cuda_graph_problems(cfg: Config) -> list[str]:
             "train.compile_mode: reduce-overhead already uses CUDA graphs per module; use one or "
             "the other"
         )
-    if "detection" in cfg.model.heads and cfg.detection.refine:
-        problems.append(
-            "the detection head's second stage (detection.refine) decodes data-dependent proposals"
-        )
     return problems
 
 

@@ -10,7 +10,7 @@ about twice that).
 
 What it needs (lss.engine.step.factory.cuda_graph_problems and the process rules there): gradient
 accumulation 1, bf16 or no autocast (fp16 needs a GradScaler and its host-side skip logic),
-Adam/AdamW, the detection head's first stage only (the dataset yields its targets in fixed shapes,
+Adam/AdamW, the detection head in fixed shapes (the dataset yields its targets so,
 lss.geometry.boxes.dense_targets), no per-module CUDA graphs, one CUDA process, and batches
 of one fixed set of shapes (the train loader drops the last partial batch)."""
 

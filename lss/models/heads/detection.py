@@ -16,12 +16,11 @@ from lss.geometry.boxes import (
     BOX_DIM,
     DETECTION_CLASSES,
     REGRESSION_CHANNELS,
-    Proposals,
     apply_residuals,
     bev_envelopes,
-    ground_truth_proposals,
     regression_to_boxes,
 )
+from lss.geometry.proposals import Proposals, jitter_boxes, pad_boxes
 from lss.config import Config, DetectionConfig
 from lss.geometry import BevGrid
 from lss.models.blocks import conv_bn_relu
@@ -119,18 +118,29 @@ def propose(
     return out
 
 
+def training_proposals(
+    heatmap_logits: torch.Tensor, regression: torch.Tensor, grid: BevGrid, cfg: DetectionConfig
+) -> Proposals:
+    """The second stage's proposals while training, in fixed shapes (a captured step can run
+    them): the detection.refine_proposals best heatmap peaks of each sample, valid above
+    detection.score_threshold, without NMS (overlapping proposals are more training examples)."""
+    boxes, scores, labels = decode_peaks(heatmap_logits, regression, grid, cfg.refine_proposals)
+    return Proposals(boxes, scores, labels, scores > cfg.score_threshold)
+
+
 def score_by_heatmap(
     proposals: Proposals, heatmap_logits: torch.Tensor, grid: BevGrid
 ) -> Proposals:
     """The proposals with the first-stage score (sigmoid of the heatmap B x K x H x W at their class
-    and centre cell) as their score; each valid proposal's centre must lie on the grid's H x W
-    map."""
-    sample, slot = torch.nonzero(proposals.valid, as_tuple=True)
-    boxes = proposals.boxes[sample, slot]
-    u, v = grid.xy_to_cells(boxes[:, 0], boxes[:, 1])
-    row, col = torch.floor(u).long(), torch.floor(v).long()
-    peak = heatmap_logits[sample, proposals.labels[sample, slot], row, col].float()
-    scores = proposals.scores.index_put((sample, slot), torch.sigmoid(peak))
+    and centre cell) as the score of the valid ones; each valid proposal's centre must lie on the
+    grid's H x W map. Fixed shapes, no host sync."""
+    K, H, W = heatmap_logits.shape[1:]
+    u, v = grid.xy_to_cells(proposals.boxes[..., 0], proposals.boxes[..., 1])
+    row = torch.floor(u).long().clamp(0, H - 1)
+    col = torch.floor(v).long().clamp(0, W - 1)
+    cell = (proposals.labels.clamp(0, K - 1) * H + row) * W + col
+    peak = heatmap_logits.detach().float().flatten(1).gather(1, cell)
+    scores = torch.where(proposals.valid, torch.sigmoid(peak), proposals.scores)
     return Proposals(proposals.boxes, scores, proposals.labels, proposals.valid)
 
 
@@ -140,12 +150,15 @@ def decode_detections(outputs: dict, config: Config) -> list[dict]:
     DETECTION_CLASSES).
 
     With the second stage the proposals' boxes get the residuals and the score is
-    sqrt(first stage x second stage); without it the first-stage proposals are the detections."""
+    first stage^(1 - a) x second stage^a (a = detection.refine_score_alpha); without it the
+    first-stage proposals are the detections."""
     cfg = config.detection
     if "det_refine_scores" in outputs:
         proposals = outputs["det_proposals"]
         boxes = apply_residuals(proposals.boxes, outputs["det_refine_residuals"].detach())
-        scores = torch.sqrt(proposals.scores * torch.sigmoid(outputs["det_refine_scores"].detach()))
+        alpha = cfg.refine_score_alpha
+        quality = torch.sigmoid(outputs["det_refine_scores"].detach().float())
+        scores = proposals.scores.clamp(min=0) ** (1 - alpha) * quality**alpha
         valid = proposals.valid
         labels = proposals.labels
     else:
@@ -184,27 +197,50 @@ def decode_detections(outputs: dict, config: Config) -> list[dict]:
 
 def proposal_rois(
     proposals: Proposals, grid: BevGrid, enlarge: float, min_cells: float = 2.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoIAlign boxes R x 5 [batch, x1, y1, x2, y2] for the valid proposals, in the cell units of
-    the grid's map with RoIAlign's x along the columns (ego y) and y along the rows (ego x); each
-    the proposal's axis-aligned envelope scaled by `enlarge` and at least `min_cells` wide. Also
-    returns the (sample, slot) index of each row."""
-    sample, slot = torch.nonzero(proposals.valid, as_tuple=True)
-    env = bev_envelopes(proposals.boxes[sample, slot], enlarge)
+) -> torch.Tensor:
+    """RoIAlign boxes (B P) x 5 [batch, x1, y1, x2, y2], one per proposal slot (valid or not), in
+    the cell units of the grid's map with RoIAlign's x along the columns (ego y) and y along the
+    rows (ego x): each the proposal's axis-aligned envelope scaled by `enlarge` and at least
+    `min_cells` wide."""
+    B, P = proposals.valid.shape
+    env = bev_envelopes(proposals.boxes.reshape(B * P, BOX_DIM), enlarge)
     centre_x, centre_y = (env[:, 0] + env[:, 2]) / 2, (env[:, 1] + env[:, 3]) / 2
     half_rows = torch.clamp((env[:, 2] - env[:, 0]) / (2 * grid.cell_size[0]), min=min_cells / 2)
     half_cols = torch.clamp((env[:, 3] - env[:, 1]) / (2 * grid.cell_size[1]), min=min_cells / 2)
     u, v = grid.xy_to_cells(centre_x, centre_y)
-    rois = torch.stack(
-        [sample.float(), v - half_cols, u - half_rows, v + half_cols, u + half_rows], dim=1
-    )
-    return rois, torch.stack([sample, slot])
+    sample = torch.arange(B, device=env.device).repeat_interleave(P).float()
+    return torch.stack([sample, v - half_cols, u - half_rows, v + half_cols, u + half_rows], dim=1)
+
+
+# The points of a box whose features the "points" second stage reads: the centre and the middles of
+# the front, rear, left and right faces (CenterPoint's second stage), in units of (l/2, w/2).
+BOX_POINTS = ((0.0, 0.0), (1.0, 0.0), (-1.0, 0.0), (0.0, 1.0), (0.0, -1.0))
+
+
+def point_rois(proposals: Proposals, grid: BevGrid) -> torch.Tensor:
+    """RoIAlign boxes (B P 5) x 5, one cell wide and centred on each BOX_POINTS point of every
+    proposal slot: with a 1 x 1 output and one sample per bin, aligned RoIAlign reads the BEV
+    features bilinearly at exactly that point."""
+    B, P = proposals.valid.shape
+    boxes = proposals.boxes.reshape(B * P, 1, BOX_DIM)
+    # from the boxes alone (no tensor from host data: a captured step cannot copy it)
+    half_l, half_w = boxes[..., 4] / 2, boxes[..., 3] / 2
+    along = torch.cat([half_l * a for a, _ in BOX_POINTS], 1)
+    across = torch.cat([half_w * c for _, c in BOX_POINTS], 1)
+    cos, sin = torch.cos(boxes[..., 6]), torch.sin(boxes[..., 6])
+    x = boxes[..., 0] + cos * along - sin * across
+    y = boxes[..., 1] + sin * along + cos * across
+    u, v = grid.xy_to_cells(x.reshape(-1), y.reshape(-1))
+    sample = torch.arange(B, device=boxes.device).repeat_interleave(P * len(BOX_POINTS)).float()
+    return torch.stack([sample, v - 0.5, u - 0.5, v + 0.5, u + 0.5], dim=1)
 
 
 class BoxRefiner(nn.Module):
-    """Second stage: RoIAlign pools the BEV features over each proposal's envelope; an MLP on the
-    pooled features, the class and the proposal's own geometry predicts a score logit and box
-    residuals (lss.geometry.boxes.box_residuals)."""
+    """Second stage: BEV features read with RoIAlign for each proposal, at the box centre and its
+    four face middles (features="points", CenterPoint's design) or over its enlarged axis-aligned
+    envelope (features="envelope", roi_size x roi_size); an MLP on them, the class and the
+    proposal's own geometry predicts a quality logit (the score) and box residuals in the
+    proposal's frame (lss.geometry.boxes.box_residuals)."""
 
     def __init__(
         self,
@@ -213,16 +249,19 @@ class BoxRefiner(nn.Module):
         roi_size: int = 7,
         hidden: int = 256,
         enlarge: float = 1.5,
+        features: str = "points",
     ):
         super().__init__()
+        if features not in ("points", "envelope"):
+            raise ValueError(f"BoxRefiner: features {features!r} is not one of points, envelope")
         self.num_classes = num_classes
-        self.roi_size = roi_size
+        self.features = features
+        self.roi_size = roi_size if features == "envelope" else 1
         self.enlarge = enlarge
-        geometry = (
-            num_classes + 9
-        )  # one-hot class, sin/cos yaw, log size, z, velocity, first-stage score
+        reads = len(BOX_POINTS) if features == "points" else roi_size * roi_size
+        geometry = num_classes + 9  # one-hot class, sin/cos yaw, log size, z, velocity, score
         self.mlp = nn.Sequential(
-            nn.Linear(in_channels * roi_size * roi_size + geometry, hidden),
+            nn.Linear(in_channels * reads + geometry, hidden),
             nn.ReLU(inplace=True),
             nn.Linear(hidden, hidden),
             nn.ReLU(inplace=True),
@@ -237,43 +276,51 @@ class BoxRefiner(nn.Module):
         self, bev_features: torch.Tensor, proposals: Proposals, grid: BevGrid
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """bev_features B x C x H x W (the H x W map of `grid`). Returns score logits B x P and
-        residuals B x P x 9 (zero where invalid)."""
+        residuals B x P x 9, zero on invalid slots. Every slot is computed (fixed shapes, no host
+        sync); invalid ones are masked."""
         B, P = proposals.valid.shape
-        rois, (sample, slot) = proposal_rois(proposals, grid, self.enlarge)
-        score_logits = bev_features.new_zeros(B, P, dtype=torch.float32)
-        residuals = bev_features.new_zeros(B, P, BOX_DIM, dtype=torch.float32)
-        if not len(rois):
+        if P == 0:
             # Zero-valued use of every parameter: DDP expects gradients for all of them every step.
             unused = sum(p.sum() for p in self.parameters()).float() * 0
-            return score_logits + unused, residuals + unused
+            return (
+                bev_features.new_zeros(B, 0, dtype=torch.float32) + unused,
+                bev_features.new_zeros(B, 0, BOX_DIM, dtype=torch.float32) + unused,
+            )
+        if self.features == "points":
+            rois, sampling = point_rois(proposals, grid), 1
+        else:
+            rois, sampling = proposal_rois(proposals, grid, self.enlarge), 2
         # float32: in bf16 a roi corner near cell 200 would be off by a whole cell. validate=False
-        # skips a host sync: the rois are our own decoding (batch indices from nonzero(), boxes
+        # skips a host sync: the rois are our own decoding (batch indices by construction, boxes
         # finite unless the network's outputs are not, and then the loss stops training anyway).
         pooled = roi_align(
             bev_features.float(),
             rois,
             (self.roi_size, self.roi_size),
             spatial_scale=1.0,
-            sampling_ratio=2,
+            sampling_ratio=sampling,
             aligned=True,
             validate=False,
-        )
-        boxes = proposals.boxes[sample, slot]
+        ).reshape(B * P, -1)
+        boxes = proposals.boxes.reshape(B * P, BOX_DIM)
         geometry = torch.cat(
             [
-                F.one_hot(proposals.labels[sample, slot], self.num_classes).float(),
+                F.one_hot(proposals.labels.reshape(-1), self.num_classes).float(),
                 torch.sin(boxes[:, 6:7]),
                 torch.cos(boxes[:, 6:7]),
                 torch.log(boxes[:, 3:6].clamp(min=1e-3)),
                 boxes[:, 2:3],
                 boxes[:, 7:9],
-                proposals.scores[sample, slot].unsqueeze(1),
+                proposals.scores.reshape(-1, 1),
             ],
             dim=1,
         )
-        hidden = self.mlp(torch.cat([pooled.flatten(1), geometry.to(pooled.dtype)], dim=1))
-        score_logits = score_logits.index_put((sample, slot), self.score(hidden).squeeze(1).float())
-        residuals = residuals.index_put((sample, slot), self.residual(hidden).float())
+        hidden = self.mlp(torch.cat([pooled, geometry.to(pooled.dtype)], dim=1))
+        valid = proposals.valid
+        score_logits = torch.where(valid, self.score(hidden).float().view(B, P), 0.0)
+        residuals = torch.where(
+            valid.unsqueeze(-1), self.residual(hidden).float().view(B, P, BOX_DIM), 0.0
+        )
         return score_logits, residuals
 
 
@@ -288,11 +335,12 @@ class DetectionHead(nn.Module):
 
     forward(bev_features, extra_proposals=None, gt_boxes=None, gt_labels=None) returns
     "det_heatmap" B x K x H x W logits and "det_regression" B x 10 x H x W (REGRESSION_CHANNELS);
-    with cfg.refine also "det_proposals" (Proposals: the detached first-stage boxes, followed by
+    with cfg.refine also "det_proposals" (Proposals: the detached first-stage boxes (while
+    training: training_proposals, fixed shapes; in eval: propose, with NMS), followed by
     `extra_proposals` and, while training with cfg.refine_gt_proposals, jittered copies of the
-    ground truth gt_boxes / gt_labels (one M_b x 9 / M_b tensor per sample,
-    lss.geometry.boxes.ground_truth_proposals), all scored by the heatmap), "det_refine_scores"
-    B x P logits and "det_refine_residuals" B x P x 9.
+    ground truth (gt_boxes / gt_labels: padded B x M x 9 / B x M tensors with label -1 on padding,
+    as the dataset's dense targets, or one M_b x 9 / M_b tensor per sample), all scored by the
+    heatmap), "det_refine_scores" B x P logits and "det_refine_residuals" B x P x 9.
     """
 
     def __init__(
@@ -315,7 +363,14 @@ class DetectionHead(nn.Module):
         # Heatmap prior 0.1 (focal-loss practice): the loss starts small on the mostly empty map.
         nn.init.constant_(self.heatmap[-1].bias, -math.log((1 - 0.1) / 0.1))
         self.refiner = (
-            BoxRefiner(hc, num_classes, cfg.roi_size, cfg.refine_hidden, cfg.roi_enlarge)
+            BoxRefiner(
+                hc,
+                num_classes,
+                cfg.roi_size,
+                cfg.refine_hidden,
+                cfg.roi_enlarge,
+                cfg.refine_features,
+            )
             if cfg.refine
             else None
         )
@@ -324,8 +379,8 @@ class DetectionHead(nn.Module):
         self,
         bev_features: torch.Tensor,
         extra_proposals: Optional[Proposals] = None,
-        gt_boxes: Optional[Sequence[torch.Tensor]] = None,
-        gt_labels: Optional[Sequence[torch.Tensor]] = None,
+        gt_boxes: Optional[torch.Tensor | Sequence[torch.Tensor]] = None,
+        gt_labels: Optional[torch.Tensor | Sequence[torch.Tensor]] = None,
     ) -> dict:
         if bev_features.dim() != 4:
             raise ValueError(
@@ -337,13 +392,16 @@ class DetectionHead(nn.Module):
         if self.refiner is None:
             return out
         grid = self.grid.with_shape(bev_features.shape[-2:])
-        limit = self.cfg.refine_proposals if self.training else self.cfg.max_detections
         with torch.no_grad():
-            proposals = propose(out["det_heatmap"], out["det_regression"], grid, self.cfg, limit)
+            heat, regression = out["det_heatmap"], out["det_regression"]
+            if self.training:
+                proposals = training_proposals(heat, regression, grid, self.cfg)
+            else:
+                proposals = propose(heat, regression, grid, self.cfg, self.cfg.max_detections)
             truth = self._ground_truth(gt_boxes, gt_labels, grid, bev_features.device)
             for extra in (extra_proposals, truth):
                 if extra is not None:
-                    proposals = proposals.cat(score_by_heatmap(extra, out["det_heatmap"], grid))
+                    proposals = proposals.cat(score_by_heatmap(extra, heat, grid))
         out["det_proposals"] = proposals
         out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(
             features, proposals, grid
@@ -356,4 +414,22 @@ class DetectionHead(nn.Module):
             return None
         if gt_labels is None:
             raise ValueError("DetectionHead: gt_boxes were given without gt_labels")
-        return ground_truth_proposals(gt_boxes, gt_labels, grid, self.num_classes, device)
+        boxes, labels = padded_truth(gt_boxes, gt_labels, device)
+        return jitter_boxes(boxes, labels, grid, self.num_classes)
+
+
+def padded_truth(
+    gt_boxes: torch.Tensor | Sequence[torch.Tensor],
+    gt_labels: torch.Tensor | Sequence[torch.Tensor],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ground truth as padded B x M x 9 boxes and B x M labels (-1 on padding) on `device`: given
+    so (the dataset's dense targets) or as one M_b x 9 / M_b tensor per sample."""
+    if torch.is_tensor(gt_boxes):
+        if gt_boxes.dim() != 3 or gt_boxes.shape[-1] != BOX_DIM or not torch.is_tensor(gt_labels):
+            raise ValueError(
+                f"DetectionHead: padded ground truth must be B x M x {BOX_DIM} boxes with B x M "
+                f"labels, got {tuple(gt_boxes.shape)}"
+            )
+        return gt_boxes.to(device, torch.float32), gt_labels.to(device, torch.long)
+    return pad_boxes(gt_boxes, gt_labels, device)

@@ -15,45 +15,35 @@ from torch import nn
 from lss.geometry.boxes import (
     BOX_DIM,
     DENSE_TARGET_KEYS,
-    RESIDUAL_WEIGHT_CHANNELS,
-    Proposals,
+    REFINE_TARGET_KEYS,
     box_residuals,
     encode_targets,
     pad_targets,
 )
 from lss.config import Config
 from lss.geometry import BevGrid
+from lss.geometry.proposals import Proposals
+from lss.models.heads.detection import padded_truth
 from lss.ops import sigmoid_focal_loss
-
-
-def _pad_ground_truth(
-    gt_boxes: Sequence[torch.Tensor], gt_labels: Sequence[torch.Tensor], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """B x M x 9 boxes and B x M labels (-1 for padding)."""
-    B, M = len(gt_boxes), max((len(b) for b in gt_boxes), default=0)
-    boxes = torch.zeros(B, M, BOX_DIM, device=device)
-    labels = torch.full((B, M), -1, dtype=torch.long, device=device)
-    for b, (bx, lb) in enumerate(zip(gt_boxes, gt_labels)):
-        boxes[b, : len(bx)] = bx.to(device, torch.float32)
-        labels[b, : len(lb)] = lb.to(device, torch.long)
-    return boxes, labels
 
 
 def match_proposals(
     proposals: Proposals,
-    gt_boxes: Sequence[torch.Tensor],
-    gt_labels: Sequence[torch.Tensor],
+    gt_boxes: torch.Tensor | Sequence[torch.Tensor],
+    gt_labels: torch.Tensor | Sequence[torch.Tensor],
     match_distance: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Nearest same-class ground truth (BEV centre distance) of every proposal.
+    """Nearest same-class ground truth (BEV centre distance) of every proposal; the ground truth
+    padded (B x M x 9, labels B x M, -1 on padding) or one M_b x 9 / M_b tensor per sample.
 
-    Returns the matched boxes B x P x 9, the distances B x P (inf without a same-class box) and the
-    positives B x P (valid and closer than match_distance)."""
-    boxes, labels = _pad_ground_truth(gt_boxes, gt_labels, proposals.boxes.device)
+    Returns the matched boxes B x P x 9 (the proposal itself where there is no positive match), the
+    distances B x P (inf without a same-class box) and the positives B x P (valid and closer than
+    match_distance). Fixed shapes, no host sync."""
+    boxes, labels = padded_truth(gt_boxes, gt_labels, proposals.boxes.device)
     B, P = proposals.valid.shape
     if boxes.shape[1] == 0 or P == 0:
         return (
-            proposals.boxes.new_zeros(B, P, BOX_DIM),
+            proposals.boxes.clone(),
             proposals.boxes.new_full((B, P), math.inf),
             torch.zeros(B, P, dtype=torch.bool, device=proposals.boxes.device),
         )
@@ -61,8 +51,18 @@ def match_proposals(
     same_class = proposals.labels.unsqueeze(2) == labels.unsqueeze(1)
     distance = torch.where(same_class, distance, math.inf)
     nearest, index = distance.min(dim=2)
+    positive = proposals.valid & (nearest < match_distance)
     matched = boxes.gather(1, index.unsqueeze(2).expand(-1, -1, BOX_DIM))
-    return matched, nearest, proposals.valid & (nearest < match_distance)
+    matched = torch.where(positive.unsqueeze(-1), matched, proposals.boxes)
+    return matched, nearest, positive
+
+
+def ground_truth(batch: dict) -> tuple:
+    """The batch's ground truth for the second stage: the dataset's padded dense targets while
+    training (REFINE_TARGET_KEYS), else "det_boxes" / "det_labels"."""
+    if REFINE_TARGET_KEYS[0] in batch:
+        return tuple(batch[k] for k in REFINE_TARGET_KEYS)
+    return batch["det_boxes"], batch["det_labels"]
 
 
 def first_stage_targets(
@@ -121,8 +121,9 @@ def detection_loss(
     cannot copy from the host)."""
     cfg = config.detection
     refine = "det_refine_scores" in outputs
-    if (refine or DENSE_TARGET_KEYS[0] not in batch) and (
-        "det_boxes" not in batch or "det_labels" not in batch
+    has_boxes = "det_boxes" in batch and "det_labels" in batch
+    if not has_boxes and (
+        DENSE_TARGET_KEYS[0] not in batch or (refine and REFINE_TARGET_KEYS[0] not in batch)
     ):
         raise KeyError(
             "detection_loss: the batch has no 'det_boxes'/'det_labels'; set "
@@ -165,26 +166,42 @@ def detection_loss(
     }
 
     if refine:
-        proposals = outputs["det_proposals"]
-        matched, distance, positive = match_proposals(
-            proposals, batch["det_boxes"], batch["det_labels"], cfg.match_distance
-        )
-        valid = proposals.valid
-        score_target = torch.clamp(1 - distance / cfg.match_distance, min=0.0)
-        logits = outputs["det_refine_scores"]
-        score_loss = F.binary_cross_entropy_with_logits(
-            logits[valid], score_target[valid], reduction="sum"
-        ) / max(int(valid.sum()), 1)
-        residual_target = box_residuals(proposals.boxes[positive], matched[positive])
-        residual_weight = (
-            code_weights[list(RESIDUAL_WEIGHT_CHANNELS)] * torch.isfinite(residual_target).float()
-        )
-        box_l1 = (
-            outputs["det_refine_residuals"][positive] - torch.nan_to_num(residual_target)
-        ).abs() * residual_weight
-        losses["det_refine_score"] = cfg.refine_weight * score_loss
-        losses["det_refine_box"] = cfg.refine_weight * box_l1.sum() / max(int(positive.sum()), 1)
+        losses.update(refine_loss(outputs, batch, cfg.match_distance, code_weights))
+        losses = {
+            k: cfg.refine_weight * v if k.startswith("det_refine") else v
+            for k, v in losses.items()
+        }
     return losses
+
+
+def refine_loss(
+    outputs: dict, batch: dict, match_distance: float, code_weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The second stage's terms, unweighted, in fixed shapes (no host sync): "det_refine_score",
+    BCE of the quality logit towards max(0, 1 - distance / match_distance) to the nearest
+    same-class ground truth, per valid proposal; "det_refine_box", L1 of the residuals of the
+    positive proposals (within match_distance) weighted by code_weights (the unknown velocities
+    of some ground truth weigh 0), per positive."""
+    proposals = outputs["det_proposals"]
+    gt_boxes, gt_labels = ground_truth(batch)
+    matched, distance, positive = match_proposals(proposals, gt_boxes, gt_labels, match_distance)
+    valid = proposals.valid.float()
+    score_target = torch.clamp(1 - distance / match_distance, min=0.0)
+    score = F.binary_cross_entropy_with_logits(
+        outputs["det_refine_scores"], score_target, reduction="none"
+    )
+    residual_target = box_residuals(proposals.boxes, matched)
+    # the channels by slices: indexing by a list would copy it from the host (a captured step cannot)
+    weight = (
+        torch.cat([code_weights[:7], code_weights[8:10]])
+        * torch.isfinite(residual_target).float()
+        * positive.unsqueeze(-1).float()
+    )
+    box_l1 = (outputs["det_refine_residuals"] - torch.nan_to_num(residual_target)).abs() * weight
+    return {
+        "det_refine_score": (score * valid).sum() / valid.sum().clamp(min=1),
+        "det_refine_box": box_l1.sum() / positive.sum().clamp(min=1),
+    }
 
 
 class DetectionLoss(nn.Module):
