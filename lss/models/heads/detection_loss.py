@@ -168,8 +168,7 @@ def detection_loss(
     if refine:
         losses.update(refine_loss(outputs, batch, cfg.match_distance, code_weights))
         losses = {
-            k: cfg.refine_weight * v if k.startswith("det_refine") else v
-            for k, v in losses.items()
+            k: cfg.refine_weight * v if k.startswith("det_refine") else v for k, v in losses.items()
         }
     return losses
 
@@ -191,7 +190,7 @@ def refine_loss(
         outputs["det_refine_scores"], score_target, reduction="none"
     )
     residual_target = box_residuals(proposals.boxes, matched)
-    # the channels by slices: indexing by a list would copy it from the host (a captured step cannot)
+    # by slices: indexing by a list would copy the list from the host (a captured step cannot)
     weight = (
         torch.cat([code_weights[:7], code_weights[8:10]])
         * torch.isfinite(residual_target).float()
