@@ -154,6 +154,13 @@ def export_model(
     with (default cfg.model.upsample_mode); resize_mode: the Resize coordinate mode written
     (default: upsample_mode)."""
     check_options(opset, splat, rig_inputs, resize_mode)
+    if cfg.model.temporal.frames != 1 or getattr(model, "temporal", None) is not None:
+        raise ArgumentError(
+            f"model.temporal.frames={cfg.model.temporal.frames}: exporting a two-frame model (the "
+            "previous frame's features as a graph input) is not supported yet; export a model "
+            "trained with model.temporal.frames: 1, or run the two-frame model in PyTorch "
+            "(lss predict)"
+        )
     num_cameras = len(cfg.data.cameras)
     if not rig_inputs:
         if rig is None:
