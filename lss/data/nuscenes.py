@@ -94,7 +94,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
       with model.temporal.frames: 2 also the previous sample of the scene (a scene's first sample:
       itself) under the same image augmentation: "prev_images", "prev_intrinsics",
       "prev_sensor2ego_rot", "prev_sensor2ego_trans" (camera -> its own ego frame), "prev_post_rot",
-      "prev_post_trans", and "ego_motion" 4 x 4, its ego frame -> this sample's (previous_frame).
+      "prev_post_trans", "ego_motion" 4 x 4, its ego frame -> this sample's, and
+      "prev_sample_token" str (previous_frame).
     Boxes, map and targets are in the ego frame of the sample's LIDAR_TOP ego pose; in training,
     data.bev_* move that frame, the extrinsics with it (lss.data.bev_augmentation).
     """
@@ -342,6 +343,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
             "prev_post_rot": post_rot,
             "prev_post_trans": post_trans,
             "ego_motion": torch.from_numpy(motion.astype(np.float32)),
+            "prev_sample_token": str(self.sample_tokens[prev]),
         }
 
     def __getitem__(self, index: int) -> dict:
