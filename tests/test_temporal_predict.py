@@ -84,6 +84,10 @@ def test_one_frame_entry_points_refuse_a_two_frame_model(two_frame_checkpoint):
     intrinsics = np.tile(np.array([[100.0, 0, 80], [0, 100, 45], [0, 0, 1]]), (2, 1, 1))
     with pytest.raises(ArgumentError, match="model.temporal.frames=2: it also reads the previous frame"):
         predictor.predict(images, intrinsics, np.tile(np.eye(4), (2, 1, 1)))
+    one_frame_items = scene_items(cfg.data.dataroot, two_frame_config(cfg.data.dataroot, 1))
+    with pytest.raises(ArgumentError, match=r"the batch has no prev_images, .*ego_motion, which the checkpoint's "
+                                            r"model reads \(model.temporal.frames=2"):
+        predictor.predict_batch(collate(one_frame_items[:1]))
 
 
 def test_streaming_needs_a_two_frame_model(synthetic_root, tmp_path):

@@ -322,6 +322,17 @@ class Predictor:
     def predict_batch(self, batch: dict) -> list[Prediction]:
         """The Predictions of a model input batch (lss.data.collate of NuScenesBEV items or of
         camera_inputs; "sample_token" names them)."""
+        missing = [k for k in getattr(self.forward, "inputs", MODEL_INPUTS) if k not in batch]
+        if missing:
+            raise ArgumentError(
+                f"the batch has no {', '.join(missing)}, which the checkpoint's model reads"
+                + (
+                    " (model.temporal.frames=2: the previous frame and the ego motion, which "
+                    "NuScenesBEV items of a scene give; images with a rig file do not)"
+                    if self.cfg.model.temporal.frames == 2
+                    else ""
+                )
+            )
         return self.predictions(self.forward(batch), batch.get("sample_token"))
 
     def predictions(self, outputs: dict, names: Optional[Sequence[str]] = None) -> list[Prediction]:
