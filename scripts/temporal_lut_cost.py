@@ -4,8 +4,8 @@ sort its points), next to the current frame's LUT, on the nuScenes rig at the de
 (6 cameras, 128 x 352 input, stride 16, 41 depth bins, 200 x 200 grid). Prints one JSON line per
 batch size with the median of --repeats builds in milliseconds.
 
-    python scripts/temporal_lut_cost.py --threads 1          # CPU, batch sizes 1 and 4
-    python scripts/temporal_lut_cost.py --device cuda --batch-sizes 1 4 8
+    PYTHONPATH=. python scripts/temporal_lut_cost.py --threads 1   # CPU, batch sizes 1 and 4
+    PYTHONPATH=. python scripts/temporal_lut_cost.py --device cuda --batch-sizes 1 4 8
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import time
 
 import torch
 
+from benchmarks.train_step import random_batches
 from demo_seeds import machine
 from lss.config import Config
-from lss.geometry import BevGrid, image_augmentation, load_nuscenes_rig, val_augmentation
+from lss.geometry import RIG_KEYS, BevGrid
 from lss.models.splat import Splat
 
 
@@ -36,21 +37,9 @@ def ego_motion(batch: int, step: int) -> torch.Tensor:
 
 
 def batch_of(cfg: Config, batch: int, device: torch.device) -> dict:
-    K, rot, trans = load_nuscenes_rig(cfg.data.cameras)
-    aug = val_augmentation((1600, 900), tuple(cfg.data.final_dim), tuple(cfg.data.bot_pct_lim))
-    post_rot, post_trans = image_augmentation(aug, (1600, 900), cfg.data.final_dim)
-    n = len(cfg.data.cameras)
-    rig = {
-        "intrinsics": K,
-        "sensor2ego_rot": rot,
-        "sensor2ego_trans": trans,
-        "post_rot": post_rot.expand(n, 3, 3),
-        "post_trans": post_trans.expand(n, 3),
-    }
-    out = {}
-    for key, value in rig.items():
-        out[key] = out[f"prev_{key}"] = value.expand(batch, *value.shape).contiguous().to(device)
-    return out
+    """Random images on the nuScenes rig (benchmarks.train_step), the previous frame on the same."""
+    inputs = random_batches(cfg, batch, device, variants=1)[0]
+    return {**inputs, **{f"prev_{key}": inputs[key] for key in RIG_KEYS}}
 
 
 def median_ms(build, repeats: int, device: torch.device) -> float:
