@@ -1,7 +1,7 @@
 """model.temporal.frames on the model side: 1 is the model as it was before two frames existed (same state dict
 keys, same outputs for a fixed seed, old checkpoints load); 2 fuses the previous frame's splatted grid through
 TemporalFusion, trains on the tiny synthetic set with gradients reaching the fusion conv, and refuses batches
-without the previous frame and export with clear messages."""
+without the previous frame and a fixed-rig export with clear messages."""
 import hashlib
 
 import pytest
@@ -185,10 +185,10 @@ def test_a_two_frame_checkpoint_is_refused_by_a_one_frame_config(tmp_path):
         load_checkpoint_model(small_config(), path, torch.device("cpu"))
 
 
-def test_export_refuses_a_two_frame_model(tmp_path):
+def test_export_refuses_a_fixed_rig_for_a_two_frame_model(tmp_path):
     from lss.errors import ArgumentError
     from lss.export import export_model
 
     cfg = small_config(frames=2)
-    with pytest.raises(ArgumentError, match="model.temporal.frames=2: exporting a two-frame model"):
-        export_model(build_model(cfg), tmp_path / "m.onnx", cfg, rig_inputs=True)
+    with pytest.raises(ArgumentError, match="exported with rig inputs only .* pass --rig-inputs"):
+        export_model(build_model(cfg), tmp_path / "m.onnx", cfg)

@@ -274,6 +274,12 @@ class Predictor:
         self.with_boxes = "detection" in heads and backend == "torch"
         self.model: Optional[torch.nn.Module] = None
         if backend == "onnxruntime":
+            if self.cfg.model.temporal.frames == 2:
+                raise ArgumentError(
+                    "backend onnxruntime runs one-frame exports; the checkpoint's model has "
+                    "model.temporal.frames=2 (its export reads the previous frame's features, "
+                    "docs/temporal.md): use backend torch"
+                )
             check_config_fits(state, self.cfg, path)
             self.forward = OnnxForward(self.cfg, path, self.device, onnx)
             return
