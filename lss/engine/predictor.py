@@ -124,6 +124,7 @@ class EagerForward:
         self,
         model: torch.nn.Module,
         amp_dtype: Optional[torch.dtype],
+        *,
         inputs: Sequence[str] = MODEL_INPUTS,
     ):
         self.model, self.amp_dtype = model, amp_dtype
@@ -159,11 +160,12 @@ class CapturedForward(EagerForward):
         self,
         model: torch.nn.Module,
         amp_dtype: Optional[torch.dtype],
-        inputs: Sequence[str] = MODEL_INPUTS,
         warmup: int = 2,
         capture: bool = True,
+        *,
+        inputs: Sequence[str] = MODEL_INPUTS,
     ):
-        super().__init__(model, amp_dtype, inputs)
+        super().__init__(model, amp_dtype, inputs=inputs)
         self.warmup, self.capture = warmup, capture
         # batch size -> (graph or None, static inputs, static outputs)
         self.graphs: dict[int, tuple] = {}
@@ -290,9 +292,9 @@ class Predictor:
         refine = "detection" in heads and self.cfg.detection.refine
         inputs = model_inputs(self.cfg)
         if self.device.type == "cuda" and cuda_graph and not refine:
-            self.forward = CapturedForward(model, amp_dtype, inputs)
+            self.forward = CapturedForward(model, amp_dtype, inputs=inputs)
         else:
-            self.forward = EagerForward(model, amp_dtype, inputs)
+            self.forward = EagerForward(model, amp_dtype, inputs=inputs)
         self.model = model
 
     def predict(self, images, intrinsics, cam_to_ego):
