@@ -122,7 +122,7 @@ def _detection_cfg(*extra):
                                      "detection.head_channels=8", *extra])
 
 
-def _detection_batches(cfg, device, count):
+def _detection_batches(cfg, device, count, batch_fn=None):
     from test_model import rig_batch
 
     grid = BevGrid.from_config(cfg.grid)

@@ -35,6 +35,19 @@ def rig_batch(cfg, batch_size=2, seed=0):
     }
 
 
+class RigDataset(torch.utils.data.Dataset):
+    """`length` items of `batch_fn(cfg, batch_size=1, seed=i)` (rig_batch's form), for train()."""
+
+    def __init__(self, cfg, length, batch_fn=rig_batch):
+        self.cfg, self.length, self.batch_fn = cfg, length, batch_fn
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return {k: v[0] for k, v in self.batch_fn(self.cfg, batch_size=1, seed=i).items()}
+
+
 def test_forward_shapes_and_gradients_reach_both_encoders():
     cfg = tiny_cfg()
     model = LiftSplatShoot(cfg)

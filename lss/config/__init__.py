@@ -13,6 +13,7 @@ from lss.config.schema import (
     ModelConfig,
     OptimConfig,
     SyntheticConfig,
+    TemporalConfig,
     TrainConfig,
     VizConfig,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "SyntheticConfig",
+    "TemporalConfig",
     "TrainConfig",
     "VizConfig",
     "config_from_dict",

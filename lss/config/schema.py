@@ -86,6 +86,15 @@ class GridConfig:
 
 
 @dataclass
+class TemporalConfig:
+    """Frames per sample (docs/temporal.md): 1, the sample alone; 2, also the previous sample of
+    its scene, its camera features splatted into this sample's BEV grid through the ego motion and
+    fused with this sample's before the BEV encoder (BEVDet4D)."""
+
+    frames: int = 1
+
+
+@dataclass
 class ModelConfig:
     # the camera trunk: EfficientNet-B0 (the LSS paper's), or torchvision's ResNet-18, cheaper per
     # image on a CPU (the CPU demo's)
@@ -119,6 +128,7 @@ class ModelConfig:
     # the BEV decoder's last upsampling also reads the splatted grid at full resolution (a skip
     # around the ResNet-18 trunk: one- or two-cell objects such as pedestrians stay sharp)
     bev_full_res_skip: bool = False
+    temporal: TemporalConfig = field(default_factory=TemporalConfig)
 
 
 @dataclass

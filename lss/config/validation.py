@@ -144,6 +144,11 @@ def validate(cfg: Config) -> Config:
         "(evaluation and checkpoint selection use its IoU)",
     )
     _at_least(model, "model", ("context_channels", "camera_channels"), 1)
+    _check(
+        model.temporal.frames in (1, 2),
+        f"model.temporal.frames={model.temporal.frames}: expected 1 (this sample only) or 2 (also "
+        "the previous sample of its scene, docs/temporal.md); longer histories are not supported",
+    )
     detecting = "detection" in model.heads
     _check(
         data.detection_targets in (None, detecting),

@@ -39,7 +39,7 @@ from lss.data.transforms import (
     sample_augmentation,
     scaled_shape,
 )
-from lss.geometry import BevGrid
+from lss.geometry import BevGrid, ImageAugmentation
 
 __all__ = [
     "INDEX_FIELDS",
@@ -90,7 +90,12 @@ class NuScenesBEV(torch.utils.data.Dataset):
       "det_target_index", ...);
       "depth_targets" N x fH x fW int64 when config.data.depth_targets: per camera feature cell
       (fH, fW = final_dim // model.downsample) the grid.dbound bin of the nearest LIDAR_TOP return,
-      -1 where there is none (lss.data.depth).
+      -1 where there is none (lss.data.depth);
+      with model.temporal.frames: 2 also the previous sample of the scene (a scene's first sample:
+      itself) under the same image augmentation: "prev_images", "prev_intrinsics",
+      "prev_sensor2ego_rot", "prev_sensor2ego_trans" (camera -> its own ego frame), "prev_post_rot",
+      "prev_post_trans", "ego_motion" 4 x 4, its ego frame -> this sample's, and
+      "prev_sample_token" str (previous_frame).
     Boxes, map and targets are in the ego frame of the sample's LIDAR_TOP ego pose; in training,
     data.bev_* move that frame, the extrinsics with it (lss.data.bev_augmentation).
     """
@@ -153,10 +158,19 @@ class NuScenesBEV(torch.utils.data.Dataset):
             return np.arange(len(self.cameras))
         return np.sort(rng.choice(len(self.cameras), size=count, replace=False))
 
-    def _load_images(self, index: int, cams: np.ndarray, rng: Optional[np.random.Generator]):
+    def _load_images(
+        self,
+        index: int,
+        cams: np.ndarray,
+        rng: Optional[np.random.Generator],
+        augmentations: Optional[Sequence[ImageAugmentation]] = None,
+    ):
+        """(images, post_rot, post_trans, source sizes, augmentations) of cameras `cams` of sample
+        `index`; each camera's augmentation drawn from `rng`, or taken from `augmentations` (the
+        previous frame's images get the current frame's)."""
         data = self.config.data
-        images, post_rots, post_trans, sizes = [], [], [], []
-        for k in cams:
+        images, post_rots, post_trans, sizes, augs = [], [], [], [], []
+        for n, k in enumerate(cams):
             path = self.image_paths[index, k]
             try:
                 encoded = None
@@ -164,16 +178,19 @@ class NuScenesBEV(torch.utils.data.Dataset):
                 if min(size) <= 0:
                     encoded = Path(path).read_bytes()
                     size = image_size_from_header(encoded)
-                aug = sample_augmentation(
-                    size,
-                    tuple(data.final_dim),
-                    tuple(data.resize_lim),
-                    tuple(data.bot_pct_lim),
-                    tuple(data.rot_lim),
-                    data.rand_flip,
-                    self.is_train,
-                    rng,
-                )
+                if augmentations is not None:
+                    aug = augmentations[n]
+                else:
+                    aug = sample_augmentation(
+                        size,
+                        tuple(data.final_dim),
+                        tuple(data.resize_lim),
+                        tuple(data.bot_pct_lim),
+                        tuple(data.rot_lim),
+                        data.rand_flip,
+                        self.is_train,
+                        rng,
+                    )
                 if data.image_resize == "pil":
                     source = encoded if encoded is not None else Path(path).read_bytes()
                 else:
@@ -198,11 +215,13 @@ class NuScenesBEV(torch.utils.data.Dataset):
             images.append(image)
             post_rots.append(rot)
             post_trans.append(trans)
+            augs.append(aug)
         return (
             normalize_images(images, self._pixel_lut),
             torch.from_numpy(np.stack(post_rots)),
             torch.from_numpy(np.stack(post_trans)),
             np.asarray(sizes),
+            augs,
         )
 
     def _cached_decode(
@@ -290,6 +309,43 @@ class NuScenesBEV(torch.utils.data.Dataset):
         inside = (labels >= 0) & self.grid.contains(boxes[:, 0], boxes[:, 1])
         return boxes[inside], labels[inside]
 
+    def previous_frame(
+        self,
+        index: int,
+        cams: np.ndarray,
+        augmentations: Sequence[ImageAugmentation],
+        bev: Optional[BevAugmentation] = None,
+    ) -> dict:
+        """The previous sample's camera inputs for sample `index` (model.temporal.frames: 2): its
+        cameras `cams` under this sample's image `augmentations`, their calibration, and
+        "ego_motion" 4 x 4, its ego frame -> this sample's ego frame moved by `bev` (the previous
+        extrinsics stay in its own ego frame; the model composes the two)."""
+        prev = int(self.prev_index[index])
+        sizes, prev_sizes = self.image_sizes[index, cams], self.image_sizes[prev, cams]
+        if not np.array_equal(sizes, prev_sizes):
+            raise SampleError(
+                f"sample {self.sample_tokens[prev]} has images of sizes {prev_sizes.tolist()} but "
+                f"its next sample {self.sample_tokens[index]} {sizes.tolist()} (W, H per camera); "
+                "model.temporal.frames: 2 gives both frames one augmentation, so the images of a "
+                "scene must keep one size"
+            )
+        images, post_rot, post_trans, _, _ = self._load_images(prev, cams, None, augmentations)
+        motion = self.ego_motion[index]
+        if bev is not None:
+            augment = np.eye(4)
+            augment[:3, :3] = bev.matrix()
+            motion = augment @ motion
+        return {
+            "prev_images": images,
+            "prev_intrinsics": torch.from_numpy(self.intrinsics[prev, cams]),
+            "prev_sensor2ego_rot": torch.from_numpy(self.sensor2ego_rot[prev, cams]),
+            "prev_sensor2ego_trans": torch.from_numpy(self.sensor2ego_trans[prev, cams]),
+            "prev_post_rot": post_rot,
+            "prev_post_trans": post_trans,
+            "ego_motion": torch.from_numpy(motion.astype(np.float32)),
+            "prev_sample_token": str(self.sample_tokens[prev]),
+        }
+
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
@@ -305,7 +361,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
     def _item(self, index: int) -> dict:
         rng = np.random.default_rng(int(torch.randint(0, 2**62, ()))) if self.is_train else None
         cams = self._camera_subset(rng)
-        images, post_rot, post_trans, image_sizes = self._load_images(index, cams, rng)
+        images, post_rot, post_trans, image_sizes, augs = self._load_images(index, cams, rng)
         data = self.config.data
         bev = (
             sample_bev_augmentation(data.bev_rot_lim, data.bev_scale_lim, data.bev_flip, rng)
@@ -324,6 +380,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
             "targets": torch.from_numpy(self.bev_targets(index, bev)),
             "sample_token": str(self.sample_tokens[index]),
         }
+        if self.config.model.temporal.frames == 2:
+            item.update(self.previous_frame(index, cams, augs, bev))
         if self.config.data.visibility_mask:
             dbound = self.config.grid.dbound
             # the mask inverts rot by transposing: pass its orthonormal part, and depths measured in

@@ -34,6 +34,8 @@ INDEX_FIELDS = (
     "sensor2ego_rot",
     "sensor2ego_trans",
     "ego_pose",
+    "prev_index",
+    "ego_motion",
     "lidar_to_camera",
     "image_paths",
     "lidar_paths",
@@ -100,10 +102,29 @@ def build_index(root: Path, version: str, split: str, data: DataConfig) -> dict:
     return {"devkit_split": devkit_split, "scene_count": len(scenes), **samples, "maps": maps}
 
 
+def previous_samples(samples: list[dict]) -> np.ndarray:
+    """The index of every sample's previous sample (nuScenes `sample["prev"]`) in `samples`, int64;
+    a scene's first sample (empty "prev") is its own previous sample, as in BEVDet4D."""
+    position = {s["token"]: i for i, s in enumerate(samples)}
+    prev_index = np.arange(len(samples), dtype=np.int64)
+    for i, sample in enumerate(samples):
+        if not sample["prev"]:
+            continue
+        if sample["prev"] not in position:
+            raise DatasetError(
+                f"sample {sample['token']}: its previous sample {sample['prev']} is not among the "
+                "samples of its scene; the sample table is incomplete, restore it from the dataset "
+                "archive (or regenerate a synthetic set)"
+            )
+        prev_index[i] = position[sample["prev"]]
+    return prev_index
+
+
 def _sample_records(nusc, scenes: list[dict], root: Path, version: str, data: DataConfig) -> dict:
     """The per-sample fields of INDEX_FIELDS (all but devkit_split, scene_count and maps) of
     `scenes`, their samples in scene then time order."""
     from nuscenes.eval.detection.utils import category_to_detection_name
+    from nuscenes.utils.geometry_utils import transform_matrix
 
     cameras, classes = tuple(data.cameras), tuple(data.classes)
     samples = []
@@ -125,6 +146,7 @@ def _sample_records(nusc, scenes: list[dict], root: Path, version: str, data: Da
     sensor2ego_rot = np.zeros((n, c, 3, 3), dtype=np.float32)
     sensor2ego_trans = np.zeros((n, c, 3), dtype=np.float32)
     ego_pose = np.zeros((n, 3), dtype=np.float64)  # global x, y, yaw of LIDAR_TOP's ego pose
+    ego_to_global = np.zeros((n, 4, 4), dtype=np.float64)  # LIDAR_TOP's ego pose, full 3D
     lidar_paths = [""] * n
     # lidar frame -> camera frame per sample and camera (through both ego poses); filled for
     # data.depth_targets
@@ -165,6 +187,7 @@ def _sample_records(nusc, scenes: list[dict], root: Path, version: str, data: Da
         ego_rot = Quaternion(pose["rotation"]).rotation_matrix
         ego_t = np.asarray(pose["translation"])
         ego_pose[i] = (ego_t[0], ego_t[1], np.arctan2(ego_rot[1, 0], ego_rot[0, 0]))
+        ego_to_global[i] = transform_matrix(ego_t, Quaternion(pose["rotation"]))
         for ann_token in sample["anns"]:
             ann = nusc.get("sample_annotation", ann_token)
             check_annotation(ann, annotation_table)
@@ -198,6 +221,7 @@ def _sample_records(nusc, scenes: list[dict], root: Path, version: str, data: Da
             det_boxes.append([*center, w, l, h, yaw, *velocity])
             det_labels.append(label)
         offsets.append(len(det_boxes))
+    prev_index = previous_samples([r for _, r in samples])
     boxes = np.asarray(det_boxes, dtype=np.float64).reshape(-1, 9)  # x y z w l h yaw vx vy, ego
     footprints = box_footprints(boxes[:, :2], boxes[:, 3:5], boxes[:, 6])
     return {
@@ -209,6 +233,9 @@ def _sample_records(nusc, scenes: list[dict], root: Path, version: str, data: Da
         "sensor2ego_rot": sensor2ego_rot,
         "sensor2ego_trans": sensor2ego_trans,
         "ego_pose": ego_pose,
+        "prev_index": prev_index,
+        # previous sample's LIDAR_TOP ego frame -> this sample's (4 x 4; identity for a first one)
+        "ego_motion": np.linalg.inv(ego_to_global) @ ego_to_global[prev_index],
         "lidar_to_camera": lidar_to_camera,
         "image_paths": np.asarray(paths, dtype=str).reshape(n, c),
         "lidar_paths": np.asarray(lidar_paths, dtype=str),

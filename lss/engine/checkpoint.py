@@ -37,6 +37,7 @@ FIXED_KEYS = (
     "data.final_dim",
     "data.classes",
     "model.heads",
+    "model.temporal.frames",
 )
 # Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases:
 # .<name>.<random>.tmp).

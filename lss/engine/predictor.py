@@ -27,6 +27,7 @@ from lss.engine.checkpoint import (
 from lss.engine.eval import pad_batch
 from lss.errors import ArgumentError, CheckpointError
 from lss.geometry import RIG_KEYS, BevGrid
+from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS
 from lss.geometry.boxes import DETECTION_CLASSES
 
 BACKENDS = ("torch", "onnxruntime")
@@ -98,6 +99,12 @@ class Prediction:
             )
 
 
+def model_inputs(cfg: Config) -> tuple[str, ...]:
+    """The batch entries the model of `cfg` reads: MODEL_INPUTS, and with model.temporal.frames: 2
+    the previous frame's (lss.geometry.ego_motion.PREVIOUS_FRAME_KEYS)."""
+    return MODEL_INPUTS + (PREVIOUS_FRAME_KEYS if cfg.model.temporal.frames == 2 else ())
+
+
 def _device(device: Union[None, str, torch.device]) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,8 +120,15 @@ class EagerForward:
     """The model's forward as `lss eval` runs it: the batch's model inputs on the device, no
     gradients, under `amp_dtype` autocast where given."""
 
-    def __init__(self, model: torch.nn.Module, amp_dtype: Optional[torch.dtype]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        amp_dtype: Optional[torch.dtype],
+        *,
+        inputs: Sequence[str] = MODEL_INPUTS,
+    ):
         self.model, self.amp_dtype = model, amp_dtype
+        self.inputs = tuple(inputs)  # the batch entries the model reads (model_inputs)
         self.device = next(model.parameters()).device
 
     autocast_cache = True
@@ -130,7 +144,7 @@ class EagerForward:
             return self.model(inputs)
 
     def __call__(self, batch: dict) -> dict:
-        return self.run({k: batch[k].to(self.device, non_blocking=True) for k in MODEL_INPUTS})
+        return self.run({k: batch[k].to(self.device, non_blocking=True) for k in self.inputs})
 
 
 class CapturedForward(EagerForward):
@@ -148,8 +162,10 @@ class CapturedForward(EagerForward):
         amp_dtype: Optional[torch.dtype],
         warmup: int = 2,
         capture: bool = True,
+        *,
+        inputs: Sequence[str] = MODEL_INPUTS,
     ):
-        super().__init__(model, amp_dtype)
+        super().__init__(model, amp_dtype, inputs=inputs)
         self.warmup, self.capture = warmup, capture
         # batch size -> (graph or None, static inputs, static outputs)
         self.graphs: dict[int, tuple] = {}
@@ -164,7 +180,7 @@ class CapturedForward(EagerForward):
         if size not in self.graphs:
             self.graphs[size] = self._capture(batch)
         graph, static, outputs = self.graphs[size]
-        for key in MODEL_INPUTS:
+        for key in self.inputs:
             static[key].copy_(batch[key], non_blocking=True)
         if graph is None:
             return self.run(static)
@@ -172,7 +188,7 @@ class CapturedForward(EagerForward):
         return {k: v.clone() for k, v in outputs.items()}
 
     def _capture(self, batch: dict) -> tuple:
-        static = {k: batch[k].to(self.device).clone() for k in MODEL_INPUTS}
+        static = {k: batch[k].to(self.device).clone() for k in self.inputs}
         if not self.capture:
             return None, static, None
         side = torch.cuda.Stream(self.device)
@@ -260,6 +276,12 @@ class Predictor:
         self.with_boxes = "detection" in heads and backend == "torch"
         self.model: Optional[torch.nn.Module] = None
         if backend == "onnxruntime":
+            if self.cfg.model.temporal.frames == 2:
+                raise ArgumentError(
+                    "backend onnxruntime runs one-frame exports; the checkpoint's model has "
+                    "model.temporal.frames=2 (its export reads the previous frame's features, "
+                    "docs/temporal.md): use backend torch"
+                )
             check_config_fits(state, self.cfg, path)
             self.forward = OnnxForward(self.cfg, path, self.device, onnx)
             return
@@ -268,14 +290,16 @@ class Predictor:
         bf16 = precision == "bf16" and self.device.type == "cuda"
         amp_dtype = torch.bfloat16 if bf16 else None
         refine = "detection" in heads and self.cfg.detection.refine
+        inputs = model_inputs(self.cfg)
         if self.device.type == "cuda" and cuda_graph and not refine:
-            self.forward = CapturedForward(model, amp_dtype)
+            self.forward = CapturedForward(model, amp_dtype, inputs=inputs)
         else:
-            self.forward = EagerForward(model, amp_dtype)
+            self.forward = EagerForward(model, amp_dtype, inputs=inputs)
         self.model = model
 
     def predict(self, images, intrinsics, cam_to_ego):
         """One sample's Prediction, or a batch's list (see the class)."""
+        self._check_one_frame()
         batched = np.ndim(intrinsics) == 4
         if not batched:
             return self.predict_batch(self.inputs(images, intrinsics, cam_to_ego))[0]
@@ -291,12 +315,36 @@ class Predictor:
 
     def inputs(self, images, intrinsics, cam_to_ego) -> dict:
         """The model's input batch (of one) of a sample: camera_inputs, batched."""
+        self._check_one_frame()
         return collate([camera_inputs(images, intrinsics, cam_to_ego, self.cfg)])
+
+    def _check_one_frame(self) -> None:
+        if self.cfg.model.temporal.frames == 2:
+            raise ArgumentError(
+                "the checkpoint's model has model.temporal.frames=2: it also reads the previous "
+                "frame and the ego motion, which camera images and a rig do not give; predict "
+                "the samples of a nuScenes scene (predict_batch, or StreamingPredictor of "
+                "lss.engine.streaming), or use a one-frame model"
+            )
 
     def predict_batch(self, batch: dict) -> list[Prediction]:
         """The Predictions of a model input batch (lss.data.collate of NuScenesBEV items or of
         camera_inputs; "sample_token" names them)."""
-        outputs = self.forward(batch)
+        missing = [k for k in getattr(self.forward, "inputs", MODEL_INPUTS) if k not in batch]
+        if missing:
+            raise ArgumentError(
+                f"the batch has no {', '.join(missing)}, which the checkpoint's model reads"
+                + (
+                    " (model.temporal.frames=2: the previous frame and the ego motion, which "
+                    "NuScenesBEV items of a scene give; images with a rig file do not)"
+                    if self.cfg.model.temporal.frames == 2
+                    else ""
+                )
+            )
+        return self.predictions(self.forward(batch), batch.get("sample_token"))
+
+    def predictions(self, outputs: dict, names: Optional[Sequence[str]] = None) -> list[Prediction]:
+        """The Predictions of the model's `outputs` of a batch whose samples are `names`."""
         probabilities = outputs["segmentation"].detach().float().sigmoid().cpu().numpy()
         if probabilities.shape[1] != len(self.classes):
             raise CheckpointError(
@@ -311,7 +359,7 @@ class Predictor:
                 {k: v.detach().cpu().numpy() for k, v in d.items()}
                 for d in decode_detections(outputs, self.cfg)
             ]
-        names = batch.get("sample_token") or [""] * len(probabilities)
+        names = names or [""] * len(probabilities)
         return [
             Prediction(
                 probs,

@@ -81,6 +81,10 @@ def check_export(
             batch.update({k: rig[k][None].float() for k in RIG_KEYS})
         with torch.no_grad():
             ours = model(batch)["segmentation"]
+            if "prev_depth" in inputs:  # a two-frame export reads the previous frame's features
+                depth, context = model.camera(batch["prev_images"].flatten(0, 1))
+                batch["prev_depth"] = depth.unflatten(0, (1, -1))
+                batch["prev_context"] = context.unflatten(0, (1, -1))
         feeds = {name: batch[name].float().contiguous().numpy() for name in inputs}
         theirs = torch.from_numpy(np.asarray(session.run(["segmentation"], feeds)[0]))
         max_diff = max(max_diff, float((theirs - ours).abs().max()))

@@ -19,6 +19,9 @@ from torch import nn
 from lss.config import Config
 from lss.errors import ArgumentError
 from lss.export.graph import CUSTOM_DOMAIN, RIG_KEYS, DeployModel
+from lss.export.temporal import INPUT_NAMES as TEMPORAL_INPUTS
+from lss.export.temporal import OUTPUT_NAMES as TEMPORAL_OUTPUTS
+from lss.export.temporal import TemporalDeployModel
 from lss.ops.upsample import MODES
 
 MIN_OPSET = 16  # ScatterND with reduction "add"
@@ -150,10 +153,18 @@ def export_model(
     """Write the segmentation network of LiftSplatShoot `model` to `out` (ONNX; written to a
     temporary file first, see `replacing`). Inputs: "images" B x N x 3 x H x W (normalised as the
     data path does), with rig_inputs also the RIG_KEYS B x N x ...; output "segmentation"
-    B x K x nx x ny logits. The batch size is dynamic. upsample_mode: the mode the model was trained
-    with (default cfg.model.upsample_mode); resize_mode: the Resize coordinate mode written
-    (default: upsample_mode)."""
+    B x K x nx x ny logits; a two-frame model (model.temporal.frames: 2, rig inputs only) also
+    reads the previous frame's camera features and rig and the ego motion and outputs this frame's
+    features (lss.export.temporal). The batch size is dynamic. upsample_mode: the mode the model
+    was trained with (default cfg.model.upsample_mode); resize_mode: the Resize coordinate mode
+    written (default: upsample_mode)."""
     check_options(opset, splat, rig_inputs, resize_mode)
+    two_frames = getattr(model, "temporal", None) is not None
+    if two_frames and not rig_inputs:
+        raise ArgumentError(
+            "a two-frame model (model.temporal.frames: 2) is exported with rig inputs only (its "
+            "previous frame's table moves with the ego motion): pass --rig-inputs"
+        )
     num_cameras = len(cfg.data.cameras)
     if not rig_inputs:
         if rig is None:
@@ -162,16 +173,17 @@ def export_model(
                 "validation sample (--rig-sample)"
             )
         check_rig(rig, num_cameras)
-    deploy = DeployModel(
-        model,
-        "rig_inputs" if rig_inputs else splat,
-        rig,
-        resize_mode,
-        upsample_mode or cfg.model.upsample_mode,
+    upsample_mode = upsample_mode or cfg.model.upsample_mode
+    deploy = (
+        TemporalDeployModel(model, resize_mode, upsample_mode)
+        if two_frames
+        else DeployModel(
+            model, "rig_inputs" if rig_inputs else splat, rig, resize_mode, upsample_mode
+        )
     ).eval()
     H, W = cfg.data.final_dim
     args = [torch.zeros(1, num_cameras, 3, H, W)]
-    names = ["images"]
+    names, outputs = ["images"], ["segmentation"]
     if rig_inputs:
         args += (
             [rig[k][None].float() for k in RIG_KEYS]
@@ -179,6 +191,12 @@ def export_model(
             else _example_rig(num_cameras)
         )
         names += list(RIG_KEYS)
+    if two_frames:
+        D, fH, fW, _ = model.splat.frustum.shape
+        C = cfg.model.context_channels
+        features = [torch.zeros(1, num_cameras, D, fH, fW), torch.zeros(1, num_cameras, C, fH, fW)]
+        args += features + [a.clone() for a in args[1:]] + [torch.eye(4)[None]]
+        names, outputs = list(TEMPORAL_INPUTS), list(TEMPORAL_OUTPUTS)
     out = Path(out)
     with replacing(out) as tmp, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter(
@@ -195,8 +213,8 @@ def export_model(
             str(tmp),
             opset_version=opset,
             input_names=names,
-            output_names=["segmentation"],
-            dynamic_axes={n: {0: "batch"} for n in names + ["segmentation"]},
+            output_names=outputs,
+            dynamic_axes={n: {0: "batch"} for n in names + outputs},
             custom_opsets={CUSTOM_DOMAIN: 1} if splat == "custom" else None,
             **legacy,
         )

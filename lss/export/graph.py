@@ -198,10 +198,17 @@ class DeployModel(nn.Module):
     def forward(self, images: torch.Tensor, *rig: torch.Tensor) -> torch.Tensor:
         B, N = images.shape[0], images.shape[1]
         depth, context = self.camera(images.flatten(0, 1))
+        return self.segmentation(self.bev(self.splat(depth, context, B, N, rig)))
+
+    def splat(
+        self, depth: torch.Tensor, context: torch.Tensor, B: int, N: int, rig: tuple
+    ) -> torch.Tensor:
+        """Camera features (depth B*N x D x fH x fW, context B*N x C x fH x fW) -> the splatted grid
+        B x nz*C x nx x ny, through the fixed table or, with rig inputs, `rig` (RIG_KEYS order)."""
         D, fH, fW = depth.shape[1:]
         C = context.shape[1]
         if self.splat_mode == "custom":
-            pooled = BevPoolFn.apply(
+            return BevPoolFn.apply(
                 depth.unflatten(0, (B, N)),
                 context.unflatten(0, (B, N)),
                 self.sorted_points,
@@ -211,18 +218,12 @@ class DeployModel(nn.Module):
                 self.nx,
                 self.ny,
             )
-        else:
-            # B x N*fH*fW x C: the context vector of every feature pixel
-            pixels = (
-                context.reshape(B, N, C, fH * fW).permute(0, 1, 3, 2).reshape(B, N * fH * fW, C)
-            )
-            depth = depth.reshape(B, N * D * fH * fW)
-            pooled = (
-                self._pool_rig_inputs(depth, pixels, rig)
-                if self.splat_mode == "rig_inputs"
-                else self._pool_fixed(depth, pixels)
-            )
-        return self.segmentation(self.bev(pooled))
+        # B x N*fH*fW x C: the context vector of every feature pixel
+        pixels = context.reshape(B, N, C, fH * fW).permute(0, 1, 3, 2).reshape(B, N * fH * fW, C)
+        depth = depth.reshape(B, N * D * fH * fW)
+        if self.splat_mode == "rig_inputs":
+            return self._pool_rig_inputs(depth, pixels, rig)
+        return self._pool_fixed(depth, pixels)
 
     def _to_bev(self, cells: torch.Tensor, B: int) -> torch.Tensor:
         """B x nz*nx*ny x C cell sums -> B x nz*C x nx x ny (the bev_pool layout)."""

@@ -1,6 +1,7 @@
 """Camera geometry for the splat, one owner per convention: the BEV grid (grid.py), the camera rig,
-frustum, projections and image augmentation (camera.py), and the frustum -> BEV-cell lookup table
-that feeds `lss.ops.bev_pool` (lut.py)."""
+frustum, projections and image augmentation (camera.py), the frustum -> BEV-cell lookup table
+that feeds `lss.ops.bev_pool` (lut.py), and the previous frame's rig in the current ego frame
+(ego_motion.py, model.temporal.frames: 2)."""
 
 from lss.geometry.camera import (
     NO_DEPTH_BIN,

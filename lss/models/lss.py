@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from lss.config import Config
 from lss.geometry import BevGrid
 from lss.geometry.boxes import REFINE_TARGET_KEYS
+from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS
 from lss.models.bev import BevEncoder
 from lss.models.camera import CameraEncoder
 from lss.models.heads import DetectionHead, SegmentationHead
 from lss.models.splat import Splat
+from lss.models.temporal import TemporalFusion
 
 # The variable-length ground truth of a batch (one tensor per sample).
 DETECTION_KEYS = ("det_boxes", "det_labels")
@@ -29,7 +32,9 @@ class LiftSplatShoot(nn.Module):
     as they are (its second stage adds jittered copies as proposals while training,
     detection.refine_gt_proposals): the padded "det_target_boxes" / "det_target_labels" of the
     dataset's dense targets (fixed shapes, what a captured step holds), else "det_boxes" /
-    "det_labels".
+    "det_labels". With model.temporal.frames: 2 it also holds the previous frame's images and rig
+    and the ego motion (lss.geometry.ego_motion.PREVIOUS_FRAME_KEYS): their BEV grid is fused with
+    the current one before the BEV encoder (TemporalFusion).
     """
 
     def __init__(self, config: Config):
@@ -69,6 +74,11 @@ class LiftSplatShoot(nn.Module):
             if "detection" in model.heads
             else None
         )
+        # None: a one-frame model keeps its modules and state dict as they were; built last, so
+        # that the other modules start as a one-frame model of the same seed does
+        self.temporal = (
+            TemporalFusion(grid.nz * model.context_channels) if model.temporal.frames == 2 else None
+        )
 
     def forward(self, batch: dict) -> dict:
         images = batch["images"]
@@ -81,13 +91,48 @@ class LiftSplatShoot(nn.Module):
         depth, context, depth_logits = self.camera(images.flatten(0, 1), return_logits=True)
         depth = depth.unflatten(0, (b, n))
         context = context.unflatten(0, (b, n))
-        features = self.bev(self.splat(depth, context, lut))
+        bev = self.splat(depth, context, lut)
+        if self.temporal is not None:
+            bev = self.temporal(bev, self.previous_bev(batch))
+        features = self.bev(bev)
         outputs = {
             "segmentation": self.segmentation(features),
             "depth_logits": depth_logits.unflatten(0, (b, n)),
         }
+        if self.temporal is not None:  # the next frame's previous features, when streaming
+            outputs["camera_depth"], outputs["camera_context"] = depth.detach(), context.detach()
         if self.detection is not None:
             keys = REFINE_TARGET_KEYS if REFINE_TARGET_KEYS[0] in batch else DETECTION_KEYS
             truth = {"gt_boxes": batch.get(keys[0]), "gt_labels": batch.get(keys[1])}
             outputs.update(self.detection(features, **truth))
         return outputs
+
+    def previous_bev(self, batch: dict) -> torch.Tensor:
+        """B x (nz*C) x nx x ny: the previous frame's camera features splatted into the current grid
+        through its LUT (Splat.previous_lut). The features are the batch's "prev_depth"
+        B x N x D x fH x fW and "prev_context" B x N x C x fH x fW where given (streaming: the
+        "camera_depth" and "camera_context" outputs of the frame before), else the camera encoder's
+        of "prev_images", without gradients."""
+        streamed = "prev_depth" in batch and "prev_context" in batch
+        needed = PREVIOUS_FRAME_KEYS[1:] if streamed else PREVIOUS_FRAME_KEYS
+        missing = [k for k in needed if k not in batch]
+        if missing:
+            raise ValueError(
+                f"model.temporal.frames=2 needs the previous frame's inputs, but the batch has no "
+                f"{', '.join(missing)}; the dataset yields them when the config it was built from "
+                "has model.temporal.frames: 2 (lss.data.NuScenesBEV.previous_frame)"
+            )
+        lut = self.splat.previous_lut(batch)
+        if streamed:
+            return self.splat(batch["prev_depth"], batch["prev_context"], lut)
+        images = batch["prev_images"]
+        if images.shape != batch["images"].shape:
+            raise ValueError(
+                f"batch['prev_images'] is {tuple(images.shape)} but batch['images'] "
+                f"{tuple(batch['images'].shape)}: the previous frame needs the same cameras and "
+                "image size"
+            )
+        b, n = images.shape[:2]
+        with torch.no_grad():
+            depth, context = self.camera(images.flatten(0, 1))
+        return self.splat(depth.unflatten(0, (b, n)), context.unflatten(0, (b, n)), lut)

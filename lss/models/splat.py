@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lss.geometry import RIG_KEYS, BevGrid, FrustumLUT, FrustumLUTCache, frustum
+from lss.geometry.ego_motion import PREVIOUS_RIG_KEYS, previous_cam_to_ego
 from lss.ops import bev_pool, bev_pool_reference
 
 
@@ -43,6 +44,7 @@ class Splat(nn.Module):
             persistent=False,
         )
         self.lut_cache = FrustumLUTCache()
+        self.previous_lut_cache = FrustumLUTCache()  # model.temporal.frames: 2
 
     @property
     def depth_bins(self) -> int:
@@ -52,6 +54,27 @@ class Splat(nn.Module):
         rig = [batch[k].to(device=self.frustum.device, dtype=torch.float32) for k in RIG_KEYS]
         with torch.autocast(device_type=self.frustum.device.type, enabled=False):
             return self.lut_cache.get(self.frustum.contiguous(), *rig, self.grid, self.binning)
+
+    def previous_lut(self, batch: dict) -> FrustumLUT:
+        """The previous frame's LUT into the current grid (model.temporal.frames: 2): its rig
+        (PREVIOUS_RIG_KEYS) with camera -> ego replaced by ego_motion @ camera -> prev ego; cached
+        apart from the current frame's, by that calibration and pose."""
+        device = self.frustum.device
+        K, rot, trans, post_rot, post_trans = (
+            batch[k].to(device=device, dtype=torch.float32) for k in PREVIOUS_RIG_KEYS
+        )
+        with torch.autocast(device_type=device.type, enabled=False):
+            rot, trans = previous_cam_to_ego(batch["ego_motion"].to(device), rot, trans)
+            return self.previous_lut_cache.get(
+                self.frustum.contiguous(),
+                K,
+                rot,
+                trans,
+                post_rot,
+                post_trans,
+                self.grid,
+                self.binning,
+            )
 
     def forward(self, depth: torch.Tensor, context: torch.Tensor, lut: FrustumLUT) -> torch.Tensor:
         if self.impl == "reference":

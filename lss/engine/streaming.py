@@ -1,0 +1,72 @@
+"""Streaming inference of a two-frame model (model.temporal.frames: 2) over a sequence: each frame's
+camera features are kept for the next frame, whose previous frame they are, instead of being
+computed again from the previous images (the camera trunk then runs once per frame, not twice)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from lss.engine.predictor import EagerForward, Prediction, Predictor
+from lss.errors import ArgumentError
+
+
+class StreamingPredictor:
+    """`StreamingPredictor(predictor)` over a Predictor of a two-frame checkpoint (backend "torch").
+
+    `step(batch)` takes a model input batch with the previous frame's entries (lss.data.collate of
+    NuScenesBEV items of a model.temporal.frames: 2 config: "prev_sample_token" names each sample's
+    previous sample) and returns its Predictions. Where every sample's previous sample is the
+    sample of the same place in the batch before, the camera features of that batch stand in for
+    "prev_images" ("prev_depth", "prev_context"); otherwise (a sequence's first batch, a scene's
+    first sample, a jump) they are computed from "prev_images", as Predictor.predict_batch does.
+    Either way the predictions are those of the two-frame forward. `stream(batches)` steps through
+    an iterable in time order; `reset()` forgets the kept features; `reused` counts the batches
+    that reused them.
+
+    Each step runs the model's eager forward (no CUDA graph: the reused features change which
+    inputs the forward reads)."""
+
+    def __init__(self, predictor: Predictor):
+        if predictor.cfg.model.temporal.frames != 2 or predictor.model is None:
+            raise ArgumentError(
+                "StreamingPredictor needs a Predictor of a two-frame model (model.temporal.frames: "
+                f"2, backend torch); this one has frames={predictor.cfg.model.temporal.frames}, "
+                f"backend {predictor.backend}: use Predictor.predict_batch"
+            )
+        self.predictor = predictor
+        self.forward: EagerForward = predictor.forward
+        self._tokens: Optional[list[str]] = None  # the samples of the kept features
+        self._features: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.reused = 0
+
+    def reset(self) -> None:
+        self._tokens, self._features = None, None
+
+    def _follows(self, batch: dict) -> bool:
+        previous = batch.get("prev_sample_token")
+        if previous is None or self._tokens is None:
+            return False
+        return list(previous) == self._tokens and list(previous) != list(batch["sample_token"])
+
+    def step(self, batch: dict) -> list[Prediction]:
+        if "sample_token" not in batch:
+            raise ArgumentError(
+                "StreamingPredictor.step: the batch has no 'sample_token'; give collated "
+                "NuScenesBEV items (of a config with model.temporal.frames: 2), in time order"
+            )
+        device = self.forward.device
+        keys = [k for k in self.forward.inputs if k != "prev_images" or not self._follows(batch)]
+        inputs = {k: batch[k].to(device, non_blocking=True) for k in keys}
+        if "prev_images" not in inputs:
+            inputs["prev_depth"], inputs["prev_context"] = self._features
+            self.reused += 1
+        outputs = EagerForward.run(self.forward, inputs)
+        self._features = (outputs["camera_depth"], outputs["camera_context"])
+        self._tokens = list(batch["sample_token"])
+        return self.predictor.predictions(outputs, batch["sample_token"])
+
+    def stream(self, batches: Iterable[dict]) -> Iterator[list[Prediction]]:
+        for batch in batches:
+            yield self.step(batch)

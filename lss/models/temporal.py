@@ -1,0 +1,30 @@
+"""Two frames (model.temporal.frames: 2): the previous sample's camera features, splatted into the
+current BEV grid through the ego motion, fused with the current sample's before the BEV encoder
+(BEVDet4D)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lss.models.blocks import conv_bn_relu
+
+
+class TemporalFusion(nn.Module):
+    """Concatenate the current and the previous frame's splatted grids, then one 3x3 conv-BN-ReLU
+    back to the BEV encoder's input channels.
+
+    forward(current B x C x nx x ny, previous B x C x nx x ny) -> B x C x nx x ny.
+    """
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Sequential(*conv_bn_relu(2 * channels, channels))
+
+    def forward(self, current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        if previous.shape != current.shape:
+            raise ValueError(
+                f"TemporalFusion: the previous frame's grid is {tuple(previous.shape)} but the "
+                f"current frame's {tuple(current.shape)}; both must be B x C x nx x ny of one grid"
+            )
+        return self.conv(torch.cat([current, previous.to(current.dtype)], dim=1))

@@ -1,0 +1,97 @@
+"""Inference of a two-frame model: the Predictor feeds it the previous frame; StreamingPredictor reuses the camera
+features of the frame before instead of recomputing them, with the predictions of the two-frame forward; one-frame
+entry points (camera images with a rig) refuse it with a message."""
+import numpy as np
+import pytest
+import torch
+
+from lss.config import config_from_dict
+from lss.data import NuScenesBEV, collate
+from lss.engine.checkpoint import save_checkpoint
+from lss.engine.predictor import Predictor, model_inputs
+from lss.engine.streaming import StreamingPredictor
+from lss.errors import ArgumentError
+from lss.models.build import build_model
+from test_temporal_model import SMALL
+
+VERSION = "v1.0-mini"
+
+
+def two_frame_config(root, frames=2):
+    return config_from_dict({**SMALL, "data": {**SMALL["data"], "dataroot": str(root), "resize_lim": [0.45, 0.55]},
+                             "model": {**SMALL["model"], "temporal": {"frames": frames}}})
+
+
+@pytest.fixture(scope="module")
+def two_frame_checkpoint(synthetic_root, tmp_path_factory):
+    cfg = two_frame_config(synthetic_root)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    with torch.no_grad():  # batch-norm statistics of real images, so that the features are not all alike
+        dataset = NuScenesBEV(synthetic_root, VERSION, "train", cfg, is_train=False, verbose=False)
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.momentum = None
+                module.reset_running_stats()
+        model.train()(collate([dataset[i] for i in range(len(dataset))]))
+    path = tmp_path_factory.mktemp("temporal_ckpt") / "two.pt"
+    save_checkpoint(path, model.eval(), step=1, config=cfg)
+    return path, cfg
+
+
+def scene_items(root, cfg):
+    dataset = NuScenesBEV(root, VERSION, "val", cfg, is_train=False, verbose=False)
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def test_model_inputs_add_the_previous_frame_for_two_frames(synthetic_root):
+    one, two = two_frame_config(synthetic_root, 1), two_frame_config(synthetic_root)
+    assert model_inputs(one) == ("images", "intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot",
+                                 "post_trans")
+    assert set(model_inputs(two)) - set(model_inputs(one)) == {
+        "prev_images", "prev_intrinsics", "prev_sensor2ego_rot", "prev_sensor2ego_trans", "prev_post_rot",
+        "prev_post_trans", "ego_motion"}
+
+
+def test_streaming_reuses_the_features_of_the_frame_before_with_the_same_predictions(synthetic_root,
+                                                                                     two_frame_checkpoint):
+    path, cfg = two_frame_checkpoint
+    predictor = Predictor(path, device="cpu")
+    items = scene_items(synthetic_root, cfg)
+    assert [it["prev_sample_token"] for it in items[1:]] == [it["sample_token"] for it in items[:-1]]
+    full = [predictor.predict_batch(collate([item]))[0] for item in items]
+    stream = StreamingPredictor(predictor)
+    streamed = [p for out in stream.stream(collate([item]) for item in items) for p in out]
+    assert stream.reused == len(items) - 1  # all but the scene's first sample
+    for a, b in zip(full, streamed):
+        assert a.name == b.name
+        np.testing.assert_allclose(b.probabilities, a.probabilities, rtol=0, atol=1e-6)
+    # the previous frame matters: its features taken from the sample itself give other predictions
+    own = collate([items[1]])
+    own["prev_images"] = own["images"]
+    assert not np.allclose(predictor.predict_batch(own)[0].probabilities, full[1].probabilities, atol=1e-4)
+    # a jump (or a reset) recomputes the previous frame's features
+    stream.reset()
+    again = stream.step(collate([items[2]]))[0]
+    assert stream.reused == len(items) - 1
+    np.testing.assert_allclose(again.probabilities, full[2].probabilities, rtol=0, atol=1e-6)
+
+
+def test_one_frame_entry_points_refuse_a_two_frame_model(two_frame_checkpoint):
+    path, cfg = two_frame_checkpoint
+    predictor = Predictor(path, device="cpu")
+    images = np.zeros((2, 90, 160, 3), np.uint8)
+    intrinsics = np.tile(np.array([[100.0, 0, 80], [0, 100, 45], [0, 0, 1]]), (2, 1, 1))
+    with pytest.raises(ArgumentError, match="model.temporal.frames=2: it also reads the previous frame"):
+        predictor.predict(images, intrinsics, np.tile(np.eye(4), (2, 1, 1)))
+    one_frame_items = scene_items(cfg.data.dataroot, two_frame_config(cfg.data.dataroot, 1))
+    with pytest.raises(ArgumentError, match=r"the batch has no prev_images, .*ego_motion, which the checkpoint's "
+                                            r"model reads \(model.temporal.frames=2"):
+        predictor.predict_batch(collate(one_frame_items[:1]))
+
+
+def test_streaming_needs_a_two_frame_model(synthetic_root, tmp_path):
+    cfg = two_frame_config(synthetic_root, frames=1)
+    save_checkpoint(tmp_path / "one.pt", build_model(cfg), step=1, config=cfg)
+    with pytest.raises(ArgumentError, match="StreamingPredictor needs a Predictor of a two-frame model"):
+        StreamingPredictor(Predictor(tmp_path / "one.pt", device="cpu"))
