@@ -166,6 +166,25 @@ def test_harness_arguments(tmp_path):
         accuracy.options_from_args(parse(["--original-lss", str(tmp_path)]))
     with pytest.raises(SystemExit):
         parse(["--set", "nonesuch"])
+    # the confirmation set: the benchmark set's size and version, another seed, its own directory
+    opts = accuracy.options_from_args(parse(["--set", "confirm", "--recipe", "default"]))
+    assert opts.dataset == accuracy.CONFIRM_SET and opts.data_dir == "data/confirm_accuracy"
+    assert (opts.dataset.version, opts.dataset.scenes, opts.dataset.samples_per_scene, opts.dataset.image_size) == (
+        "v1.0-trainval", 40, 40, (1600, 900))
+    assert opts.dataset.seed != accuracy.BENCHMARK_SET.seed and [r.name for r in opts.recipes] == ["default"]
+
+
+def test_a_set_directory_holds_one_set(tmp_path):
+    """A directory generated for one named set is refused for another: the two 40-scene sets differ only by seed."""
+    from benchmarks._runs import ensure_synthetic_set
+
+    root = tmp_path / "set"
+    (root / "v1.0-trainval").mkdir(parents=True)
+    (root / "v1.0-trainval" / "sample.json").write_text("[]")
+    (root / "benchmark_set.json").write_text(json.dumps(accuracy.BENCHMARK_SET.describe()))
+    assert ensure_synthetic_set(root, accuracy.BENCHMARK_SET) == 0.0
+    with pytest.raises(ValueError, match="holds a synthetic set made with .*'seed': 11.*pass another data directory"):
+        ensure_synthetic_set(root, accuracy.CONFIRM_SET)
 
 
 def test_original_recipes_become_driver_commands(tmp_path):
