@@ -239,8 +239,8 @@ class BoxRefiner(nn.Module):
     """Second stage: BEV features read with RoIAlign for each proposal, at the box centre and its
     four face middles (features="points", CenterPoint's design) or over its enlarged axis-aligned
     envelope (features="envelope", roi_size x roi_size); an MLP on them, the class and the
-    proposal's own geometry predicts a quality logit (the score) and box residuals in the
-    proposal's frame (lss.geometry.boxes.box_residuals)."""
+    proposal's own geometry predicts a quality logit (the score) and box residuals
+    (lss.geometry.boxes.box_residuals)."""
 
     def __init__(
         self,
