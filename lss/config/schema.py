@@ -192,6 +192,9 @@ class TrainConfig:
     eval_every: int = 1000
     ckpt_every: int = 1000
     viz_every: int = 1000
+    # [first step, steps]: torch.profiler over these steps of the real loop (loader, step, hooks),
+    # written to <run>/profile/ (docs/training.md#profiling-a-run); null: off
+    profile_steps: Optional[tuple[int, int]] = None
 
 
 @dataclass

@@ -204,6 +204,18 @@ def validate(cfg: Config) -> Config:
         "in (0, 1] (1 keeps what the compiler's default partition keeps)",
     )
     _at_least(t, "train", ("log_every", "eval_every", "ckpt_every", "viz_every"), 0)
+    if t.profile_steps is not None:
+        first, count = (list(t.profile_steps) + [0, 0])[:2]
+        _check(
+            len(t.profile_steps) == 2 and first >= 2 and count >= 1,
+            f"train.profile_steps={list(t.profile_steps)}: expected [first step, steps] with the "
+            "first step >= 2 (step 1 builds and captures the step) and at least 1 step",
+        )
+        _check(
+            first + count - 1 <= t.max_steps,
+            f"train.profile_steps={list(t.profile_steps)} ends at step {first + count - 1}, after "
+            f"train.max_steps={t.max_steps}; profile earlier steps or train longer",
+        )
 
     e = cfg.eval
     for threshold in (e.threshold, *e.sweep):

@@ -54,6 +54,7 @@ from lss.engine.hooks import (
     VizHook,
     is_due,
 )
+from lss.engine.profiling import ProfileHook
 from lss.engine.run_dir import clear_run, open_run_dir
 from lss.engine.optim import build_optimizer, build_scheduler, lr_factor
 from lss.engine.step import StepChoice, StepLogs, StepParts, build_step, choose_step, uncompiled
@@ -315,7 +316,7 @@ def default_hooks(
     render_fn: Optional[RenderFn],
 ) -> list[Hook]:
     """The timer, then logging, checkpoints, evaluation and pictures at the train.*_every periods
-    (writers on rank 0 only)."""
+    (writers on rank 0 only), and the profiler of train.profile_steps (rank 0)."""
     t = trainer.cfg.train
     hooks: list[Hook] = [timer]
     if writer is not None:
@@ -327,6 +328,8 @@ def default_hooks(
         hooks.append(EvalHook(t.eval_every, evaluate_fn, writer, prepare=prepare))
     if writer is not None and trainer.val_loader is not None and render_fn is not None:
         hooks.append(VizHook(t.viz_every, bev_pictures(trainer, render_fn), writer))
+    if t.profile_steps is not None and trainer.dist.is_main:
+        hooks.append(ProfileHook(t.profile_steps, trainer.out_dir / "profile"))
     return hooks
 
 
