@@ -16,6 +16,7 @@ from lss.geometry.boxes import (
     BOX_DIM,
     DENSE_TARGET_KEYS,
     REFINE_TARGET_KEYS,
+    RESIDUAL_WEIGHT_CHANNELS,
     box_residuals,
     encode_targets,
     pad_targets,
@@ -192,7 +193,7 @@ def refine_loss(
     residual_target = box_residuals(proposals.boxes, matched)
     # by slices: indexing by a list would copy the list from the host (a captured step cannot)
     weight = (
-        torch.cat([code_weights[:7], code_weights[8:10]])
+        torch.cat([code_weights[i : i + 1] for i in RESIDUAL_WEIGHT_CHANNELS])
         * torch.isfinite(residual_target).float()
         * positive.unsqueeze(-1).float()
     )
