@@ -260,13 +260,10 @@ def test_two_gpus_replay_the_captured_step_with_nccl(tmp_path):
 
 
 # -------------------------------------------------------------------------------- one process
-@pytest.mark.slow
-def test_split_step_follows_the_graphed_step_in_one_process():
-    """The tiny LSS model (BatchNorm, several loss terms, clipping at work) in one process: the
-    split step (statistics copied out and back, gradients in the flat buffer) against
-    GraphedTrainStep, both without graphs."""
-    cfg = tiny_cfg()
-    batches = [rig_batch(cfg, seed=s) for s in range(2)]
+def _split_against_graphed(cfg, batches):
+    """The split step (statistics copied out and back, gradients in the flat buffer) against
+    GraphedTrainStep on `batches`, both without graphs, in one process: their losses and final
+    states."""
     from lss.engine.optim import build_optimizer
     from lss.models import LiftSplatShoot
     from lss.models.losses import TotalLoss
@@ -289,8 +286,29 @@ def test_split_step_follows_the_graphed_step_in_one_process():
         torch.manual_seed(1)
         losses = [{k: float(v) for k, v in step(b).items()} for b in batches]
         runs.append((losses, model.state_dict()))
-    (la, sa), (lb, sb) = runs
+    return runs
+
+
+@pytest.mark.slow
+def test_split_step_follows_the_graphed_step_in_one_process():
+    """The tiny LSS model (BatchNorm, several loss terms, clipping at work) in one process: the
+    split step against GraphedTrainStep, bit for bit."""
+    cfg = tiny_cfg()
+    (la, sa), (lb, sb) = _split_against_graphed(cfg, [rig_batch(cfg, seed=s) for s in range(2)])
     assert la == lb  # bit for bit: the same gradients, norm and clipping coefficient
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.slow
+def test_split_step_trains_the_detection_second_stage_as_the_graphed_step():
+    """Both detection stages (the second one's fixed-shape proposals and jittered ground truth from
+    the device's random stream) in the step that torchrun captures: as the graphed step, bit for
+    bit, with the second stage's loss terms."""
+    from test_detection_targets import REFINE, _detection_batches, _detection_cfg
+
+    cfg = _detection_cfg(*REFINE)
+    (la, sa), (lb, sb) = _split_against_graphed(cfg, _detection_batches(cfg, "cpu", 2))
+    assert la == lb and {"loss/det_refine_score", "loss/det_refine_box"} <= set(la[0])
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
