@@ -229,6 +229,7 @@ def cmd_predict(args) -> int:
 
     from lss.data.camera_inputs import RigImageFolder, scene_samples
     from lss.engine.predictor import Predictor, write_predictions
+    from lss.engine.streaming import sequence_step
     from lss.errors import ArgumentError
 
     if (args.dataroot is None) == (args.images is None) or (args.dataroot and not args.scene):
@@ -261,6 +262,7 @@ def cmd_predict(args) -> int:
         )
     if args.num is not None:
         dataset = Subset(dataset, range(min(args.num, len(dataset))))
+    predict_fn, batch_size = sequence_step(predictor, args.batch_size)
     render, animate = None, []
     if not args.no_pictures:
         from lss.viz.render import render_sample, write_scene_gifs, write_scene_videos
@@ -279,7 +281,8 @@ def cmd_predict(args) -> int:
         render_fn=render,
         animate_fns=animate,
         scene=scene,
-        batch_size=args.batch_size,
+        batch_size=batch_size,
+        predict_fn=predict_fn,
     )
     print(
         f"wrote {len(done['written'])} file(s) for {done['samples']} sample(s) to {args.out} "

@@ -77,6 +77,42 @@ def test_streaming_reuses_the_features_of_the_frame_before_with_the_same_predict
     np.testing.assert_allclose(again.probabilities, full[2].probabilities, rtol=0, atol=1e-6)
 
 
+def test_lss_predict_streams_a_scene_through_a_two_frame_model(synthetic_root, two_frame_checkpoint, tmp_path):
+    """`lss predict --scene` steps a two-frame model through the scene one sample a batch, reusing each frame's
+    camera features for the next (sequence_step), and writes the predictions of the two-frame forward."""
+    from lss.cli import main
+    from lss.engine.predictor import write_predictions
+    from lss.engine.streaming import sequence_step
+
+    path, cfg = two_frame_checkpoint
+    predictor = Predictor(path, device="cpu")
+    items = scene_items(synthetic_root, cfg)
+    step, batch_size = sequence_step(predictor, 4)
+    assert batch_size == 1 and isinstance(step.__self__, StreamingPredictor)
+    done = write_predictions(predictor, items, tmp_path / "out", predict_fn=step, batch_size=batch_size,
+                             progress=False)
+    assert done["samples"] == len(items) and step.__self__.reused == len(items) - 1
+    written = sorted((tmp_path / "out").glob("*.npz"))
+    for item, npz in zip(items, written):
+        want = predictor.predict_batch(collate([item]))[0].probabilities
+        np.testing.assert_allclose(np.load(npz)["probabilities"], want, rtol=0, atol=1e-6)
+    one_frame = tmp_path / "one.pt"
+    save_checkpoint(one_frame, build_model(two_frame_config(synthetic_root, 1)).eval(), step=1,
+                    config=two_frame_config(synthetic_root, 1))
+    assert sequence_step(Predictor(one_frame, device="cpu"), 4) == (None, 4)  # batches as given
+    # the command itself, on the scene's name: the same files
+    from nuscenes.nuscenes import NuScenes
+
+    nusc = NuScenes(VERSION, str(synthetic_root), verbose=False)
+    scene = nusc.get("scene", nusc.get("sample", items[0]["sample_token"])["scene_token"])["name"]
+    assert main(["predict", "--ckpt", str(path), "--dataroot", str(synthetic_root), "--scene", scene,
+                 "--out", str(tmp_path / "cli"), "--no-pictures", "--device", "cpu"]) == 0
+    from_cli = sorted((tmp_path / "cli").glob("*.npz"))
+    assert [p.name for p in from_cli] == [p.name for p in written]
+    for a, b in zip(from_cli, written):
+        np.testing.assert_allclose(np.load(a)["probabilities"], np.load(b)["probabilities"], rtol=0, atol=1e-6)
+
+
 def test_one_frame_entry_points_refuse_a_two_frame_model(two_frame_checkpoint):
     path, cfg = two_frame_checkpoint
     predictor = Predictor(path, device="cpu")

@@ -383,13 +383,16 @@ def write_predictions(
     scene: str = "scene",
     batch_size: Optional[int] = None,
     progress: bool = True,
+    predict_fn: Optional[Callable[[dict], list[Prediction]]] = None,
 ) -> dict:
     """`lss predict`: every sample of `dataset` (model input items with "sample_token", read by
     the evaluation's loader in batches of eval.batch_size, or `batch_size`) through `predictor`,
     written to `out` as NNNN_<name>.npz (Prediction.save); with `render_fn(item, prediction)`
     also its picture NNNN_<name>.png, and each of `animate_fns({scene: pictures}, out)` (e.g.
-    lss.viz.render.write_scene_gifs) gets the pictures in order. Returns "written" (the paths),
-    "samples", "seconds" (the pass, reading included) and "samples_per_s"."""
+    lss.viz.render.write_scene_gifs) gets the pictures in order. `predict_fn(batch)` replaces
+    predictor.predict_batch (e.g. lss.engine.streaming.StreamingPredictor.step, in batches of 1:
+    the batches then go through unpadded, in order). Returns "written" (the paths), "samples",
+    "seconds" (the pass, reading included) and "samples_per_s"."""
     from PIL import Image
     from tqdm import tqdm
 
@@ -407,9 +410,13 @@ def write_predictions(
     bar = tqdm(total=len(dataset), desc="predict", unit="sample", disable=not progress)
     for batch in loader:
         size = len(batch["sample_token"])
-        # a full batch keeps one CUDA graph for the whole pass; the copies' outputs are dropped
-        full = pad_batch(batch, loader.batch_size) if size < loader.batch_size else batch
-        for i, prediction in enumerate(predictor.predict_batch(full)[:size]):
+        if predict_fn is not None:
+            predictions = predict_fn(batch)
+        else:
+            # a full batch keeps one CUDA graph for the whole pass; the copies' outputs are dropped
+            full = pad_batch(batch, loader.batch_size) if size < loader.batch_size else batch
+            predictions = predictor.predict_batch(full)[:size]
+        for i, prediction in enumerate(predictions):
             stem = out / f"{count:04d}_{frame_name(prediction.name) or 'sample'}"
             written.append(prediction.save(stem.with_suffix(".npz")))
             if render_fn is not None:

@@ -4,7 +4,7 @@ computed again from the previous images (the camera trunk then runs once per fra
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -70,3 +70,16 @@ class StreamingPredictor:
     def stream(self, batches: Iterable[dict]) -> Iterator[list[Prediction]]:
         for batch in batches:
             yield self.step(batch)
+
+
+def sequence_step(
+    predictor: Predictor, batch_size: Optional[int]
+) -> tuple[Optional[Callable[[dict], list[Prediction]]], Optional[int]]:
+    """How `lss predict` steps through a scene (lss.engine.predictor.write_predictions'
+    predict_fn and batch size): a two-frame model of the torch backend streams, one sample a batch
+    in time order (StreamingPredictor.step: each frame reuses the camera features of the frame
+    before instead of running the camera trunk on the previous images again); any other batches
+    as given (None: predict_batch)."""
+    if predictor.cfg.model.temporal.frames == 2 and predictor.model is not None:
+        return StreamingPredictor(predictor).step, 1
+    return None, batch_size
