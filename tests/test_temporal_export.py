@@ -33,8 +33,11 @@ def test_two_frame_export_matches_the_model_in_onnxruntime(tmp_path):
         feeds = {k: batch[k].numpy() for k in INPUT_NAMES if k in batch}
         feeds["prev_depth"], feeds["prev_context"] = before["camera_depth"].numpy(), before["camera_context"].numpy()
         theirs = dict(zip(OUTPUT_NAMES, session.run(None, feeds)))
+        # float32 through the network in another runtime: onnxruntime's kernels (their choice varies with the build
+        # and threads) differ by up to about 1e-4 of the logits' size; another ego motion moves them by more than
+        # 1e-3 of it (below)
         scale = float(ours["segmentation"].abs().max())
-        np.testing.assert_allclose(theirs["segmentation"], ours["segmentation"].numpy(), rtol=0, atol=1e-5 * scale)
+        np.testing.assert_allclose(theirs["segmentation"], ours["segmentation"].numpy(), rtol=0, atol=2e-4 * scale)
         for name in ("camera_depth", "camera_context"):
             np.testing.assert_allclose(theirs[name], ours[name].numpy(), rtol=0, atol=1e-5)
         segmentations.append(theirs["segmentation"])
