@@ -7,16 +7,13 @@ from torch import nn
 
 from lss.config import Config
 from lss.geometry import BevGrid
-from lss.geometry.boxes import REFINE_TARGET_KEYS
 from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS
 from lss.models.bev import BevEncoder
 from lss.models.camera import CameraEncoder
 from lss.models.heads import DetectionHead, SegmentationHead
+from lss.models.heads.detection import batch_ground_truth
 from lss.models.splat import Splat
 from lss.models.temporal import TemporalFusion
-
-# The variable-length ground truth of a batch (one tensor per sample).
-DETECTION_KEYS = ("det_boxes", "det_labels")
 
 
 class LiftSplatShoot(nn.Module):
@@ -102,9 +99,8 @@ class LiftSplatShoot(nn.Module):
         if self.temporal is not None:  # the next frame's previous features, when streaming
             outputs["camera_depth"], outputs["camera_context"] = depth.detach(), context.detach()
         if self.detection is not None:
-            keys = REFINE_TARGET_KEYS if REFINE_TARGET_KEYS[0] in batch else DETECTION_KEYS
-            truth = {"gt_boxes": batch.get(keys[0]), "gt_labels": batch.get(keys[1])}
-            outputs.update(self.detection(features, **truth))
+            gt_boxes, gt_labels = batch_ground_truth(batch)
+            outputs.update(self.detection(features, gt_boxes=gt_boxes, gt_labels=gt_labels))
         return outputs
 
     def previous_bev(self, batch: dict) -> torch.Tensor:

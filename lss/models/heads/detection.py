@@ -15,6 +15,7 @@ from torch import nn
 from lss.geometry.boxes import (
     BOX_DIM,
     DETECTION_CLASSES,
+    REFINE_TARGET_KEYS,
     REGRESSION_CHANNELS,
     apply_residuals,
     bev_envelopes,
@@ -416,6 +417,14 @@ class DetectionHead(nn.Module):
             raise ValueError("DetectionHead: gt_boxes were given without gt_labels")
         boxes, labels = padded_truth(gt_boxes, gt_labels, device)
         return jitter_boxes(boxes, labels, grid, self.num_classes)
+
+
+def batch_ground_truth(batch: dict) -> tuple:
+    """A batch's ground truth for the second stage, (boxes, labels): the dataset's padded dense
+    targets where present (REFINE_TARGET_KEYS, fixed shapes: what a captured step holds), else
+    "det_boxes" / "det_labels" (one tensor per sample); (None, None) without either."""
+    keys = REFINE_TARGET_KEYS if REFINE_TARGET_KEYS[0] in batch else ("det_boxes", "det_labels")
+    return batch.get(keys[0]), batch.get(keys[1])
 
 
 def padded_truth(

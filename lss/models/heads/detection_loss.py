@@ -24,7 +24,7 @@ from lss.geometry.boxes import (
 from lss.config import Config
 from lss.geometry import BevGrid
 from lss.geometry.proposals import Proposals
-from lss.models.heads.detection import padded_truth
+from lss.models.heads.detection import batch_ground_truth, padded_truth
 from lss.ops import sigmoid_focal_loss
 
 
@@ -56,14 +56,6 @@ def match_proposals(
     matched = boxes.gather(1, index.unsqueeze(2).expand(-1, -1, BOX_DIM))
     matched = torch.where(positive.unsqueeze(-1), matched, proposals.boxes)
     return matched, nearest, positive
-
-
-def ground_truth(batch: dict) -> tuple:
-    """The batch's ground truth for the second stage: the dataset's padded dense targets while
-    training (REFINE_TARGET_KEYS), else "det_boxes" / "det_labels"."""
-    if REFINE_TARGET_KEYS[0] in batch:
-        return tuple(batch[k] for k in REFINE_TARGET_KEYS)
-    return batch["det_boxes"], batch["det_labels"]
 
 
 def first_stage_targets(
@@ -183,7 +175,7 @@ def refine_loss(
     positive proposals (within match_distance) weighted by code_weights (the unknown velocities
     of some ground truth weigh 0), per positive."""
     proposals = outputs["det_proposals"]
-    gt_boxes, gt_labels = ground_truth(batch)
+    gt_boxes, gt_labels = batch_ground_truth(batch)
     matched, distance, positive = match_proposals(proposals, gt_boxes, gt_labels, match_distance)
     valid = proposals.valid.float()
     score_target = torch.clamp(1 - distance / match_distance, min=0.0)
