@@ -39,6 +39,10 @@ RUNS = {
     "refine_envelope": ("detection.refine=true", "detection.refine_features=envelope"),
     "refine_off": ("detection.refine=false",),
     "segmentation_alone": ("model.heads=[segmentation]", "data.detection_targets=false"),
+    # the detection head added to a segmentation-only config (--config configs/synthetic.yaml), with the
+    # heatmap class weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
+    "joint": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
+              "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]"),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 
@@ -50,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the synthetic set at --data-dir (generated there if missing): benchmark, the 40-scene set the "
                         "recipe was tuned on; screen, the 10-scene v1.0-mini set of another seed")
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--config", default=CONFIG, help="the config every recipe overrides")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--workers", type=int, default=6, help="data workers per run")
@@ -92,7 +97,7 @@ def run_all(args: argparse.Namespace) -> dict:
         run = f"{name}_s{seed}"
         run_dir = out / "runs" / run
         run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = lss_command("train", CONFIG, common + [f"train.seed={seed}"] + list(recipes[name]) + quick +
+        cmd = lss_command("train", args.config, common + [f"train.seed={seed}"] + list(recipes[name]) + quick +
                           list(args.overrides), "--out", str(run_dir), "--overwrite")
         log = (run_dir / "train.log").open("w")
         procs[run] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
@@ -116,7 +121,7 @@ def run_all(args: argparse.Namespace) -> dict:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.quick else "cpu"
     summary = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
                "dataset": spec.describe(), "data_dir": str(data_dir), "generation_seconds": gen_seconds,
-               "config": CONFIG, "steps": args.steps, "eval_every": args.eval_every, "seeds": seeds,
+               "config": args.config, "steps": args.steps, "eval_every": args.eval_every, "seeds": seeds,
                "workers": args.workers, "overrides": list(args.overrides), "quick": args.quick,
                "recipes": {n: {"overrides": list(recipes[n]), **over_seeds(results, n, seeds)} for n in names},
                "runs": results}
@@ -139,8 +144,10 @@ def over_seeds(results: dict, name: str, seeds: list[int]) -> dict:
         mean, std = mean_std(values)
         return [mean, std or 0.0]  # one seed: no spread
 
+    errors = [((run.get("detection") or {}).get("vehicles") or {}).get("tp_errors") or {} for run in finals]
     out = {"finished_seeds": len(finals),
            "final": {m: stats([p.get(m) for p in points]) for m in METRICS},
+           "vehicle_tp_errors": {k: stats([e.get(k) for e in errors]) for k in (errors[0] if errors else {})},
            "iou": {c: stats([(p.get("iou") or {}).get(c) for p in points])
                    for c in (points[0].get("iou") or {} if points else {})},
            "AP": {c: stats([(p.get("AP") or {}).get(c) for p in points])
@@ -226,6 +233,12 @@ def to_text(summary: dict) -> str:
         lines.append(f"recipe {name} ({recipe['finished_seeds']} seeds finished): {final}")
         if recipe["AP"]:
             lines.append("  AP " + ", ".join(f"{c} {v[0]:.3f}" for c, v in recipe["AP"].items() if v))
+        if recipe["iou"]:
+            lines.append("  IoU " + ", ".join(f"{c} {100 * v[0]:.2f} +- {100 * v[1]:.2f}"
+                                             for c, v in recipe["iou"].items() if v))
+        if recipe.get("vehicle_tp_errors"):
+            lines.append("  TP errors (vehicles) " + ", ".join(
+                f"{k} {v[0]:.3f} +- {v[1]:.3f}" for k, v in recipe["vehicle_tp_errors"].items() if v))
     for name, run in summary["runs"].items():
         seed = name.rsplit("_s", 1)[-1]
         alone = summary["runs"].get(f"segmentation_alone_s{seed}", {}).get("curve") or []

@@ -44,3 +44,32 @@ def test_recipes_and_seeds_from_the_command_line(tmp_path):
     args = runs.parse_args(["--out-dir", str(tmp_path), "--recipe", "no-equals-sign"])
     with pytest.raises(SystemExit, match="expected NAME=section.key=value"):
         runs.run_all(args)
+
+
+def test_vehicle_tp_errors_are_averaged_over_the_finished_seeds():
+    runs = _module()
+    results = {f"w_s{s}": {**_run(True, 0.2, 0.5, 0.3),
+                           "detection": {"vehicles": {"tp_errors": {"vel_err": v, "orient_err": None}}}}
+               for s, v in enumerate((1.0, 2.0))}
+    stats = runs.over_seeds(results, "w", [0, 1])
+    mean, std = stats["vehicle_tp_errors"]["vel_err"]
+    assert math.isclose(mean, 1.5) and math.isclose(std, math.sqrt(0.5))
+    assert stats["vehicle_tp_errors"]["orient_err"] is None
+
+
+def test_the_joint_recipe_adds_the_detection_head_to_another_config(tmp_path):
+    from lss.config import load_config
+
+    runs = _module()
+    args = runs.parse_args(["--out-dir", str(tmp_path), "--config", "configs/synthetic.yaml", "--runs", "joint"])
+    assert args.config == "configs/synthetic.yaml"
+    repo = SCRIPT.parents[1]
+    base = load_config(repo / "configs" / "synthetic.yaml")
+    joint = load_config(repo / "configs" / "synthetic.yaml", list(runs.RUNS["joint"]))
+    assert list(base.model.heads) == ["segmentation"] and not base.data.detection_targets
+    assert list(joint.model.heads) == ["segmentation", "detection"] and joint.data.detection_targets
+    detection = load_config(repo / "configs" / "synthetic_detection.yaml")
+    assert list(joint.detection.heatmap_class_weights) == list(detection.detection.heatmap_class_weights)
+    # the segmentation side is the default's: same classes, targets and image size
+    assert joint.data.classes == base.data.classes and joint.data.min_lidar_pts == base.data.min_lidar_pts
+    assert joint.data.final_dim == base.data.final_dim

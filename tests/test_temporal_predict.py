@@ -131,3 +131,32 @@ def test_streaming_needs_a_two_frame_model(synthetic_root, tmp_path):
     save_checkpoint(tmp_path / "one.pt", build_model(cfg), step=1, config=cfg)
     with pytest.raises(ArgumentError, match="StreamingPredictor needs a Predictor of a two-frame model"):
         StreamingPredictor(Predictor(tmp_path / "one.pt", device="cpu"))
+
+
+def test_streaming_latency_script_times_every_path_on_the_same_frames(synthetic_root, two_frame_checkpoint,
+                                                                       tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "streaming_latency.py"
+    spec = importlib.util.spec_from_file_location("streaming_latency", script)
+    latency = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(latency)
+    two, cfg = two_frame_checkpoint
+    one_cfg = two_frame_config(synthetic_root, frames=1)
+    torch.manual_seed(0)
+    one = tmp_path / "one.pt"
+    save_checkpoint(one, build_model(one_cfg).eval(), step=1, config=one_cfg)
+    frames = len(scene_items(synthetic_root, cfg))
+    out = latency.main(["--single", str(one), "--temporal", str(two), "--device", "cpu", "--warmup", "1",
+                        "--passes", "1", "--out", str(tmp_path / "latency.json")])
+    assert json.loads((tmp_path / "latency.json").read_text()) == out
+    assert set(out["rows"]) == {"one frame", "two frames, streamed", "two frames, both trunks"}
+    assert all(row["frames"] == frames - 1 and row["median_ms"] > 0 for row in out["rows"].values())
+    assert out["rows"]["one frame"]["ratio_to_one_frame"] == 1.0
+    assert out["reused_batches"] == frames - 1  # the stream reused the features on every frame but the first
+    with pytest.raises(SystemExit, match="--single needs a model.temporal.frames: 1 checkpoint"):
+        latency.main(["--single", str(two), "--temporal", str(two), "--device", "cpu"])
+    with pytest.raises(SystemExit, match="leaves none to time"):
+        latency.main(["--single", str(one), "--temporal", str(two), "--device", "cpu", "--warmup", str(frames)])
