@@ -1,9 +1,10 @@
 """Latency per frame of a two-frame model streaming a scene (lss.engine.streaming.StreamingPredictor: the camera
 trunk once per frame, the previous frame's features kept), beside a one-frame model on the same frames and the
 two-frame forward that runs the trunk on both frames (Predictor.predict_batch). Batch 1, in time order, one val scene
-of the checkpoints' data set; each path is the Predictor's eager forward in bf16 on a GPU (the streamed step cannot be
-one CUDA graph), so the three differ only in the model's work. Per frame: the copy to the device, the forward and the
-decoding of boxes, synchronized; the median over the scene's frames after `--warmup` frames.
+of the checkpoints' data set; each path is the Predictor's eager forward in bf16 on a GPU, so the three differ only in
+the model's work. Per frame: the copy to the device, the forward and the decoding of boxes, synchronized; the median over the scene's frames after `--warmup` frames. On a GPU the same
+three again with the Predictor's CUDA graphs (one frame: one graph; streamed: the first frame's and the streamed
+frame's graphs; both trunks: one graph), each against its own one-frame row.
 
     python scripts/streaming_latency.py --single runs/synthetic-detection/checkpoints/last.pt \
         --temporal runs/synthetic-temporal/checkpoints/last.pt --out latency.json
@@ -82,29 +83,34 @@ def summary(times: list[float]) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    single = Predictor(args.single, args.device, overrides=args.overrides, cuda_graph=False)
-    temporal = Predictor(args.temporal, args.device, overrides=args.overrides, cuda_graph=False)
-    if temporal.cfg.model.temporal.frames != 2 or single.cfg.model.temporal.frames != 1:
-        raise SystemExit("--single needs a model.temporal.frames: 1 checkpoint, --temporal a frames: 2 one")
-    scene = args.scene or first_val_scene(temporal.cfg)
-    items = list(scene_samples(temporal.cfg, scene))
-    if len(items) <= args.warmup:
-        raise SystemExit(f"scene {scene} has {len(items)} samples; --warmup {args.warmup} leaves none to time")
-    batches = [collate([item]) for item in items]
-    device = temporal.device
-    stream = StreamingPredictor(temporal)
     rows = {}
-    rows["one frame"] = summary(time_frames(single.predict_batch, batches, device, args.warmup, args.passes))
-    rows["two frames, streamed"] = summary(time_frames(stream.step, batches, device, args.warmup, args.passes))
-    rows["two frames, both trunks"] = summary(
-        time_frames(temporal.predict_batch, batches, device, args.warmup, args.passes))
-    base = rows["one frame"]["median_ms"]
-    for row in rows.values():
-        row["ratio_to_one_frame"] = round(row["median_ms"] / base, 3)
+    modes = [("eager", False)]
+    device = Predictor(args.temporal, args.device, overrides=args.overrides, cuda_graph=False).device
+    if device.type == "cuda":
+        modes.append(("CUDA graphs", True))
+    for mode, graphs in modes:
+        single = Predictor(args.single, args.device, overrides=args.overrides, cuda_graph=graphs)
+        temporal = Predictor(args.temporal, args.device, overrides=args.overrides, cuda_graph=graphs)
+        if temporal.cfg.model.temporal.frames != 2 or single.cfg.model.temporal.frames != 1:
+            raise SystemExit("--single needs a model.temporal.frames: 1 checkpoint, --temporal a frames: 2 one")
+        scene = args.scene or first_val_scene(temporal.cfg)
+        items = list(scene_samples(temporal.cfg, scene))
+        if len(items) <= args.warmup:
+            raise SystemExit(f"scene {scene} has {len(items)} samples; --warmup {args.warmup} leaves none to time")
+        batches = [collate([item]) for item in items]
+        stream = StreamingPredictor(temporal)
+        one = summary(time_frames(single.predict_batch, batches, device, args.warmup, args.passes))
+        rows[f"{mode}: one frame"] = one
+        rows[f"{mode}: two frames, streamed"] = summary(
+            time_frames(stream.step, batches, device, args.warmup, args.passes))
+        rows[f"{mode}: two frames, both trunks"] = summary(
+            time_frames(temporal.predict_batch, batches, device, args.warmup, args.passes))
+        for name in list(rows)[-3:]:
+            rows[name]["ratio_to_one_frame"] = round(rows[name]["median_ms"] / one["median_ms"], 3)
+        rows[f"{mode}: two frames, streamed"]["reused_batches"] = stream.reused
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()), "scene": scene,
-           "frames_in_scene": len(batches), "reused_batches": stream.reused,
-           "final_dim": list(temporal.cfg.data.final_dim), "rows": rows}
+           "frames_in_scene": len(batches), "final_dim": list(temporal.cfg.data.final_dim), "rows": rows}
     for name, row in rows.items():
         print(f"{name}: median {row['median_ms']:.2f} ms per frame ({row['ratio_to_one_frame']:.3f}x one frame), "
               f"min {row['min_ms']:.2f} ms, {row['frames']} frames")

@@ -152,11 +152,62 @@ def test_streaming_latency_script_times_every_path_on_the_same_frames(synthetic_
     out = latency.main(["--single", str(one), "--temporal", str(two), "--device", "cpu", "--warmup", "1",
                         "--passes", "1", "--out", str(tmp_path / "latency.json")])
     assert json.loads((tmp_path / "latency.json").read_text()) == out
-    assert set(out["rows"]) == {"one frame", "two frames, streamed", "two frames, both trunks"}
+    assert set(out["rows"]) == {"eager: one frame", "eager: two frames, streamed", "eager: two frames, both trunks"}
     assert all(row["frames"] == frames - 1 and row["median_ms"] > 0 for row in out["rows"].values())
-    assert out["rows"]["one frame"]["ratio_to_one_frame"] == 1.0
-    assert out["reused_batches"] == frames - 1  # the stream reused the features on every frame but the first
+    assert out["rows"]["eager: one frame"]["ratio_to_one_frame"] == 1.0
+    assert out["rows"]["eager: two frames, streamed"]["reused_batches"] == frames - 1  # all frames but the first
     with pytest.raises(SystemExit, match="--single needs a model.temporal.frames: 1 checkpoint"):
         latency.main(["--single", str(two), "--temporal", str(two), "--device", "cpu"])
     with pytest.raises(SystemExit, match="leaves none to time"):
         latency.main(["--single", str(one), "--temporal", str(two), "--device", "cpu", "--warmup", str(frames)])
+
+
+def _stream(predictor, items, **kwargs):
+    stream = StreamingPredictor(predictor, **kwargs)
+    return stream, [p for out in stream.stream(collate([item]) for item in items) for p in out]
+
+
+def test_streaming_on_static_buffers_gives_the_predictions_of_the_two_frame_forward(synthetic_root,
+                                                                                      two_frame_checkpoint):
+    """cuda_graph=True on a CPU: the first frame's and the streamed frame's forwards on their own static buffers
+    (what a GPU captures and replays), the kept features copied into the streamed one's."""
+    path, cfg = two_frame_checkpoint
+    predictor = Predictor(path, device="cpu")
+    items = scene_items(synthetic_root, cfg)
+    full = [predictor.predict_batch(collate([item]))[0] for item in items]
+    stream, streamed = _stream(predictor, items, cuda_graph=True)
+    first, again = stream._graphs
+    assert stream.reused == len(items) - 1
+    assert "prev_images" in first.inputs and "prev_images" not in again.inputs
+    assert {"prev_depth", "prev_context"} <= set(again.inputs) and len(again.graphs) == 1
+    for a, b in zip(full, streamed):
+        np.testing.assert_allclose(b.probabilities, a.probabilities, rtol=0, atol=1e-6)
+    eager, _ = _stream(predictor, items[:2], cuda_graph=False)
+    assert eager._graphs is None and StreamingPredictor(predictor)._graphs is None  # a CPU Predictor: eager
+
+
+def test_captured_streaming_refuses_the_second_stage(synthetic_root, tmp_path):
+    cfg = config_from_dict({**SMALL, "data": {**SMALL["data"], "dataroot": str(synthetic_root)},
+                            "model": {**SMALL["model"], "temporal": {"frames": 2},
+                                      "heads": ["segmentation", "detection"]},
+                            "detection": {"refine": True}})
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "refine.pt", build_model(cfg), step=1, config=cfg)
+    predictor = Predictor(tmp_path / "refine.pt", device="cpu")
+    with pytest.raises(ArgumentError, match="second stage .*cannot be captured; leave cuda_graph unset or False"):
+        StreamingPredictor(predictor, cuda_graph=True)
+    assert StreamingPredictor(predictor)._graphs is None
+
+
+@pytest.mark.cuda
+def test_captured_streaming_on_cuda_follows_the_two_frame_forward(synthetic_root, two_frame_checkpoint):
+    path, cfg = two_frame_checkpoint
+    predictor = Predictor(path, device="cuda")  # bf16, captured
+    items = scene_items(synthetic_root, cfg)
+    full = [predictor.predict_batch(collate([item]))[0] for item in items]
+    stream, streamed = _stream(predictor, items)
+    first, again = stream._graphs
+    assert stream.reused == len(items) - 1
+    assert all(graph is not None for graph, _, _ in list(first.graphs.values()) + list(again.graphs.values()))
+    for a, b in zip(full, streamed):
+        np.testing.assert_allclose(b.probabilities, a.probabilities, rtol=0, atol=2e-2)  # bf16 either way

@@ -164,16 +164,18 @@ class CapturedForward(EagerForward):
         capture: bool = True,
         *,
         inputs: Sequence[str] = MODEL_INPUTS,
+        outputs: Sequence[str] = PREDICTION_OUTPUTS,
     ):
         super().__init__(model, amp_dtype, inputs=inputs)
         self.warmup, self.capture = warmup, capture
+        self.outputs = tuple(outputs)  # the forward's outputs that a replay returns (copies)
         # batch size -> (graph or None, static inputs, static outputs)
         self.graphs: dict[int, tuple] = {}
 
     autocast_cache = False
 
     def run(self, inputs: dict) -> dict:
-        return {k: v for k, v in super().run(inputs).items() if k in PREDICTION_OUTPUTS}
+        return {k: v for k, v in super().run(inputs).items() if k in self.outputs}
 
     def __call__(self, batch: dict) -> dict:
         size = batch["images"].shape[0]

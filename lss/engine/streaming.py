@@ -8,8 +8,18 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from lss.engine.predictor import EagerForward, Prediction, Predictor
+from lss.engine.predictor import (
+    PREDICTION_OUTPUTS,
+    CapturedForward,
+    EagerForward,
+    Prediction,
+    Predictor,
+)
 from lss.errors import ArgumentError
+
+# a frame's camera features kept for the next frame (model outputs), and the inputs they become
+KEPT_FEATURES = ("camera_depth", "camera_context")
+STREAMED_INPUTS = ("prev_depth", "prev_context")
 
 
 class StreamingPredictor:
@@ -25,10 +35,13 @@ class StreamingPredictor:
     an iterable in time order; `reset()` forgets the kept features; `reused` counts the batches
     that reused them.
 
-    Each step runs the model's eager forward (no CUDA graph: the reused features change which
-    inputs the forward reads)."""
+    `cuda_graph` (default: as the Predictor's forward, captured on a GPU unless the Predictor was
+    made with cuda_graph=False): each step replays one of two CUDA graphs, the first frame's (it
+    reads "prev_images") or the streamed frame's (it reads the kept features instead), each
+    captured on its first use; False: the eager forward. On a CPU, True runs the same two forwards
+    on their static buffers without capturing (what the tests check)."""
 
-    def __init__(self, predictor: Predictor):
+    def __init__(self, predictor: Predictor, cuda_graph: Optional[bool] = None):
         if predictor.cfg.model.temporal.frames != 2 or predictor.model is None:
             raise ArgumentError(
                 "StreamingPredictor needs a Predictor of a two-frame model (model.temporal.frames: "
@@ -37,6 +50,25 @@ class StreamingPredictor:
             )
         self.predictor = predictor
         self.forward: EagerForward = predictor.forward
+        refine = "detection" in predictor.cfg.model.heads and predictor.cfg.detection.refine
+        if cuda_graph is None:
+            cuda_graph = isinstance(predictor.forward, CapturedForward)
+        elif cuda_graph and refine:
+            raise ArgumentError(
+                "StreamingPredictor(cuda_graph=True): the checkpoint's detection head has its "
+                "second stage (detection.refine), whose proposals depend on the data and cannot be "
+                "captured; leave cuda_graph unset or False"
+            )
+        self._graphs: Optional[tuple[CapturedForward, CapturedForward]] = None
+        if cuda_graph:
+            capture = self.forward.device.type == "cuda"
+            model, amp, inputs = self.forward.model, self.forward.amp_dtype, self.forward.inputs
+            outputs = PREDICTION_OUTPUTS + KEPT_FEATURES
+            streamed = tuple(k for k in inputs if k != "prev_images") + STREAMED_INPUTS
+            self._graphs = (
+                CapturedForward(model, amp, capture=capture, inputs=inputs, outputs=outputs),
+                CapturedForward(model, amp, capture=capture, inputs=streamed, outputs=outputs),
+            )
         self._tokens: Optional[list[str]] = None  # the samples of the kept features
         self._features: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.reused = 0
@@ -56,14 +88,22 @@ class StreamingPredictor:
                 "StreamingPredictor.step: the batch has no 'sample_token'; give collated "
                 "NuScenesBEV items (of a config with model.temporal.frames: 2), in time order"
             )
-        device = self.forward.device
-        keys = [k for k in self.forward.inputs if k != "prev_images" or not self._follows(batch)]
-        inputs = {k: batch[k].to(device, non_blocking=True) for k in keys}
-        if "prev_images" not in inputs:
-            inputs["prev_depth"], inputs["prev_context"] = self._features
-            self.reused += 1
-        outputs = EagerForward.run(self.forward, inputs)
-        self._features = (outputs["camera_depth"], outputs["camera_context"])
+        follows = self._follows(batch)
+        if self._graphs is not None:
+            first, streamed = self._graphs
+            if follows:
+                outputs = streamed({**batch, **dict(zip(STREAMED_INPUTS, self._features))})
+            else:
+                outputs = first(batch)
+        else:
+            device = self.forward.device
+            keys = [k for k in self.forward.inputs if k != "prev_images" or not follows]
+            inputs = {k: batch[k].to(device, non_blocking=True) for k in keys}
+            if follows:
+                inputs.update(zip(STREAMED_INPUTS, self._features))
+            outputs = EagerForward.run(self.forward, inputs)
+        self.reused += int(follows)
+        self._features = tuple(outputs[k] for k in KEPT_FEATURES)
         self._tokens = list(batch["sample_token"])
         return self.predictor.predictions(outputs, batch["sample_token"])
 
