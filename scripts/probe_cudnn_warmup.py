@@ -166,8 +166,10 @@ def main(argv=None) -> dict:
     p.add_argument("--steady", type=int, default=10)
     p.add_argument("--device", default="cuda")
     p.add_argument("--native-depthwise", action="store_true", help="depthwise convolutions without cuDNN")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="the autocast dtype")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     t_start = time.perf_counter()
     cfg = load_config(args.config)
     setting = {"true": True, "false": False}.get(args.channels_last, args.channels_last)
@@ -192,12 +194,12 @@ def main(argv=None) -> dict:
         calls += convolution_calls(model.bev, (grid_shape,), setting in (True, "bev"), True)
         find_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        warm_convolutions(calls, device, torch.bfloat16, args.threads)
+        warm_convolutions(calls, device, dtype, args.threads)
         sync(device)
         warm_s = time.perf_counter() - t0
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=dtype):
             depth, context = model.camera(images)
             out = model.bev(grid)
         loss = depth.float().mean() + context.float().mean()
@@ -219,7 +221,7 @@ def main(argv=None) -> dict:
     on_gpu = device.type == "cuda"
     out = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version() if on_gpu else None, "channels_last": args.channels_last, "threads": args.threads,
-           "convolutions": len(calls), "native_depthwise": args.native_depthwise, "setup_s": round(t_ready - t_start, 2), "find_s": round(find_s, 3),
+           "convolutions": len(calls), "native_depthwise": args.native_depthwise, "dtype": args.dtype, "setup_s": round(t_ready - t_start, 2), "find_s": round(find_s, 3),
            "warmup_s": round(warm_s, 2), "first_call_s": round(first_s, 2),
            "warmup_plus_first_s": round(warm_s + find_s + first_s, 2),
            "steady_ms": round(statistics.median(times), 2)}
