@@ -95,3 +95,17 @@ def val_statistics_checkpoint(cfg, path, logit_scale=1.0, step=1):
         model.segmentation.conv.weight.mul_(logit_scale)
     save_checkpoint(path, model.eval(), step=step, config=cfg)
     return path
+
+
+def load_script(name: str):
+    """scripts/<name>.py imported as a module (the scripts are not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass of the script looks its module up
+    spec.loader.exec_module(module)
+    return module

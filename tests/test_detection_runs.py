@@ -1,18 +1,16 @@
 """scripts/detection_runs.py: recipes from the command line and the per-recipe statistics over seeds."""
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "detection_runs.py"
+from conftest import load_script
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("detection_runs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("detection_runs")
 
 
 def _run(finished, mAP, car, vehicle_iou):
@@ -63,7 +61,7 @@ def test_the_joint_recipe_adds_the_detection_head_to_another_config(tmp_path):
     runs = _module()
     args = runs.parse_args(["--out-dir", str(tmp_path), "--config", "configs/synthetic.yaml", "--runs", "joint"])
     assert args.config == "configs/synthetic.yaml"
-    repo = SCRIPT.parents[1]
+    repo = REPO
     base = load_config(repo / "configs" / "synthetic.yaml")
     joint = load_config(repo / "configs" / "synthetic.yaml", list(runs.RUNS["joint"]))
     assert list(base.model.heads) == ["segmentation"] and not base.data.detection_targets

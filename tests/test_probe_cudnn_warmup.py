@@ -1,20 +1,12 @@
 """scripts/probe_cudnn_warmup.py: the distinct convolution calls of a forward found on the meta device, and their
 warm-up calls, which leave the model alone."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "probe_cudnn_warmup.py"
+from conftest import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("probe_cudnn_warmup", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("probe_cudnn_warmup")
 
 
 def test_distinct_convolution_calls_and_their_warm_up():

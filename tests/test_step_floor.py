@@ -1,19 +1,17 @@
 """scripts/step_floor.py: the bytes each operation of a step must move, counted on the meta device, by kind; and the
 bandwidth of a profile's kernels against them."""
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "step_floor.py"
+from conftest import load_script
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("step_floor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("step_floor")
 
 
 def test_bytes_of_a_depthwise_convolution_and_a_batch_norm_by_kind():
@@ -43,7 +41,7 @@ def test_floor_of_the_default_step_and_the_bandwidth_of_a_profile(tmp_path):
         {"name": "void at::native::batch_norm_collect_statistics_kernel<>", "ms_per_step": 1.0},
         {"name": "sm90_xmma_gemm", "ms_per_step": 5.0}]}
     (tmp_path / "profile.json").write_text(json.dumps(profile))
-    out = floor.main(["--config", str(SCRIPT.parents[1] / "configs" / "synthetic.yaml"), "--set",
+    out = floor.main(["--config", str(REPO / "configs" / "synthetic.yaml"), "--set",
                       "data.final_dim=[64, 192]", "--set", "train.batch_size=1", "--bandwidth", "1e12",
                       "--profile", str(tmp_path / "profile.json"), "--out", str(tmp_path / "floor.json")])
     assert json.loads((tmp_path / "floor.json").read_text()) == out

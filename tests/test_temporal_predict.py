@@ -135,14 +135,11 @@ def test_streaming_needs_a_two_frame_model(synthetic_root, tmp_path):
 
 def test_streaming_latency_script_times_every_path_on_the_same_frames(synthetic_root, two_frame_checkpoint,
                                                                        tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "streaming_latency.py"
-    spec = importlib.util.spec_from_file_location("streaming_latency", script)
-    latency = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(latency)
+    from conftest import load_script
+
+    latency = load_script("streaming_latency")
     two, cfg = two_frame_checkpoint
     one_cfg = two_frame_config(synthetic_root, frames=1)
     torch.manual_seed(0)
