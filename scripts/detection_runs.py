@@ -1,4 +1,4 @@
-"""Detection recipe runs for docs/detection.md: configs/synthetic_detection.yaml trained as parallel `lss train`
+"""Detection recipe runs for docs/detection.md: configs/synthetic_detection.yaml (or --config) trained as parallel `lss train`
 processes on one synthetic set (same steps, same seeds), e.g. the RoIAlign refinement on and off, and optionally the
 segmentation head alone on the same data, each recipe once per seed. Each run evaluates every --eval-every steps
 (nuScenes DetectionEval and BEV IoU); this script collects the curves into detection_runs.json (with each recipe's
