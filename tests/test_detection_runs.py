@@ -71,3 +71,17 @@ def test_the_joint_recipe_adds_the_detection_head_to_another_config(tmp_path):
     # the segmentation side is the default's: same classes, targets and image size
     assert joint.data.classes == base.data.classes and joint.data.min_lidar_pts == base.data.min_lidar_pts
     assert joint.data.final_dim == base.data.final_dim
+
+
+def test_the_joint_config_is_the_measured_joint_recipe():
+    """configs/synthetic_joint.yaml is configs/synthetic.yaml with the `joint` recipe on the benchmark set, the recipe
+    docs/detection.md measured; only its run directory differs."""
+    from lss.config import config_to_dict, load_config
+
+    runs = _module()
+    detection = load_config(REPO / "configs" / "synthetic_detection.yaml")
+    benchmark = [f"data.dataroot={detection.data.dataroot}", f"data.version={detection.data.version}",
+                 f"data.synthetic.scenes={detection.data.synthetic.scenes}",
+                 f"data.synthetic.seed={detection.data.synthetic.seed}", "train.out_dir=runs/synthetic-joint"]
+    measured = load_config(REPO / "configs" / "synthetic.yaml", list(runs.RUNS["joint"]) + benchmark)
+    assert config_to_dict(load_config(REPO / "configs" / "synthetic_joint.yaml")) == config_to_dict(measured)
