@@ -87,8 +87,8 @@ def convolution_calls(
 ) -> list[ConvCall]:
     """The distinct 2-D convolution calls of `module(*inputs)` for float32 inputs of `input_shapes`
     (`inputs_need_grad`: inputs that gradients flow back to, as the splatted grid into the BEV
-    encoder; not the camera images), in the order of the forward, found on the meta device (the parameters and
-    buffers are swapped for meta tensors for the call). `channels_last`: whether the module's
+    encoder; not the camera images), in the order of the forward, found on the meta device (the
+    parameters and buffers are swapped for meta tensors for the call). `channels_last`: whether the module's
     convolution weights are channels-last (train.channels_last); PyTorch then hands cuDNN both
     operands channels-last, whatever the input's layout."""
     def meta(t: torch.Tensor) -> torch.Tensor:

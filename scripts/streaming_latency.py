@@ -81,23 +81,28 @@ def summary(times: list[float]) -> dict:
             "frames": len(times)}
 
 
+def predictors(args, cuda_graph: bool) -> tuple[Predictor, Predictor]:
+    """The one-frame and the two-frame Predictor of the checkpoints."""
+    return tuple(Predictor(path, args.device, overrides=args.overrides, cuda_graph=cuda_graph)
+                 for path in (args.single, args.temporal))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    rows = {}
-    modes = [("eager", False)]
-    device = Predictor(args.temporal, args.device, overrides=args.overrides, cuda_graph=False).device
+    single, temporal = predictors(args, cuda_graph=False)
+    if temporal.cfg.model.temporal.frames != 2 or single.cfg.model.temporal.frames != 1:
+        raise SystemExit("--single needs a model.temporal.frames: 1 checkpoint, --temporal a frames: 2 one")
+    scene = args.scene or first_val_scene(temporal.cfg)
+    items = list(scene_samples(temporal.cfg, scene))
+    if len(items) <= args.warmup:
+        raise SystemExit(f"scene {scene} has {len(items)} samples; --warmup {args.warmup} leaves none to time")
+    batches = [collate([item]) for item in items]
+    device = temporal.device
+    modes = [("eager", (single, temporal))]
     if device.type == "cuda":
-        modes.append(("CUDA graphs", True))
-    for mode, graphs in modes:
-        single = Predictor(args.single, args.device, overrides=args.overrides, cuda_graph=graphs)
-        temporal = Predictor(args.temporal, args.device, overrides=args.overrides, cuda_graph=graphs)
-        if temporal.cfg.model.temporal.frames != 2 or single.cfg.model.temporal.frames != 1:
-            raise SystemExit("--single needs a model.temporal.frames: 1 checkpoint, --temporal a frames: 2 one")
-        scene = args.scene or first_val_scene(temporal.cfg)
-        items = list(scene_samples(temporal.cfg, scene))
-        if len(items) <= args.warmup:
-            raise SystemExit(f"scene {scene} has {len(items)} samples; --warmup {args.warmup} leaves none to time")
-        batches = [collate([item]) for item in items]
+        modes.append(("CUDA graphs", predictors(args, cuda_graph=True)))
+    rows = {}
+    for mode, (single, temporal) in modes:
         stream = StreamingPredictor(temporal)
         one = summary(time_frames(single.predict_batch, batches, device, args.warmup, args.passes))
         rows[f"{mode}: one frame"] = one
