@@ -232,3 +232,55 @@ def test_paper_orig_sets_the_originals_switches_but_ground_truth_and_fp32():
         assert set(accuracy.ABLATIONS[switch]) <= set(recipe.overrides)
     assert not set(accuracy.ABLATIONS["gt_orig"]) & set(recipe.overrides)
     assert not set(accuracy.ABLATIONS["fp32_eager"]) & set(recipe.overrides)
+
+
+def test_the_set_argument_selects_the_set_its_folder_and_the_runs_data(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    parser = accuracy.build_parser()
+    bench = accuracy.options_from_args(parser.parse_args([]))
+    confirm = accuracy.options_from_args(parser.parse_args(["--set", "confirm"]))
+    screen = accuracy.options_from_args(parser.parse_args(["--set", "screen", "--data-dir", str(tmp_path)]))
+    assert (bench.dataset.seed, bench.data_dir) == (11, "data/benchmark_accuracy")
+    # the confirmation set: the benchmark set's size and version, other draws, its own folder
+    assert confirm.dataset == dataclasses.replace(bench.dataset, seed=23)
+    assert confirm.data_dir == "data/confirm_accuracy"
+    assert (screen.dataset.version, screen.dataset.scenes, screen.data_dir) == ("v1.0-mini", 10, str(tmp_path))
+    overrides = accuracy.run_overrides(confirm, parse_recipe("default"), seed=2)
+    from lss.config import load_config
+
+    cfg = load_config("configs/synthetic.yaml", overrides)
+    assert cfg.data.dataroot == str((accuracy.Path("data/confirm_accuracy")).resolve())
+    assert (cfg.data.version, cfg.train.seed, cfg.data.make_synthetic_if_missing) == ("v1.0-trainval", 2, False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--set", "nonesuch"])
+
+
+def test_a_set_folder_made_for_one_set_is_refused_for_the_other(tmp_path):
+    from benchmarks._runs import ensure_synthetic_set
+
+    (tmp_path / "v1.0-trainval").mkdir()
+    (tmp_path / "v1.0-trainval" / "sample.json").write_text("[]")
+    (tmp_path / "benchmark_set.json").write_text(json.dumps(accuracy.BENCHMARK_SET.describe()))
+    assert ensure_synthetic_set(tmp_path, accuracy.BENCHMARK_SET) == 0.0  # reused, not generated
+    with pytest.raises(ValueError, match="delete this one"):
+        ensure_synthetic_set(tmp_path, accuracy.CONFIRM_SET)
+
+
+@pytest.mark.parametrize("name", ["default_at_128", "ped_cw4"])
+def test_the_two_set_recipes_change_only_what_they_name(name):
+    from lss.config import config_to_dict, load_config
+
+    recipe = parse_recipe(name)
+    assert recipe.config == "configs/synthetic.yaml"
+    default = config_to_dict(load_config("configs/synthetic.yaml"))
+    changed = config_to_dict(load_config(recipe.config, list(recipe.overrides)))
+    differs = {(section, key) for section in default for key in default[section]
+               if isinstance(default[section], dict) and default[section][key] != changed[section][key]}
+    if name == "default_at_128":
+        # the paper's images: 128x352, the crop of 1600x900 images resized to 0.193-0.225 (as configs/lss_paper.yaml)
+        paper = load_config("configs/lss_paper.yaml")
+        assert differs == {("data", "final_dim"), ("data", "resize_lim")}
+        assert tuple(changed["data"]["final_dim"]) == tuple(paper.data.final_dim) == (128, 352)
+        assert tuple(changed["data"]["resize_lim"]) == tuple(paper.data.resize_lim)
+    else:
+        assert differs == {("loss", "class_weights")} and changed["loss"]["class_weights"][1] == 4.0
