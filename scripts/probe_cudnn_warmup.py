@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -220,7 +221,8 @@ def main(argv=None) -> dict:
         times.append(1e3 * (time.perf_counter() - t0))
     on_gpu = device.type == "cuda"
     out = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "torch": torch.__version__,
-           "cudnn": torch.backends.cudnn.version() if on_gpu else None, "channels_last": args.channels_last, "threads": args.threads,
+           "cudnn": torch.backends.cudnn.version() if on_gpu else None,
+           "cudnn_v8_api": os.environ.get("TORCH_CUDNN_V8_API_DISABLED", "0") != "1", "channels_last": args.channels_last, "threads": args.threads,
            "convolutions": len(calls), "native_depthwise": args.native_depthwise, "dtype": args.dtype, "setup_s": round(t_ready - t_start, 2), "find_s": round(find_s, 3),
            "warmup_s": round(warm_s, 2), "first_call_s": round(first_s, 2),
            "warmup_plus_first_s": round(warm_s + find_s + first_s, 2),
