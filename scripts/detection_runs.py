@@ -43,6 +43,9 @@ RUNS = {
     # heatmap class weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
     "joint": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
               "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]"),
+    # two frames (docs/temporal.md): the previous key frame, and the one two key frames back (1 s on nuScenes)
+    "temporal": ("model.temporal.frames=2",),
+    "temporal_gap2": ("model.temporal.frames=2", "model.temporal.gap=2"),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

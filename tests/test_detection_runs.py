@@ -85,3 +85,18 @@ def test_the_joint_config_is_the_measured_joint_recipe():
                  f"data.synthetic.seed={detection.data.synthetic.seed}", "train.out_dir=runs/synthetic-joint"]
     measured = load_config(REPO / "configs" / "synthetic.yaml", list(runs.RUNS["joint"]) + benchmark)
     assert config_to_dict(load_config(REPO / "configs" / "synthetic_joint.yaml")) == config_to_dict(measured)
+
+
+def test_the_temporal_recipes_are_configs_temporal_and_its_gap():
+    from lss.config import config_to_dict, load_config
+
+    runs = _module()
+    temporal = load_config(REPO / "configs" / "synthetic_temporal.yaml")
+    detection = REPO / "configs" / "synthetic_detection.yaml"
+    one_back = load_config(detection, list(runs.RUNS["temporal"]))
+    two_back = load_config(detection, list(runs.RUNS["temporal_gap2"]))
+    # `temporal` on configs/synthetic_detection.yaml is configs/synthetic_temporal.yaml but for its run directory
+    a, b = config_to_dict(one_back), config_to_dict(temporal)
+    a["train"].pop("out_dir"), b["train"].pop("out_dir")
+    assert a == b
+    assert (two_back.model.temporal.frames, two_back.model.temporal.gap) == (2, 2)

@@ -13,9 +13,9 @@ from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS, previous_cam_to_ego
 VERSION = "v1.0-mini"
 
 
-def temporal_config(frames=2, **data):
+def temporal_config(frames=2, gap=1, **data):
     values = {"final_dim": [128, 352], "resize_lim": [0.95, 1.15], **data}
-    return config_from_dict({"data": values, "model": {"temporal": {"frames": frames}}})
+    return config_from_dict({"data": values, "model": {"temporal": {"frames": frames, "gap": gap}}})
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +56,10 @@ def test_previous_sample_follows_the_scene_and_a_first_sample_uses_itself(synthe
     assert firsts == ds.scene_count
 
 
-def check_ego_motion(root, nusc, split):
+def check_ego_motion(root, nusc, split, gap=1):
     """A static world point, taken into the previous sample's ego frame, goes by ego_motion to where the
     devkit's own pose puts it in the current ego frame."""
-    ds = NuScenesBEV(root, VERSION, split, temporal_config(final_dim=[64, 128], resize_lim=[0.9, 1.1]),
+    ds = NuScenesBEV(root, VERSION, split, temporal_config(gap=gap, final_dim=[64, 128], resize_lim=[0.9, 1.1]),
                      is_train=False, verbose=False)
     world = np.array([[12.0, -7.0, 1.5], [-30.0, 4.0, 0.0], [3.0, 45.0, -1.0]])
     moved = 0
@@ -79,6 +79,54 @@ def check_ego_motion(root, nusc, split):
 
 def test_ego_motion_takes_the_previous_ego_frame_into_the_current(synthetic_root, nusc):
     assert check_ego_motion(synthetic_root, nusc, "train") > 0
+
+
+def test_previous_frame_two_key_frames_back(synthetic_root, nusc):
+    """model.temporal.gap: 2: the sample before the previous one (a scene's second sample: its first), the ego
+    motion from its ego frame, and the item's previous images are that sample's."""
+    ds = NuScenesBEV(synthetic_root, VERSION, "train", temporal_config(gap=2), is_train=False, verbose=False)
+    one = NuScenesBEV(synthetic_root, VERSION, "train", temporal_config(gap=1), is_train=False, verbose=False)
+    two_back = 0
+    for i, token in enumerate(ds.sample_tokens):
+        sample = nusc.get("sample", token)
+        back = [token]
+        for _ in range(2):
+            back.append(nusc.get("sample", back[-1])["prev"] or back[-1])
+        assert ds.sample_tokens[ds.prev_index[i]] == back[-1]
+        two_back += back[-1] != back[-2]
+        assert nusc.get("sample", back[-1])["scene_token"] == sample["scene_token"]
+    assert two_back > 0
+    assert check_ego_motion(synthetic_root, nusc, "train", gap=2) > 0
+    i = next(i for i in range(len(ds)) if ds.prev_index[i] != one.prev_index[i])
+    item, before = ds[i], one[int(one.prev_index[i])]
+    assert item["prev_sample_token"] == ds.sample_tokens[one.prev_index[one.prev_index[i]]]
+    # the images two key frames back, under this sample's (here: the evaluation) augmentation
+    torch.testing.assert_close(item["prev_images"], one[int(ds.prev_index[i])]["images"])
+    assert not torch.equal(item["prev_images"], before["images"])
+
+
+def test_previous_at_gap_chains_the_steps_and_composes_the_motions():
+    from lss.data.sample_index import previous_at_gap
+
+    rng = np.random.default_rng(0)
+    # two scenes of 4 and 3 samples: each sample's previous is the one before, a first sample itself
+    prev = np.array([0, 0, 1, 2, 4, 4, 5])
+    poses = []
+    for _ in prev:
+        yaw = rng.uniform(-np.pi, np.pi)
+        pose = np.eye(4)
+        pose[:2, :2] = [[np.cos(yaw), -np.sin(yaw)], [np.sin(yaw), np.cos(yaw)]]
+        pose[:3, 3] = rng.normal(size=3) * 20
+        poses.append(pose)
+    poses = np.stack(poses)
+    motion = np.linalg.inv(poses) @ poses[prev]
+    same_index, same_motion = previous_at_gap(prev, motion, 1)
+    assert same_index is prev and same_motion is motion
+    index, composed = previous_at_gap(prev, motion, 3)
+    np.testing.assert_array_equal(index, [0, 0, 0, 0, 4, 4, 4])
+    np.testing.assert_allclose(composed, np.linalg.inv(poses) @ poses[index], atol=1e-9)
+    with pytest.raises(ValueError, match="gap=0"):
+        previous_at_gap(prev, motion, 0)
 
 
 def test_ego_motion_with_a_turning_ego(tiny_root):
@@ -170,7 +218,10 @@ def test_config_refuses_other_frame_counts(frames):
 
 @pytest.mark.parametrize(
     "temporal, message",
-    [({"frame": 2}, "unknown key 'frame'. Allowed keys: frames"), ({"frames": "two"}, "expected an integer")],
+    [({"frame": 2}, "unknown key 'frame'. Allowed keys: frames, gap"), ({"frames": "two"}, "expected an integer"),
+     ({"frames": 2, "gap": 0}, r"model.temporal.gap=0: expected a whole number of key frames >= 1"),
+     ({"frames": 2, "gap": 1.5}, "expected an integer"),
+     ({"gap": 2}, r"model.temporal.gap=2 needs model.temporal.frames: 2")],
 )
 def test_config_refuses_unknown_keys_and_types(temporal, message):
     from lss.errors import ConfigError

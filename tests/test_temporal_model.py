@@ -180,9 +180,21 @@ def test_a_two_frame_checkpoint_is_refused_by_a_one_frame_config(tmp_path):
     cfg = small_config(frames=2)
     path = tmp_path / "two.pt"
     save_checkpoint(path, build_model(cfg), step=1, config=cfg)
-    assert config_to_dict(cfg)["model"]["temporal"] == {"frames": 2}
+    assert config_to_dict(cfg)["model"]["temporal"] == {"frames": 2, "gap": 1}
     with pytest.raises(CheckpointError, match=r"model.temporal.frames=2.*model.temporal.frames=1"):
         load_checkpoint_model(small_config(), path, torch.device("cpu"))
+    # the same weights read two key frames back are another model: refused too, the gap named
+    gap2 = config_from_dict({**config_to_dict(cfg), "model": {**config_to_dict(cfg)["model"],
+                                                              "temporal": {"frames": 2, "gap": 2}}})
+    with pytest.raises(CheckpointError, match=r"model.temporal.gap=1.*model.temporal.gap=2"):
+        load_checkpoint_model(gap2, path, torch.device("cpu"))
+    # a checkpoint written before model.temporal.gap existed loads as gap 1
+    state = torch.load(path, weights_only=False)
+    del state["config"]["model"]["temporal"]["gap"]
+    torch.save(state, tmp_path / "old.pt")
+    load_checkpoint_model(cfg, tmp_path / "old.pt", torch.device("cpu"))
+    with pytest.raises(CheckpointError, match=r"model.temporal.gap"):
+        load_checkpoint_model(gap2, tmp_path / "old.pt", torch.device("cpu"))
 
 
 def test_export_refuses_a_fixed_rig_for_a_two_frame_model(tmp_path):

@@ -17,9 +17,9 @@ from test_temporal_model import SMALL
 VERSION = "v1.0-mini"
 
 
-def two_frame_config(root, frames=2):
+def two_frame_config(root, frames=2, gap=1):
     return config_from_dict({**SMALL, "data": {**SMALL["data"], "dataroot": str(root), "resize_lim": [0.45, 0.55]},
-                             "model": {**SMALL["model"], "temporal": {"frames": frames}}})
+                             "model": {**SMALL["model"], "temporal": {"frames": frames, "gap": gap}}})
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +181,32 @@ def test_streaming_on_static_buffers_gives_the_predictions_of_the_two_frame_forw
         np.testing.assert_allclose(b.probabilities, a.probabilities, rtol=0, atol=1e-6)
     eager, _ = _stream(predictor, items[:2], cuda_graph=False)
     assert eager._graphs is None and StreamingPredictor(predictor)._graphs is None  # a CPU Predictor: eager
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_streaming_two_key_frames_back_keeps_two_frames_of_features(synthetic_root, two_frame_checkpoint, tmp_path,
+                                                                     cuda_graph):
+    """model.temporal.gap: 2: each frame reuses the features of the frame two before (the scene's second frame those
+    of its first), with the predictions of the two-frame forward; eager and on static buffers."""
+    path, cfg = two_frame_checkpoint
+    state = torch.load(path, weights_only=False)
+    state["config"]["model"]["temporal"]["gap"] = 2
+    torch.save(state, tmp_path / "gap2.pt")
+    predictor = Predictor(tmp_path / "gap2.pt", device="cpu")
+    assert predictor.cfg.model.temporal.gap == 2
+    items = scene_items(synthetic_root, predictor.cfg)
+    tokens = [it["sample_token"] for it in items]
+    assert [it["prev_sample_token"] for it in items] == [tokens[0], tokens[0]] + tokens[:-2]
+    full = [predictor.predict_batch(collate([item]))[0] for item in items]
+    stream, streamed = _stream(predictor, items, cuda_graph=cuda_graph)
+    assert stream.reused == len(items) - 1 and stream._kept.maxlen == 2
+    for a, b in zip(full, streamed):
+        np.testing.assert_allclose(b.probabilities, a.probabilities, rtol=0, atol=1e-6)
+    # the frame one back is not the previous frame any more: with only it kept, the features are computed again
+    stream.reset()
+    stream.step(collate([items[1]]))
+    stream.step(collate([items[2]]))  # its previous frame is items[0]
+    assert stream.reused == len(items) - 1
 
 
 def test_captured_streaming_refuses_the_second_stage(synthetic_root, tmp_path):

@@ -89,9 +89,13 @@ class GridConfig:
 class TemporalConfig:
     """Frames per sample (docs/temporal.md): 1, the sample alone; 2, also the previous sample of
     its scene, its camera features splatted into this sample's BEV grid through the ego motion and
-    fused with this sample's before the BEV encoder (BEVDet4D)."""
+    fused with this sample's before the BEV encoder (BEVDet4D). `gap`: with frames 2, how many key
+    frames back the previous frame is (1: the sample before, 0.5 s on nuScenes; 2: the one before
+    that, 1 s): a longer gap moves an object further between the two frames for the same speed. A
+    scene's first samples use the scene's first sample."""
 
     frames: int = 1
+    gap: int = 1
 
 
 @dataclass

@@ -149,6 +149,16 @@ def validate(cfg: Config) -> Config:
         f"model.temporal.frames={model.temporal.frames}: expected 1 (this sample only) or 2 (also "
         "the previous sample of its scene, docs/temporal.md); longer histories are not supported",
     )
+    _check(
+        isinstance(model.temporal.gap, int) and model.temporal.gap >= 1,
+        f"model.temporal.gap={model.temporal.gap}: expected a whole number of key frames >= 1 (1: "
+        "the previous sample, 2: the one before it)",
+    )
+    _check(
+        model.temporal.gap == 1 or model.temporal.frames == 2,
+        f"model.temporal.gap={model.temporal.gap} needs model.temporal.frames: 2 (a one-frame "
+        "model reads no previous frame); set frames: 2 or remove gap",
+    )
     detecting = "detection" in model.heads
     _check(
         data.detection_targets in (None, detecting),

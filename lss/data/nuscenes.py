@@ -21,7 +21,7 @@ from lss.data.classes import class_kinds
 from lss.data.decoded_cache import DecodedImages
 from lss.data.depth import load_lidar_points, project_depth_targets
 from lss.data.original_conventions import rasterize_footprints_original
-from lss.data.sample_index import INDEX_FIELDS, split_index
+from lss.data.sample_index import INDEX_FIELDS, previous_at_gap, split_index
 from lss.data.tables import (
     DatasetNotFoundError,
     MapNotFoundError,
@@ -91,11 +91,11 @@ class NuScenesBEV(torch.utils.data.Dataset):
       "depth_targets" N x fH x fW int64 when config.data.depth_targets: per camera feature cell
       (fH, fW = final_dim // model.downsample) the grid.dbound bin of the nearest LIDAR_TOP return,
       -1 where there is none (lss.data.depth);
-      with model.temporal.frames: 2 also the previous sample of the scene (a scene's first sample:
-      itself) under the same image augmentation: "prev_images", "prev_intrinsics",
-      "prev_sensor2ego_rot", "prev_sensor2ego_trans" (camera -> its own ego frame), "prev_post_rot",
-      "prev_post_trans", "ego_motion" 4 x 4, its ego frame -> this sample's, and
-      "prev_sample_token" str (previous_frame).
+      with model.temporal.frames: 2 also the previous sample of the scene, model.temporal.gap key
+      frames back (a scene's first samples: its first sample) under the same image augmentation:
+      "prev_images", "prev_intrinsics", "prev_sensor2ego_rot", "prev_sensor2ego_trans" (camera ->
+      its own ego frame), "prev_post_rot", "prev_post_trans", "ego_motion" 4 x 4, its ego frame ->
+      this sample's, and "prev_sample_token" str (previous_frame).
     Boxes, map and targets are in the ego frame of the sample's LIDAR_TOP ego pose; in training,
     data.bev_* move that frame, the extrinsics with it (lss.data.bev_augmentation).
     """
@@ -124,6 +124,10 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.root, self.layout = locate_dataroot(dataroot, version)
         index, cached = split_index(self.root, version, split, data)
         self.__dict__.update(index)
+        if self.config.model.temporal.frames == 2:  # the previous frame model.temporal.gap back
+            self.prev_index, self.ego_motion = previous_at_gap(
+                self.prev_index, self.ego_motion, self.config.model.temporal.gap
+            )
         self._check_first_images()
         if verbose:
             print(
@@ -316,7 +320,8 @@ class NuScenesBEV(torch.utils.data.Dataset):
         augmentations: Sequence[ImageAugmentation],
         bev: Optional[BevAugmentation] = None,
     ) -> dict:
-        """The previous sample's camera inputs for sample `index` (model.temporal.frames: 2): its
+        """The previous sample's camera inputs for sample `index` (model.temporal.frames: 2; the
+        sample model.temporal.gap key frames back): its
         cameras `cams` under this sample's image `augmentations`, their calibration, and
         "ego_motion" 4 x 4, its ego frame -> this sample's ego frame moved by `bev` (the previous
         extrinsics stay in its own ego frame; the model composes the two)."""

@@ -120,6 +120,25 @@ def previous_samples(samples: list[dict]) -> np.ndarray:
     return prev_index
 
 
+def previous_at_gap(
+    prev_index: np.ndarray, ego_motion: np.ndarray, gap: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sample `gap` key frames back of every sample (previous_samples followed `gap` times: a
+    scene's first samples stop at the scene's first sample) and the ego motion from its ego frame
+    into the sample's (the product of the one-step motions on the way: ego_motion[i] takes the
+    previous sample's ego frame into sample i's). gap 1 returns the arrays as given."""
+    if gap < 1:
+        raise ValueError(f"gap={gap}: expected a whole number of key frames >= 1")
+    if gap == 1:
+        return prev_index, ego_motion
+    index = np.arange(len(prev_index), dtype=np.int64)
+    motion = np.broadcast_to(np.eye(4), (len(prev_index), 4, 4)).copy()
+    for _ in range(gap):
+        motion = motion @ ego_motion[index]
+        index = prev_index[index]
+    return index, motion
+
+
 def _sample_records(nusc, scenes: list[dict], root: Path, version: str, data: DataConfig) -> dict:
     """The per-sample fields of INDEX_FIELDS (all but devkit_split, scene_count and maps) of
     `scenes`, their samples in scene then time order."""

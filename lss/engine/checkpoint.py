@@ -38,6 +38,7 @@ FIXED_KEYS = (
     "data.classes",
     "model.heads",
     "model.temporal.frames",
+    "model.temporal.gap",
 )
 # Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases:
 # .<name>.<random>.tmp).
@@ -301,11 +302,15 @@ def _config_value(config: dict, key: str):
 
 
 def config_mismatches(state: dict, config: Config) -> list[tuple[str, Any, Any]]:
-    """(key, the checkpoint's value, the config's value) of every FIXED_KEYS entry that differs."""
-    current = config_to_dict(config)
+    """(key, the checkpoint's value, the config's value) of every FIXED_KEYS entry that differs. A
+    key that a checkpoint's config lacks (written before the key existed) has its default value,
+    which is what such a checkpoint was trained with."""
+    current, defaults = config_to_dict(config), config_to_dict(Config())
     found = []
     for key in FIXED_KEYS:
         trained, wanted = _config_value(state["config"], key), _config_value(current, key)
+        if trained is None:
+            trained = _config_value(defaults, key)
         if trained is not None and trained != wanted:
             found.append((key, trained, wanted))
     return found

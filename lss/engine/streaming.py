@@ -4,6 +4,7 @@ computed again from the previous images (the camera trunk then runs once per fra
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -27,10 +28,12 @@ class StreamingPredictor:
 
     `step(batch)` takes a model input batch with the previous frame's entries (lss.data.collate of
     NuScenesBEV items of a model.temporal.frames: 2 config: "prev_sample_token" names each sample's
-    previous sample) and returns its Predictions. Where every sample's previous sample is the
-    sample of the same place in the batch before, the camera features of that batch stand in for
-    "prev_images" ("prev_depth", "prev_context"); otherwise (a sequence's first batch, a scene's
-    first sample, a jump) they are computed from "prev_images", as Predictor.predict_batch does.
+    previous sample) and returns its Predictions. The camera features of the last
+    model.temporal.gap batches are kept: where every sample's previous sample is the sample of the
+    same place in one of them (the batch just before; with gap 2, the one before that), that
+    batch's features stand in for "prev_images" ("prev_depth", "prev_context"); otherwise (a
+    sequence's first batch, a scene's first sample, a jump) they are computed from "prev_images",
+    as Predictor.predict_batch does.
     Either way the predictions are those of the two-frame forward. `stream(batches)` steps through
     an iterable in time order; `reset()` forgets the kept features; `reused` counts the batches
     that reused them.
@@ -69,18 +72,25 @@ class StreamingPredictor:
                 CapturedForward(model, amp, capture=capture, inputs=inputs, outputs=outputs),
                 CapturedForward(model, amp, capture=capture, inputs=streamed, outputs=outputs),
             )
-        self._tokens: Optional[list[str]] = None  # the samples of the kept features
-        self._features: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # (the samples, their camera features) of the last model.temporal.gap batches, oldest first
+        self._kept: deque[tuple[list[str], tuple[torch.Tensor, torch.Tensor]]] = deque(
+            maxlen=predictor.cfg.model.temporal.gap
+        )
         self.reused = 0
 
     def reset(self) -> None:
-        self._tokens, self._features = None, None
+        self._kept.clear()
 
-    def _follows(self, batch: dict) -> bool:
+    def _previous_features(self, batch: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The kept features of the batch whose samples are this batch's previous samples, or
+        None."""
         previous = batch.get("prev_sample_token")
-        if previous is None or self._tokens is None:
-            return False
-        return list(previous) == self._tokens and list(previous) != list(batch["sample_token"])
+        if previous is None or list(previous) == list(batch["sample_token"]):
+            return None
+        for tokens, features in self._kept:
+            if tokens == list(previous):
+                return features
+        return None
 
     def step(self, batch: dict) -> list[Prediction]:
         if "sample_token" not in batch:
@@ -88,11 +98,12 @@ class StreamingPredictor:
                 "StreamingPredictor.step: the batch has no 'sample_token'; give collated "
                 "NuScenesBEV items (of a config with model.temporal.frames: 2), in time order"
             )
-        follows = self._follows(batch)
+        previous = self._previous_features(batch)
+        follows = previous is not None
         if self._graphs is not None:
             first, streamed = self._graphs
             if follows:
-                outputs = streamed({**batch, **dict(zip(STREAMED_INPUTS, self._features))})
+                outputs = streamed({**batch, **dict(zip(STREAMED_INPUTS, previous))})
             else:
                 outputs = first(batch)
         else:
@@ -100,11 +111,12 @@ class StreamingPredictor:
             keys = [k for k in self.forward.inputs if k != "prev_images" or not follows]
             inputs = {k: batch[k].to(device, non_blocking=True) for k in keys}
             if follows:
-                inputs.update(zip(STREAMED_INPUTS, self._features))
+                inputs.update(zip(STREAMED_INPUTS, previous))
             outputs = EagerForward.run(self.forward, inputs)
         self.reused += int(follows)
-        self._features = tuple(outputs[k] for k in KEPT_FEATURES)
-        self._tokens = list(batch["sample_token"])
+        # (a captured forward returns copies of its output buffers: no later replay overwrites them)
+        features = tuple(outputs[k] for k in KEPT_FEATURES)
+        self._kept.append((list(batch["sample_token"]), features))
         return self.predictor.predictions(outputs, batch["sample_token"])
 
     def stream(self, batches: Iterable[dict]) -> Iterator[list[Prediction]]:
