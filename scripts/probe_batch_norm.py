@@ -4,7 +4,11 @@ shapes are those of the camera encoder of `--config` (configs/synthetic.yaml: B4
 the meta device; the weights stay float32 as under autocast. Prints one JSON line. On a CUDA machine:
 
     python scripts/probe_batch_norm.py
-    python scripts/probe_batch_norm.py --variants bf16:nchw,fp16:nchw --repeats 50
+    python scripts/probe_batch_norm.py --variants bf16:nchw,bf16:nchw:lss --repeats 50
+
+A third field `lss` times lss's own kernels (torch.ops.lss.batch_norm_train and its backward, NCHW only) instead of
+PyTorch's. `--jit-ops` compiles just those kernels (csrc/ops/*batch_norm*, with torch.utils.cpp_extension) when the
+lss._C extension is not built.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from lss.models import build_model  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 DEFAULT_VARIANTS = "bf16:nchw,bf16:nhwc,fp16:nchw,fp16:nhwc,fp32:nchw"
+KERNELS = ("torch", "lss")
 
 
 def batch_norm_shapes(module: nn.Module, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -45,27 +50,57 @@ def batch_norm_shapes(module: nn.Module, input_shape: tuple[int, ...]) -> list[t
     return shapes
 
 
-def parse_variants(text: str) -> list[tuple[str, str]]:
-    """"bf16:nchw,fp16:nhwc" -> [("bf16", "nchw"), ("fp16", "nhwc")]; a bad entry is a ValueError naming the
-    choices."""
+def parse_variants(text: str) -> list[tuple[str, str, str]]:
+    """"bf16:nchw,fp16:nhwc,bf16:nchw:lss" -> [("bf16", "nchw", "torch"), ("fp16", "nhwc", "torch"), ("bf16",
+    "nchw", "lss")]; a bad entry is a ValueError naming the choices."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
-        dtype, _, layout = item.partition(":")
-        if dtype not in DTYPES or layout not in LAYOUTS:
+        dtype, layout, kernel = (item.split(":") + ["torch"])[:3] if item.count(":") in (1, 2) else ("", "", "")
+        if dtype not in DTYPES or layout not in LAYOUTS or kernel not in KERNELS:
             raise ValueError(
-                f"variant {item!r}: give DTYPE:LAYOUT with DTYPE one of {sorted(DTYPES)} and LAYOUT one of "
-                f"{sorted(LAYOUTS)}, e.g. bf16:nchw"
+                f"variant {item!r}: give DTYPE:LAYOUT[:KERNEL] with DTYPE one of {sorted(DTYPES)}, LAYOUT one of "
+                f"{sorted(LAYOUTS)} and KERNEL one of {list(KERNELS)}, e.g. bf16:nchw or bf16:nchw:lss"
             )
-        out.append((dtype, layout))
+        if kernel == "lss" and layout != "nchw":
+            raise ValueError(f"variant {item!r}: lss's batch norm kernels take NCHW inputs only")
+        out.append((dtype, layout, kernel))
     if not out:
         raise ValueError("no variant given: e.g. --variants bf16:nchw,fp16:nchw")
     return out
 
 
-def time_variant(shapes, dtype: torch.dtype, layout, device: torch.device, repeats: int) -> dict:
+def jit_ops() -> None:
+    """Compile and load lss's batch norm kernels alone (no lss._C needed) into torch.ops.lss."""
+    import shutil
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    import lss.ops  # noqa: F401  (loads lss._C where it is built)
+
+    if hasattr(torch.ops.lss, "batch_norm_train"):
+        return  # lss._C is built: its kernels are the ones to time
+
+    root = Path(__file__).resolve().parents[1]
+    ops = root / "csrc" / "ops"
+    # copied under distinct names: the build rules are named after the files
+    named = {"schema.cpp": ops / "batch_norm.cpp", "common.cpp": ops / "common.cpp",
+             "cpu.cpp": ops / "cpu" / "batch_norm.cpp"}
+    if torch.cuda.is_available():
+        named["cuda.cu"] = ops / "cuda" / "batch_norm.cu"
+    folder = Path(tempfile.mkdtemp(prefix="lss_bn_"))
+    for name, src in named.items():
+        shutil.copy(src, folder / name)
+    load("lss_batch_norm_jit", [str(folder / n) for n in named], extra_include_paths=[str(root / "csrc")],
+         extra_cflags=["-O3"], extra_cuda_cflags=["-O3"], is_python_module=False, verbose=False)
+
+
+def time_variant(shapes, dtype: torch.dtype, layout, device: torch.device, repeats: int, kernel: str = "torch"
+                 ) -> dict:
     """Forward + backward of one training-mode batch norm per shape (float32 weight and bias, as under autocast),
-    each call on its own tensors; returns the milliseconds of all of them per pass (median of `repeats` passes,
-    CUDA events) and the names of the kernels the first shape ran."""
+    each call on its own tensors, through PyTorch's batch norm or (kernel "lss") lss's ops; returns the
+    milliseconds of all of them per pass (median of `repeats` passes, CUDA events), the names of the kernels the
+    first shape ran and, for "lss", the largest difference of its output and input gradient from PyTorch's."""
     calls = []
     for shape in shapes:
         bn = nn.BatchNorm2d(shape[1]).to(device).train()
@@ -73,13 +108,30 @@ def time_variant(shapes, dtype: torch.dtype, layout, device: torch.device, repea
         grad = torch.randn(shape, device=device).to(dtype).contiguous(memory_format=layout)
         calls.append((bn, x, grad))
 
+    def run(bn, x, grad):
+        if kernel == "lss":
+            y, mean, invstd = torch.ops.lss.batch_norm_train(x.detach(), bn.weight.detach(), bn.bias.detach(),
+                                                             bn.eps)
+            dx = torch.ops.lss._batch_norm_train_backward(grad, x.detach(), bn.weight.detach(), mean, invstd)[0]
+            return y, dx
+        y = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 0.1,
+                                           bn.eps)
+        y.backward(grad)
+        dx, x.grad = x.grad, None
+        bn.weight.grad = bn.bias.grad = None
+        return y.detach(), dx
+
     def one_pass():
-        for bn, x, grad in calls:
-            y = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 0.1,
-                                               bn.eps)
-            y.backward(grad)
-            x.grad = None
-            bn.weight.grad = bn.bias.grad = None
+        for call in calls:
+            run(*call)
+
+    max_diff = None
+    if kernel == "lss":
+        kernel, (y_lss, dx_lss) = "torch", run(*calls[0])
+        y_torch, dx_torch = run(*calls[0])
+        kernel = "lss"
+        max_diff = {"output": float((y_lss.float() - y_torch.float()).abs().max()),
+                    "input_grad": float((dx_lss.float() - dx_torch.float()).abs().max())}
 
     for _ in range(3):
         one_pass()
@@ -89,9 +141,7 @@ def time_variant(shapes, dtype: torch.dtype, layout, device: torch.device, repea
 
         bn, x, grad = calls[0]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            y = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 0.1,
-                                               bn.eps)
-            y.backward(grad)
+            run(bn, x, grad)
             torch.cuda.synchronize(device)
         kernels = sorted({e.name[:90] for e in prof.events() if e.device_type.name == "CUDA"})
     times = []
@@ -113,9 +163,12 @@ def time_variant(shapes, dtype: torch.dtype, layout, device: torch.device, repea
     size = torch.finfo(dtype).bits // 8
     floor_bytes = sum(7 * size * torch.Size(s).numel() for s in shapes)
     ms = times[len(times) // 2]
-    return {"ms": round(ms, 3), "min_ms": round(times[0], 3), "floor_bytes": floor_bytes,
-            "floor_gb": round(floor_bytes / 1e9, 3),
-            "gb_per_s": round(floor_bytes / (ms * 1e-3) / 1e9, 1), "kernels": kernels}
+    out = {"ms": round(ms, 3), "min_ms": round(times[0], 3), "floor_bytes": floor_bytes,
+           "floor_gb": round(floor_bytes / 1e9, 3), "gb_per_s": round(floor_bytes / (ms * 1e-3) / 1e9, 1),
+           "kernels": kernels}
+    if max_diff is not None:
+        out["max_abs_diff_from_torch"] = max_diff
+    return out
 
 
 def main(argv=None) -> dict:
@@ -124,6 +177,7 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="DTYPE:LAYOUT,... (dtypes bf16, fp16, fp32)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--jit-ops", action="store_true", help="compile lss's batch norm kernels here (no lss._C)")
     args = p.parse_args(argv)
     try:
         variants = parse_variants(args.variants)
@@ -138,9 +192,13 @@ def main(argv=None) -> dict:
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
            "config": args.config, "batch_norms": len(shapes), "variants": {}}
-    for dtype, layout in variants:
-        out["variants"][f"{dtype}:{layout}"] = time_variant(shapes, DTYPES[dtype], LAYOUTS[layout], device,
-                                                            args.repeats)
+    if args.jit_ops:
+        jit_ops()
+    elif any(k == "lss" for _, _, k in variants):
+        import lss.ops  # noqa: F401  (loads lss._C, which registers torch.ops.lss)
+    for dtype, layout, kernel in variants:
+        name = f"{dtype}:{layout}" + (":lss" if kernel == "lss" else "")
+        out["variants"][name] = time_variant(shapes, DTYPES[dtype], LAYOUTS[layout], device, args.repeats, kernel)
     print(json.dumps(out), flush=True)
     return out
 

@@ -132,6 +132,10 @@ class ModelConfig:
     # the BEV decoder's last upsampling also reads the splatted grid at full resolution (a skip
     # around the ResNet-18 trunk: one- or two-cell objects such as pedestrians stay sharp)
     bev_full_res_skip: bool = False
+    # the kernels of every BatchNorm2d in training: "torch" (PyTorch's), or "lss": lss's own
+    # (lss.ops.batch_norm, NCHW inputs; PyTorch's NCHW bfloat16 kernels are the slow path); the
+    # weights, statistics and evaluation are the same either way
+    batch_norm: Literal["torch", "lss"] = "torch"
     temporal: TemporalConfig = field(default_factory=TemporalConfig)
 
 

@@ -14,7 +14,12 @@ ModelFn = Callable[[Config], nn.Module]
 
 
 def build_model(cfg: Config) -> nn.Module:
-    return LiftSplatShoot(cfg)
+    model = LiftSplatShoot(cfg)
+    if cfg.model.batch_norm == "lss":
+        from lss.ops.batch_norm import use_lss_batch_norm
+
+        use_lss_batch_norm(model)
+    return model
 
 
 def apply_channels_last(model: nn.Module, setting: Union[bool, str]) -> nn.Module:
