@@ -17,6 +17,12 @@ from lss.ops.focal_loss import (
 from lss.ops.nms import batched_nms, nms, nms_reference
 from lss.ops.roi_align import RoIAlign, roi_align, roi_align_reference
 from lss.ops.roi_pool import RoIPool, roi_pool, roi_pool_reference
+from lss.ops.batch_norm import (
+    BatchNorm2d,
+    batch_norm_train,
+    batch_norm_train_reference,
+    use_lss_batch_norm,
+)
 
 # torch.fx leaf functions where a model calls them as lss.ops.<op> (each op's module wraps its own
 # name too).
@@ -29,5 +35,6 @@ for _name in (
     "batched_nms",
     "roi_align",
     "roi_pool",
+    "batch_norm_train",
 ):
     torch.fx.wrap(_name)

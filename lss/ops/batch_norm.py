@@ -30,7 +30,9 @@ def _check(input: Tensor, weight: Tensor, bias: Tensor, eps: float) -> None:
         got = input.dtype if isinstance(input, Tensor) else type(input).__name__
         raise TypeError(f"{op}: input must be a floating-point tensor, got {got}")
     if input.dim() < 2:
-        raise ValueError(f"{op}: input must be N x C x ... (at least 2-D), got {tuple(input.shape)}")
+        raise ValueError(
+            f"{op}: input must be N x C x ... (at least 2-D), got {tuple(input.shape)}"
+        )
     c = input.shape[1]
     for name, t in (("weight", weight), ("bias", bias)):
         if not isinstance(t, Tensor) or t.shape != (c,) or t.dtype != torch.float32:
@@ -129,7 +131,9 @@ def use_lss_batch_norm(module: nn.Module) -> int:
     return count
 
 
-def _backward(ctx, grad_output: Tensor, _grad_mean: Optional[Tensor], _grad_invstd: Optional[Tensor]):
+def _backward(
+    ctx, grad_output: Tensor, _grad_mean: Optional[Tensor], _grad_invstd: Optional[Tensor]
+):
     input, weight, mean, invstd = ctx.saved_tensors
     grad_input, grad_weight, grad_bias = torch.ops.lss._batch_norm_train_backward(
         grad_output.contiguous(), input, weight, mean, invstd
@@ -159,7 +163,11 @@ if _ext.has_ext():
 
     @torch.library.register_fake("lss::_batch_norm_train_backward")
     def _batch_norm_train_backward_fake(grad_output, input, weight, mean, invstd):
-        return input.new_empty(input.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+        return (
+            input.new_empty(input.shape),
+            weight.new_empty(weight.shape),
+            weight.new_empty(weight.shape),
+        )
 
     torch.library.register_autograd(
         "lss::batch_norm_train", _backward, setup_context=_setup_context
