@@ -251,3 +251,18 @@ def test_config_refuses_an_unknown_batch_norm():
 
     with pytest.raises(ConfigError, match="model.batch_norm"):
         config_from_dict({"model": {"batch_norm": "cudnn"}})
+
+
+def test_bench_suite_times_both_implementations_quick():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import BenchContext, available_suites
+    from benchmarks import batch_norm as suite
+
+    assert "batch_norm" in available_suites()
+    rows = suite.run(BenchContext(torch.device("cpu"), quick=True))
+    assert len(rows) == 2 * 2 * 2  # shapes x dtypes x implementations
+    assert {r["impl"] for r in rows} == {"lss", "F.batch_norm"} and all(r["ms"] > 0 for r in rows)
+    suite.smoke("cpu")
