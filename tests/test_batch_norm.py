@@ -266,3 +266,21 @@ def test_bench_suite_times_both_implementations_quick():
     assert len(rows) == 2 * 2 * 2  # shapes x dtypes x implementations
     assert {r["impl"] for r in rows} == {"lss", "F.batch_norm"} and all(r["ms"] > 0 for r in rows)
     suite.smoke("cpu")
+
+
+@needs_ext
+def test_compiles_through_the_fake_kernels_and_the_autograd_formula():
+    """torch.compile (aot_eager: the graph capture, the fake kernels and the registered backward, without codegen) of
+    a convolution + BatchNorm2d gives the eager module's output and gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+    use_lss_batch_norm(model)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, 8, 8)
+    for m in (eager, compiled):
+        m(x).square().sum().backward()
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(model[1].running_mean, eager[1].running_mean)

@@ -266,7 +266,7 @@ def test_a_set_folder_made_for_one_set_is_refused_for_the_other(tmp_path):
         ensure_synthetic_set(tmp_path, accuracy.CONFIRM_SET)
 
 
-@pytest.mark.parametrize("name", ["default_at_128", "ped_cw4"])
+@pytest.mark.parametrize("name", ["default_at_128", "ped_cw4", "default_bn_lss"])
 def test_the_two_set_recipes_change_only_what_they_name(name):
     from lss.config import config_to_dict, load_config
 
@@ -282,5 +282,7 @@ def test_the_two_set_recipes_change_only_what_they_name(name):
         assert differs == {("data", "final_dim"), ("data", "resize_lim")}
         assert tuple(changed["data"]["final_dim"]) == tuple(paper.data.final_dim) == (128, 352)
         assert tuple(changed["data"]["resize_lim"]) == tuple(paper.data.resize_lim)
-    else:
+    elif name == "ped_cw4":
         assert differs == {("loss", "class_weights")} and changed["loss"]["class_weights"][1] == 4.0
+    else:
+        assert differs == {("model", "batch_norm")} and changed["model"]["batch_norm"] == "lss"
