@@ -284,3 +284,29 @@ def test_compiles_through_the_fake_kernels_and_the_autograd_formula():
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(model[1].running_mean, eager[1].running_mean)
+
+
+@needs_ext
+def test_the_training_step_on_static_buffers_follows_the_eager_steps():
+    """model.batch_norm: lss through the engine's graphed step (on the CPU: its static buffers, the warm-up steps
+    undone, running statistics included) gives the eager steps' losses and parameters exactly."""
+    from test_graph_step import _run_both
+    from test_model import tiny_cfg
+
+    cfg = tiny_cfg("model.batch_norm=lss")
+    eager, graphed, pa, pb, step = _run_both(cfg, "cpu", 3, False, None)
+    assert eager == graphed
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert any(type(m) is BatchNorm2d for m in step.model.modules())
+    buffers = dict(step.model.named_buffers())
+    assert int(buffers[next(k for k in buffers if k.endswith("num_batches_tracked"))]) == 3
+
+
+@pytest.mark.cuda
+def test_the_captured_training_step_follows_the_eager_trajectory_on_cuda():
+    from test_graph_step import _run_both, assert_follows_eager
+    from test_model import tiny_cfg
+
+    eager, graphed, pa, pb, step = _run_both(tiny_cfg("model.batch_norm=lss"), "cuda", 4, True, torch.bfloat16)
+    assert step.graph is not None
+    assert_follows_eager(eager, graphed, pa, pb)

@@ -14,12 +14,7 @@ ModelFn = Callable[[Config], nn.Module]
 
 
 def build_model(cfg: Config) -> nn.Module:
-    model = LiftSplatShoot(cfg)
-    if cfg.model.batch_norm == "lss":
-        from lss.ops.batch_norm import use_lss_batch_norm
-
-        use_lss_batch_norm(model)
-    return model
+    return LiftSplatShoot(cfg)
 
 
 def apply_channels_last(model: nn.Module, setting: Union[bool, str]) -> nn.Module:

@@ -14,6 +14,7 @@ from lss.models.heads import DetectionHead, SegmentationHead
 from lss.models.heads.detection import batch_ground_truth
 from lss.models.splat import Splat
 from lss.models.temporal import TemporalFusion
+from lss.ops.batch_norm import use_lss_batch_norm
 
 
 class LiftSplatShoot(nn.Module):
@@ -76,6 +77,8 @@ class LiftSplatShoot(nn.Module):
         self.temporal = (
             TemporalFusion(grid.nz * model.context_channels) if model.temporal.frames == 2 else None
         )
+        if model.batch_norm == "lss":  # the same modules and state dict, lss's training kernels
+            use_lss_batch_norm(self)
 
     def forward(self, batch: dict) -> dict:
         images = batch["images"]
