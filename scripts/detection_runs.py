@@ -43,6 +43,20 @@ RUNS = {
     # heatmap class weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
     "joint": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
               "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]"),
+    # the joint model with less of the detection losses in the shared BEV encoder (docs/detection.md): its own
+    # last decoder stage, half the detection gradient into the encoder, half the detection loss, the lane divider
+    # weighted up
+    "joint_own": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
+                  "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]", "detection.decoder=own"),
+    "joint_gs05": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
+                   "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
+                   "detection.trunk_grad_scale=0.5"),
+    "joint_half": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
+                   "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
+                   "detection.heatmap_weight=0.5", "detection.regression_weight=0.125"),
+    "joint_lane": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
+                   "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
+                   "loss.class_weights=[2.0,3.0,0.5,1.5]"),
     # two frames (docs/temporal.md): the previous key frame, and the one two key frames back (1 s on nuScenes)
     "temporal": ("model.temporal.frames=2",),
     "temporal_gap2": ("model.temporal.frames=2", "model.temporal.gap=2"),

@@ -100,3 +100,18 @@ def test_the_temporal_recipes_are_configs_temporal_and_its_gap():
     a["train"].pop("out_dir"), b["train"].pop("out_dir")
     assert a == b
     assert (two_back.model.temporal.frames, two_back.model.temporal.gap) == (2, 2)
+
+
+def test_the_joint_variants_are_the_joint_recipe_plus_one_change():
+    from lss.config import config_to_dict, load_config
+
+    runs = _module()
+    base = REPO / "configs" / "synthetic.yaml"
+    joint = config_to_dict(load_config(base, list(runs.RUNS["joint"])))
+    expected = {"joint_own": {("detection", "decoder")}, "joint_gs05": {("detection", "trunk_grad_scale")},
+                "joint_half": {("detection", "heatmap_weight"), ("detection", "regression_weight")},
+                "joint_lane": {("loss", "class_weights")}}
+    for name, keys in expected.items():
+        variant = config_to_dict(load_config(base, list(runs.RUNS[name])))
+        differs = {(s, k) for s in joint if isinstance(joint[s], dict) for k in joint[s] if joint[s][k] != variant[s][k]}
+        assert differs == keys, name

@@ -262,6 +262,14 @@ class DetectionConfig:
     refine_hidden: int = 256
     refine_weight: float = 1.0
     match_distance: float = 2.0  # metres between centres: a proposal's positive ground truth
+    # where the head reads the BEV features (a model with both heads): "shared", the segmentation
+    # head's; "own", its own copy of the BEV decoder's last stage on the same stride-2 features
+    # (and grid skip), so that the detection losses do not train the last stage that the map
+    # classes read
+    decoder: Literal["shared", "own"] = "shared"
+    # the detection losses' gradient into the BEV encoder is multiplied by this (1: as is; 0: the
+    # encoder learns from segmentation alone); the forward is unchanged
+    trunk_grad_scale: float = 1.0
 
 
 @dataclass

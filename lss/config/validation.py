@@ -281,5 +281,10 @@ def validate(cfg: Config) -> Config:
         "detection: match_distance and roi_enlarge must be "
         f"positive; got {d.match_distance}, {d.roi_enlarge}",
     )
+    _check(
+        math.isfinite(d.trunk_grad_scale) and d.trunk_grad_scale >= 0,
+        f"detection.trunk_grad_scale={d.trunk_grad_scale}: expected a finite factor >= 0 (1: the "
+        "detection losses train the BEV encoder as they are, 0: not at all)",
+    )
     check_config_memory(cfg)  # last: it reads the sizes checked above
     return cfg

@@ -40,20 +40,27 @@ class BevEncoder(nn.Module):
         # resolution, where objects of one or two cells (pedestrians) are still sharp; else it reads
         # only the stride-2 features
         self.full_res_skip = full_res_skip
-        if full_res_skip:
-            self.up2 = Up(
-                in_channels + 256,
-                self.feature_channels,
-                scale_factor=2,
-                upsample_mode=upsample_mode,
-            )
-        else:
-            self.up2 = nn.Sequential(
-                UpsampleBilinear(scale_factor=2, mode=upsample_mode),
-                *conv_bn_relu(256, self.feature_channels),
-            )
+        self.up2 = self.last_stage(in_channels, upsample_mode, full_res_skip)
 
-    def forward(self, bev: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def last_stage(cls, in_channels: int, upsample_mode: str, full_res_skip: bool) -> nn.Module:
+        """The decoder's last stage: stride-2 features B x 256 (and with `full_res_skip` the grid)
+        -> B x feature_channels x nx x ny (detection.decoder: own builds a second one)."""
+        if full_res_skip:
+            return Up(
+                in_channels + 256, cls.feature_channels, scale_factor=2, upsample_mode=upsample_mode
+            )
+        return nn.Sequential(
+            UpsampleBilinear(scale_factor=2, mode=upsample_mode),
+            *conv_bn_relu(256, cls.feature_channels),
+        )
+
+    def run_last_stage(self, stage: nn.Module, x: torch.Tensor, bev: torch.Tensor) -> torch.Tensor:
+        return stage(x, bev) if self.full_res_skip else stage(x)
+
+    def forward(self, bev: torch.Tensor, return_stride2: bool = False):
+        """features; with `return_stride2` (features, the stride-2 map the last stage reads)."""
         x1 = self.layer1(self.stem(bev))
         x = self.up1(self.layer3(self.layer2(x1)), x1)
-        return self.up2(x, bev) if self.full_res_skip else self.up2(x)
+        features = self.run_last_stage(self.up2, x, bev)
+        return (features, x) if return_stride2 else features

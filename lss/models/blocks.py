@@ -45,3 +45,19 @@ class Up(nn.Module):
                 "stride"
             )
         return self.conv(torch.cat([skip, coarse], dim=1))
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def scale_gradient(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x in the forward; the gradient flowing back through it multiplied by `scale`."""
+    return _ScaleGradient.apply(x, scale)

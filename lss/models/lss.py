@@ -9,6 +9,7 @@ from lss.config import Config
 from lss.geometry import BevGrid
 from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS
 from lss.models.bev import BevEncoder
+from lss.models.blocks import scale_gradient
 from lss.models.camera import CameraEncoder
 from lss.models.heads import DetectionHead, SegmentationHead
 from lss.models.heads.detection import batch_ground_truth
@@ -42,6 +43,7 @@ class LiftSplatShoot(nn.Module):
         grid = BevGrid.from_config(config.grid)
         self.classes = tuple(data.classes)
         self.grid = grid
+        self.detection_grad_scale = float(config.detection.trunk_grad_scale)
         self.splat = Splat(
             grid,
             data.final_dim,
@@ -77,6 +79,15 @@ class LiftSplatShoot(nn.Module):
         self.temporal = (
             TemporalFusion(grid.nz * model.context_channels) if model.temporal.frames == 2 else None
         )
+        # detection.decoder: own: the detection head's own last decoder stage (built after the
+        # others, so that they start as the shared model's of the same seed do)
+        self.detection_decoder = (
+            BevEncoder.last_stage(
+                grid.nz * model.context_channels, model.upsample_mode, model.bev_full_res_skip
+            )
+            if self.detection is not None and config.detection.decoder == "own"
+            else None
+        )
         if model.batch_norm == "lss":  # the same modules and state dict, lss's training kernels
             use_lss_batch_norm(self)
 
@@ -94,7 +105,18 @@ class LiftSplatShoot(nn.Module):
         bev = self.splat(depth, context, lut)
         if self.temporal is not None:
             bev = self.temporal(bev, self.previous_bev(batch))
-        features = self.bev(bev)
+        # detection.trunk_grad_scale: the detection branch's gradient into the shared BEV encoder
+        # (and the splatted grid) scaled where the branch leaves it
+        scale = self.detection_grad_scale if torch.is_grad_enabled() else 1.0
+        branch = (lambda t: scale_gradient(t, scale)) if scale != 1.0 else (lambda t: t)
+        if self.detection_decoder is not None:
+            features, stride2 = self.bev(bev, return_stride2=True)
+            detection_features = self.bev.run_last_stage(
+                self.detection_decoder, branch(stride2), branch(bev)
+            )
+        else:
+            features = self.bev(bev)
+            detection_features = branch(features)
         outputs = {
             "segmentation": self.segmentation(features),
             "depth_logits": depth_logits.unflatten(0, (b, n)),
@@ -103,7 +125,9 @@ class LiftSplatShoot(nn.Module):
             outputs["camera_depth"], outputs["camera_context"] = depth.detach(), context.detach()
         if self.detection is not None:
             gt_boxes, gt_labels = batch_ground_truth(batch)
-            outputs.update(self.detection(features, gt_boxes=gt_boxes, gt_labels=gt_labels))
+            outputs.update(
+                self.detection(detection_features, gt_boxes=gt_boxes, gt_labels=gt_labels)
+            )
         return outputs
 
     def previous_bev(self, batch: dict) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""A model with both heads: where the detection head reads the BEV features (detection.decoder: shared or own) and
+how much of its gradient reaches the BEV encoder (detection.trunk_grad_scale); the default model is unchanged."""
+import pytest
+import torch
+
+from lss.config import ConfigError, load_config
+from lss.models.build import build_model
+from test_model import TINY, rig_batch
+
+JOINT = ["model.heads=[segmentation, detection]", "detection.head_channels=8"]
+
+
+def _model(*extra, seed=0):
+    cfg = load_config(None, TINY + JOINT + list(extra))
+    torch.manual_seed(seed)
+    return build_model(cfg).train(), cfg
+
+
+def _grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def _detection_loss(outputs):
+    return outputs["det_heatmap"].float().square().mean() + outputs["det_regression"].float().square().mean()
+
+
+def _nonzero(g):
+    return g is not None and bool(g.abs().sum() > 0)
+
+
+def test_shared_decoder_is_the_model_as_before():
+    shared, _ = _model()
+    assert shared.detection_decoder is None
+    assert not any(k.startswith("detection_decoder.") for k in shared.state_dict())
+
+
+def test_own_decoder_keeps_the_detection_losses_out_of_the_segmentation_heads_last_stage():
+    model, cfg = _model("detection.decoder=own")
+    shared, _ = _model()
+    extra = set(model.state_dict()) - set(shared.state_dict())
+    assert extra and all(k.startswith("detection_decoder.") for k in extra)
+    # the modules both models have start alike (the own decoder is built last)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in shared.state_dict().items())
+    batch = rig_batch(cfg)
+    grads = _grads(model, _detection_loss(model(batch)))
+    assert all(not _nonzero(g) for n, g in grads.items() if n.startswith(("bev.up2.", "segmentation.")))
+    assert any(_nonzero(g) for n, g in grads.items() if n.startswith("detection_decoder."))
+    assert any(_nonzero(g) for n, g in grads.items() if n.startswith("bev.layer1."))  # the trunk is shared
+    grads = _grads(model, model(batch)["segmentation"].float().square().mean())
+    assert all(not _nonzero(g) for n, g in grads.items() if n.startswith(("detection_decoder.", "detection.")))
+    assert any(_nonzero(g) for n, g in grads.items() if n.startswith("bev.up2."))
+
+
+@pytest.mark.parametrize("decoder", ["shared", "own"])
+def test_trunk_grad_scale_scales_only_what_reaches_the_bev_encoder(decoder):
+    grads = {}
+    for scale in (1.0, 0.25, 0.0):
+        model, cfg = _model(f"detection.decoder={decoder}", f"detection.trunk_grad_scale={scale}")
+        out = model(rig_batch(cfg))
+        grads[scale] = _grads(model, _detection_loss(out))
+        if scale == 1.0:
+            with torch.no_grad():  # the forward does not depend on the scale
+                reference = out["det_heatmap"].detach()
+        else:
+            torch.testing.assert_close(out["det_heatmap"].detach(), reference)
+    scaled = [n for n in grads[1.0] if n.startswith(("bev.", "camera."))]
+    head = [n for n in grads[1.0] if n.startswith(("detection.", "detection_decoder."))]
+    assert any(_nonzero(grads[1.0][n]) for n in scaled) and any(_nonzero(grads[1.0][n]) for n in head)
+    for n in scaled:
+        if grads[1.0][n] is not None:
+            torch.testing.assert_close(grads[0.25][n], 0.25 * grads[1.0][n], rtol=1e-4, atol=1e-9)
+            assert not _nonzero(grads[0.0][n])
+    for n in head:
+        torch.testing.assert_close(grads[0.25][n], grads[1.0][n], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("detection.trunk_grad_scale=-1", r"trunk_grad_scale=-1.0: expected a finite factor >= 0"),
+    ("detection.decoder=separate", "detection.decoder"),
+])
+def test_bad_settings_are_refused(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, TINY + JOINT + [setting])
+
+
+def test_a_checkpoint_with_its_own_decoder_is_refused_by_a_shared_config(tmp_path):
+    from lss.engine.checkpoint import load_checkpoint_model, save_checkpoint
+    from lss.errors import CheckpointError
+
+    model, cfg = _model("detection.decoder=own")
+    save_checkpoint(tmp_path / "own.pt", model, step=1, config=cfg)
+    _, shared = _model()
+    with pytest.raises(CheckpointError, match="detection.decoder=own.*detection.decoder=shared"):
+        load_checkpoint_model(shared, tmp_path / "own.pt", torch.device("cpu"))
