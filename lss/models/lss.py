@@ -116,7 +116,7 @@ class LiftSplatShoot(nn.Module):
             )
         else:
             features = self.bev(bev)
-            detection_features = branch(features)
+            detection_features = branch(features) if self.detection is not None else None
         outputs = {
             "segmentation": self.segmentation(features),
             "depth_logits": depth_logits.unflatten(0, (b, n)),
