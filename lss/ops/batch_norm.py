@@ -59,7 +59,7 @@ def batch_norm_train(
     invstd are not). Equals torch.nn.functional.batch_norm(..., training=True) within rounding."""
     _check(input, weight, bias, eps)
     if _ext.use_reference("batch_norm_train"):
-        return batch_norm_train_reference(input, weight, bias, eps)
+        return _reference(input, weight, bias, eps)
     _ext.check_device("batch_norm_train", input)
     return torch.ops.lss.batch_norm_train(input.contiguous(), weight, bias, float(eps))
 
@@ -69,6 +69,10 @@ def batch_norm_train_reference(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """batch_norm_train in plain PyTorch (float32 statistics; float64 for float64 input)."""
     _check(input, weight, bias, eps)
+    return _reference(input, weight, bias, eps)
+
+
+def _reference(input: Tensor, weight: Tensor, bias: Tensor, eps: float):
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
     x = input.to(acc)
     dims = [0] + list(range(2, input.dim()))
