@@ -97,6 +97,11 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     # the default recipe training through lss's batch norm kernels (model.batch_norm: lss): the
     # same model and recipe, PyTorch's NCHW bfloat16 batch norm kernels replaced (docs/ops.md)
     "default_bn_lss": ("configs/synthetic.yaml", ("model.batch_norm=lss",)),
+    # ... and through lss's depthwise convolution kernels too (model.depthwise_conv: lss)
+    "default_lss_kernels": (
+        "configs/synthetic.yaml",
+        ("model.batch_norm=lss", "model.depthwise_conv=lss"),
+    ),
     # the default recipe before the full-resolution skip (pedestrian pos_weight 10, no skip)
     "default_noskip": ("configs/synthetic.yaml", NOSKIP),
     "default_noskip_4k": ("configs/synthetic.yaml", NOSKIP + ("train.max_steps=4000",)),

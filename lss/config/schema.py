@@ -136,6 +136,10 @@ class ModelConfig:
     # (lss.ops.batch_norm, NCHW inputs; PyTorch's NCHW bfloat16 kernels are the slow path); the
     # weights, statistics and evaluation are the same either way
     batch_norm: Literal["torch", "lss"] = "torch"
+    # the kernels of the EfficientNet trunk's depthwise convolutions: "torch" (PyTorch's, after a
+    # padded copy of the input), or "lss": lss's own (lss.ops.depthwise_conv2d, NCHW inputs, the
+    # "same" padding inside the kernel); the weights are the same either way
+    depthwise_conv: Literal["torch", "lss"] = "torch"
     temporal: TemporalConfig = field(default_factory=TemporalConfig)
 
 

@@ -10,11 +10,14 @@ from typing import Optional
 
 import torch
 from efficientnet_pytorch import EfficientNet
+from efficientnet_pytorch.utils import Conv2dDynamicSamePadding, Conv2dStaticSamePadding
 from torch import nn
 from torchvision.models import resnet18
 
 from lss.errors import ConfigError
 from lss.models.blocks import Up
+from lss.ops import _ext
+from lss.ops.depthwise_conv import MAX_KERNEL, depthwise_conv2d
 
 # model.pretrained's value for efficientnet-pytorch's own ImageNet weights (torch.hub's cache)
 IMAGENET = "imagenet"
@@ -109,6 +112,81 @@ class EfficientNetTrunk(nn.Module):
                 f"EfficientNetTrunk: input {tuple(images.shape)} is too small (needs H, W >= 32)"
             )
         return stride16, x
+
+
+class _LssDepthwise:
+    """Forward of efficientnet-pytorch's depthwise convolutions with TensorFlow's "same" padding
+    (one row and column more at the bottom and right where the padding is odd) through
+    lss.ops.depthwise_conv2d: the padding goes to the kernel instead of a padded copy of the input.
+    Contiguous inputs with the compiled kernels for their device; anything else (channels-last, no
+    extension) runs efficientnet-pytorch's own forward. Parameters and state dict stay the
+    module's."""
+
+    def _padding(self, x: torch.Tensor) -> tuple[int, int, int, int]:
+        raise NotImplementedError
+
+    def _ours(self, x: torch.Tensor) -> bool:
+        return (
+            x.dim() == 4
+            and x.is_contiguous()
+            and _ext.has_ext()
+            and (not x.is_cuda or _ext.has_cuda_ops())
+            and (x.dtype == self.weight.dtype or self.weight.dtype == torch.float32)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # what autocast gives conv2d
+        if not self._ours(x):
+            return super().forward(x)
+        return depthwise_conv2d(x, self.weight, self.bias, tuple(self.stride), self._padding(x))
+
+
+class SameDepthwiseConv2d(_LssDepthwise, Conv2dDynamicSamePadding):
+    """Conv2dDynamicSamePadding (padding from the input's size) through lss's kernels."""
+
+    def _padding(self, x: torch.Tensor) -> tuple[int, int, int, int]:
+        (ih, iw), (kh, kw), (sh, sw) = x.shape[-2:], self.weight.shape[-2:], self.stride
+        pad_h = max((-(-ih // sh) - 1) * sh + kh - ih, 0)
+        pad_w = max((-(-iw // sw) - 1) * sw + kw - iw, 0)
+        return (pad_h // 2, pad_h - pad_h // 2, pad_w // 2, pad_w - pad_w // 2)
+
+
+class StaticSameDepthwiseConv2d(_LssDepthwise, Conv2dStaticSamePadding):
+    """Conv2dStaticSamePadding (padding fixed when built: EfficientNet.from_name's) through lss's
+    kernels."""
+
+    def _padding(self, x: torch.Tensor) -> tuple[int, int, int, int]:
+        pad = self.static_padding
+        if isinstance(pad, nn.ZeroPad2d):
+            left, right, top, bottom = pad.padding
+            return (top, bottom, left, right)
+        return (0, 0, 0, 0)
+
+
+_LSS_DEPTHWISE = {
+    Conv2dDynamicSamePadding: SameDepthwiseConv2d,
+    Conv2dStaticSamePadding: StaticSameDepthwiseConv2d,
+}
+
+
+def use_lss_depthwise_conv(module: nn.Module) -> int:
+    """Turns every depthwise convolution of efficientnet-pytorch in `module`
+    (Conv2dDynamicSamePadding or Conv2dStaticSamePadding with groups equal to the input and output
+    channels, no dilation, filters up to 7 x 7) into its lss counterpart in place, keeping
+    parameters and state dict keys; returns how many."""
+    count = 0
+    for m in module.modules():
+        ours = _LSS_DEPTHWISE.get(type(m))
+        if (
+            ours is not None
+            and m.groups == m.in_channels == m.out_channels
+            and tuple(m.dilation) == (1, 1)
+            and max(m.kernel_size) <= MAX_KERNEL
+        ):
+            m.__class__ = ours
+            count += 1
+    return count
 
 
 class ResNetTrunk(nn.Module):

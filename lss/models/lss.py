@@ -10,7 +10,7 @@ from lss.geometry import BevGrid
 from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS
 from lss.models.bev import BevEncoder
 from lss.models.blocks import scale_gradient
-from lss.models.camera import CameraEncoder
+from lss.models.camera import CameraEncoder, use_lss_depthwise_conv
 from lss.models.heads import DetectionHead, SegmentationHead
 from lss.models.heads.detection import batch_ground_truth
 from lss.models.splat import Splat
@@ -90,6 +90,8 @@ class LiftSplatShoot(nn.Module):
         )
         if model.batch_norm == "lss":  # the same modules and state dict, lss's training kernels
             use_lss_batch_norm(self)
+        if model.depthwise_conv == "lss":  # the same again, for the trunk's depthwise convolutions
+            use_lss_depthwise_conv(self)
 
     def forward(self, batch: dict) -> dict:
         images = batch["images"]

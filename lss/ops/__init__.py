@@ -23,6 +23,7 @@ from lss.ops.batch_norm import (
     batch_norm_train_reference,
     use_lss_batch_norm,
 )
+from lss.ops.depthwise_conv import depthwise_conv2d, depthwise_conv2d_reference
 
 # torch.fx leaf functions where a model calls them as lss.ops.<op> (each op's module wraps its own
 # name too).
@@ -36,5 +37,6 @@ for _name in (
     "roi_align",
     "roi_pool",
     "batch_norm_train",
+    "depthwise_conv2d",
 ):
     torch.fx.wrap(_name)
