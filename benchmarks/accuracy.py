@@ -94,13 +94,11 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     # the default recipe with the pedestrian's class weight 4 instead of 3 (docs/accuracy.md,
     # "Pedestrians")
     "ped_cw4": ("configs/synthetic.yaml", ("loss.class_weights=[2.0,4.0,0.5,0.5]",)),
-    # the default recipe training through lss's batch norm kernels (model.batch_norm: lss): the
-    # same model and recipe, PyTorch's NCHW bfloat16 batch norm kernels replaced (docs/ops.md)
-    "default_bn_lss": ("configs/synthetic.yaml", ("model.batch_norm=lss",)),
-    # ... and through lss's depthwise convolution kernels too (model.depthwise_conv: lss)
-    "default_lss_kernels": (
+    # the default recipe on PyTorch's batch norm and depthwise convolution kernels instead of lss's
+    # (model.batch_norm / depthwise_conv: torch): the same model and recipe (docs/benchmarks.md)
+    "default_torch_kernels": (
         "configs/synthetic.yaml",
-        ("model.batch_norm=lss", "model.depthwise_conv=lss"),
+        ("model.batch_norm=torch", "model.depthwise_conv=torch"),
     ),
     # the default recipe before the full-resolution skip (pedestrian pos_weight 10, no skip)
     "default_noskip": ("configs/synthetic.yaml", NOSKIP),

@@ -266,7 +266,7 @@ def test_a_set_folder_made_for_one_set_is_refused_for_the_other(tmp_path):
         ensure_synthetic_set(tmp_path, accuracy.CONFIRM_SET)
 
 
-@pytest.mark.parametrize("name", ["default_at_128", "ped_cw4", "default_bn_lss", "default_lss_kernels"])
+@pytest.mark.parametrize("name", ["default_at_128", "ped_cw4", "default_torch_kernels"])
 def test_the_two_set_recipes_change_only_what_they_name(name):
     from lss.config import config_to_dict, load_config
 
@@ -284,8 +284,6 @@ def test_the_two_set_recipes_change_only_what_they_name(name):
         assert tuple(changed["data"]["resize_lim"]) == tuple(paper.data.resize_lim)
     elif name == "ped_cw4":
         assert differs == {("loss", "class_weights")} and changed["loss"]["class_weights"][1] == 4.0
-    elif name == "default_bn_lss":
-        assert differs == {("model", "batch_norm")} and changed["model"]["batch_norm"] == "lss"
     else:
         assert differs == {("model", "batch_norm"), ("model", "depthwise_conv")}
-        assert changed["model"]["batch_norm"] == changed["model"]["depthwise_conv"] == "lss"
+        assert changed["model"]["batch_norm"] == changed["model"]["depthwise_conv"] == "torch"

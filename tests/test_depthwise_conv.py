@@ -239,8 +239,8 @@ def test_cuda_matches_cpu(dtype, case):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel,stride", [(3, 1), (3, 2), (5, 1), (5, 2)])
 def test_cuda_efficientnet_sizes_against_cudnn(kernel, stride):
-    """The trunk's shapes (24 images, 176 x 88 or smaller) in bfloat16 against PyTorch's own kernels
-    on the same values in float32."""
+    """A trunk-sized map (24 images x 96 channels, 64 x 176) in bfloat16 against PyTorch's own
+    kernels on the same values in float32."""
     pad = kernel // 2
     p = (pad - (stride - 1), pad, pad - (stride - 1), pad)  # "same" at even sizes
     x = torch.randn(24, 96, 64, 176, device="cuda")
@@ -248,7 +248,8 @@ def test_cuda_efficientnet_sizes_against_cudnn(kernel, stride):
     xb = x.bfloat16().requires_grad_()
     wf = w.clone().requires_grad_()
     out = depthwise_conv2d(xb, wf, None, stride, p)
-    xf, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    # the same values: the bfloat16 input in float32
+    xf, wr = x.bfloat16().float().requires_grad_(), w.clone().requires_grad_()
     ref = _torch(xf, wr, stride, p)
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=5e-2)
     g = torch.randn_like(ref)
@@ -281,3 +282,32 @@ def test_cuda_inside_a_captured_graph():
     ref = _torch(x.detach().double(), w.detach().double(), 2, (1, 2, 1, 2))
     torch.testing.assert_close(out.detach().double(), ref, rtol=1e-4, atol=1e-4)
     assert torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
+
+
+def test_config_auto_uses_the_kernels_on_cuda_only_and_not_under_compile(monkeypatch):
+    """model.*: auto (the default) turns the modules (same state dict) but keeps CPU inputs on
+    PyTorch's kernels; train.compile leaves PyTorch's modules to the compiler; unknown values are
+    refused."""
+    from test_model import tiny_cfg
+
+    import lss.models.camera as camera
+    from lss.config import ConfigError, config_from_dict
+    from lss.models.build import build_model
+    from lss.ops.batch_norm import BatchNorm2d
+
+    cfg = tiny_cfg()
+    assert cfg.model.batch_norm == cfg.model.depthwise_conv == "auto"
+    model = build_model(cfg).train()
+    dw = [m for m in model.modules() if isinstance(m, camera._LssDepthwise)]
+    bn = [m for m in model.modules() if type(m) is BatchNorm2d]
+    assert dw and bn and not any(m.on_cpu for m in dw + bn)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("lss's depthwise kernel ran on the CPU")
+
+    monkeypatch.setattr(camera, "depthwise_conv2d", refuse)
+    model.camera(torch.randn(2, 3, *cfg.data.final_dim))  # PyTorch's kernels on the CPU
+    compiled = build_model(tiny_cfg("train.compile=true"))
+    assert not any(isinstance(m, (camera._LssDepthwise, BatchNorm2d)) for m in compiled.modules())
+    with pytest.raises(ConfigError, match="model.depthwise_conv"):
+        config_from_dict({"model": {"depthwise_conv": "cudnn"}})

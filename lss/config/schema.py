@@ -132,14 +132,16 @@ class ModelConfig:
     # the BEV decoder's last upsampling also reads the splatted grid at full resolution (a skip
     # around the ResNet-18 trunk: one- or two-cell objects such as pedestrians stay sharp)
     bev_full_res_skip: bool = False
-    # the kernels of every BatchNorm2d in training: "torch" (PyTorch's), or "lss": lss's own
-    # (lss.ops.batch_norm, NCHW inputs; PyTorch's NCHW bfloat16 kernels are the slow path); the
-    # weights, statistics and evaluation are the same either way
-    batch_norm: Literal["torch", "lss"] = "torch"
-    # the kernels of the EfficientNet trunk's depthwise convolutions: "torch" (PyTorch's, after a
-    # padded copy of the input), or "lss": lss's own (lss.ops.depthwise_conv2d, NCHW inputs, the
-    # "same" padding inside the kernel); the weights are the same either way
-    depthwise_conv: Literal["torch", "lss"] = "torch"
+    # the kernels of every BatchNorm2d in training: "lss": lss's own (lss.ops.batch_norm_train:
+    # PyTorch's NCHW bfloat16 kernels are the slow path), "torch": PyTorch's, "auto": lss's on
+    # CUDA unless train.compile (the compiler writes its own), PyTorch's on the CPU (lss's CPU
+    # kernels are the exact reference, not faster); the weights, statistics and evaluation are the
+    # same either way
+    batch_norm: Literal["auto", "torch", "lss"] = "auto"
+    # the kernels of the EfficientNet trunk's depthwise convolutions, the same choices: "lss":
+    # lss.ops.depthwise_conv2d (NCHW, the "same" padding inside the kernel instead of a padded copy
+    # of the input), "torch": PyTorch's after the padded copy; the weights are the same either way
+    depthwise_conv: Literal["auto", "torch", "lss"] = "auto"
     temporal: TemporalConfig = field(default_factory=TemporalConfig)
 
 

@@ -119,8 +119,11 @@ class _LssDepthwise:
     (one row and column more at the bottom and right where the padding is odd) through
     lss.ops.depthwise_conv2d: the padding goes to the kernel instead of a padded copy of the input.
     Contiguous inputs with the compiled kernels for their device; anything else (channels-last, no
-    extension) runs efficientnet-pytorch's own forward. Parameters and state dict stay the
-    module's."""
+    extension, a trace for export) runs efficientnet-pytorch's own forward; so do CPU inputs unless
+    `on_cpu` (lss's CPU kernels are the exact reference, slower than PyTorch's). Parameters and
+    state dict stay the module's."""
+
+    on_cpu = True
 
     def _padding(self, x: torch.Tensor) -> tuple[int, int, int, int]:
         raise NotImplementedError
@@ -128,6 +131,8 @@ class _LssDepthwise:
     def _ours(self, x: torch.Tensor) -> bool:
         return (
             x.dim() == 4
+            and (x.is_cuda or self.on_cpu)
+            and not torch.jit.is_tracing()
             and x.is_contiguous()
             and _ext.has_ext()
             and (not x.is_cuda or _ext.has_cuda_ops())
@@ -170,11 +175,12 @@ _LSS_DEPTHWISE = {
 }
 
 
-def use_lss_depthwise_conv(module: nn.Module) -> int:
+def use_lss_depthwise_conv(module: nn.Module, on_cpu: bool = True) -> int:
     """Turns every depthwise convolution of efficientnet-pytorch in `module`
     (Conv2dDynamicSamePadding or Conv2dStaticSamePadding with groups equal to the input and output
     channels, no dilation, filters up to 7 x 7) into its lss counterpart in place, keeping
-    parameters and state dict keys; returns how many."""
+    parameters and state dict keys; returns how many. `on_cpu` False: CPU inputs keep PyTorch's
+    kernels."""
     count = 0
     for m in module.modules():
         ours = _LSS_DEPTHWISE.get(type(m))
@@ -185,6 +191,7 @@ def use_lss_depthwise_conv(module: nn.Module) -> int:
             and max(m.kernel_size) <= MAX_KERNEL
         ):
             m.__class__ = ours
+            m.on_cpu = on_cpu
             count += 1
     return count
 

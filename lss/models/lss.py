@@ -88,10 +88,14 @@ class LiftSplatShoot(nn.Module):
             if self.detection is not None and config.detection.decoder == "own"
             else None
         )
-        if model.batch_norm == "lss":  # the same modules and state dict, lss's training kernels
-            use_lss_batch_norm(self)
-        if model.depthwise_conv == "lss":  # the same again, for the trunk's depthwise convolutions
-            use_lss_depthwise_conv(self)
+        # the same modules and state dict through lss's kernels ("auto": on CUDA only, and not
+        # under train.compile, whose compiler writes its own)
+        if model.batch_norm == "lss" or (model.batch_norm == "auto" and not config.train.compile):
+            use_lss_batch_norm(self, on_cpu=model.batch_norm == "lss")
+        if model.depthwise_conv == "lss" or (
+            model.depthwise_conv == "auto" and not config.train.compile
+        ):
+            use_lss_depthwise_conv(self, on_cpu=model.depthwise_conv == "lss")
 
     def forward(self, batch: dict) -> dict:
         images = batch["images"]

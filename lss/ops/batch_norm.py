@@ -90,11 +90,16 @@ class BatchNorm2d(nn.BatchNorm2d):
     input and the compiled kernels for its device; anything else (evaluation, channels-last input,
     no affine, another weight dtype) runs torch.nn.BatchNorm2d's own forward. The running
     statistics are updated as torch.nn.BatchNorm2d updates them (momentum, or the cumulative
-    average with momentum None; the unbiased variance)."""
+    average with momentum None; the unbiased variance). `on_cpu` False keeps CPU inputs on
+    PyTorch's kernels (lss's CPU kernels are the exact reference, not faster than PyTorch's)."""
+
+    on_cpu = True
 
     def _ours(self, input: Tensor) -> bool:
         return (
             self.training
+            and (input.is_cuda or self.on_cpu)
+            and not torch.jit.is_tracing()
             and self.affine
             and self.weight.dtype == torch.float32
             and input.dim() == 4
@@ -124,13 +129,15 @@ class BatchNorm2d(nn.BatchNorm2d):
         return output
 
 
-def use_lss_batch_norm(module: nn.Module) -> int:
+def use_lss_batch_norm(module: nn.Module, on_cpu: bool = True) -> int:
     """Turns every torch.nn.BatchNorm2d of `module` (exactly that class) into BatchNorm2d in place,
-    keeping its parameters, buffers and state dict keys; returns how many."""
+    keeping its parameters, buffers and state dict keys; returns how many. `on_cpu` False: CPU
+    inputs keep PyTorch's kernels (BatchNorm2d.on_cpu)."""
     count = 0
     for m in module.modules():
         if type(m) is nn.BatchNorm2d:
             m.__class__ = BatchNorm2d
+            m.on_cpu = on_cpu
             count += 1
     return count
 
