@@ -1,5 +1,5 @@
-"""lss.ops.depthwise_conv2d (the compiled kernels) against torch.nn.functional.conv2d (groups = C) in
-float64: outputs and gradients of the input and the weight in every dtype, the filter and stride
+"""lss.ops.depthwise_conv2d (the compiled kernels) against torch.nn.functional.conv2d (groups = C)
+in float64: outputs and gradients of the input and the weight in every dtype, the filter and stride
 shapes the CUDA kernels compile (3x3, 5x5, stride 1 and 2) and the generic path, asymmetric padding,
 a float32 weight under a half input, gradcheck, opcheck, bad arguments; SameDepthwiseConv2d and
 use_lss_depthwise_conv against efficientnet-pytorch's own module (autocast included); the model
@@ -200,7 +200,8 @@ def test_model_switch_keeps_the_state_dict_and_the_outputs():
     torch.manual_seed(0)
     theirs = build_model(load_config("configs/synthetic.yaml", overrides))
     torch.manual_seed(0)
-    ours = build_model(load_config("configs/synthetic.yaml", overrides + ["model.depthwise_conv=lss"]))
+    lss_kernels = overrides + ["model.depthwise_conv=lss"]
+    ours = build_model(load_config("configs/synthetic.yaml", lss_kernels))
     assert sum(type(m) is StaticSameDepthwiseConv2d for m in ours.modules()) == 16
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     ours.load_state_dict(theirs.state_dict())
@@ -311,3 +312,19 @@ def test_config_auto_uses_the_kernels_on_cuda_only_and_not_under_compile(monkeyp
     assert not any(isinstance(m, (camera._LssDepthwise, BatchNorm2d)) for m in compiled.modules())
     with pytest.raises(ConfigError, match="model.depthwise_conv"):
         config_from_dict({"model": {"depthwise_conv": "cudnn"}})
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_the_captured_training_step_follows_the_eager_trajectory_on_cuda():
+    """The default kernels (auto: lss's batch norm and depthwise convolutions on CUDA) through the
+    engine's captured step follow the eager steps (bf16)."""
+    from test_graph_step import _run_both, assert_follows_eager
+    from test_model import tiny_cfg
+
+    import lss.models.camera as camera
+
+    eager, graphed, pa, pb, step = _run_both(tiny_cfg(), "cuda", 4, True, torch.bfloat16)
+    assert step.graph is not None
+    assert any(isinstance(m, camera._LssDepthwise) for m in step.model.modules())
+    assert_follows_eager(eager, graphed, pa, pb)

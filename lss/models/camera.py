@@ -16,7 +16,7 @@ from torchvision.models import resnet18
 
 from lss.errors import ConfigError
 from lss.models.blocks import Up
-from lss.ops import _ext
+from lss.ops import has_cuda_ops, has_ext
 from lss.ops.depthwise_conv import MAX_KERNEL, depthwise_conv2d
 
 # model.pretrained's value for efficientnet-pytorch's own ImageNet weights (torch.hub's cache)
@@ -131,19 +131,19 @@ class _LssDepthwise:
     def _ours(self, x: torch.Tensor) -> bool:
         return (
             x.dim() == 4
-            and (x.is_cuda or self.on_cpu)
+            and (x.is_cuda or (self.on_cpu and x.device.type == "cpu"))
             and not torch.jit.is_tracing()
             and x.is_contiguous()
-            and _ext.has_ext()
-            and (not x.is_cuda or _ext.has_cuda_ops())
+            and has_ext()
+            and (not x.is_cuda or has_cuda_ops())
             and (x.dtype == self.weight.dtype or self.weight.dtype == torch.float32)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
-            x = x.to(torch.get_autocast_dtype(x.device.type))  # what autocast gives conv2d
         if not self._ours(x):
             return super().forward(x)
+        if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # what autocast gives conv2d
         return depthwise_conv2d(x, self.weight, self.bias, tuple(self.stride), self._padding(x))
 
 

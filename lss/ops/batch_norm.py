@@ -98,7 +98,7 @@ class BatchNorm2d(nn.BatchNorm2d):
     def _ours(self, input: Tensor) -> bool:
         return (
             self.training
-            and (input.is_cuda or self.on_cpu)
+            and (input.is_cuda or (self.on_cpu and input.device.type == "cpu"))
             and not torch.jit.is_tracing()
             and self.affine
             and self.weight.dtype == torch.float32

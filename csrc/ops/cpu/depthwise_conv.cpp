@@ -14,6 +14,20 @@ namespace lss {
 namespace depthwise_conv {
 namespace {
 
+// Calls tap(k, i) for every filter tap k = kh * KW + kw of output (oh, ow) whose input pixel i = ih * W + iw lies
+// inside the (unpadded) image.
+template <typename F>
+inline void for_each_tap(const Geometry& g, int64_t oh, int64_t ow, F&& tap) {
+  for (int64_t kh = 0; kh < g.kh; ++kh) {
+    const int64_t ih = oh * g.sh - g.pt + kh;
+    if (ih < 0 || ih >= g.h) continue;
+    for (int64_t kw = 0; kw < g.kw; ++kw) {
+      const int64_t iw = ow * g.sw - g.pl + kw;
+      if (iw >= 0 && iw < g.w) tap(kh * g.kw + kw, ih * g.w + iw);
+    }
+  }
+}
+
 template <typename scalar_t, typename w_t>
 void forward_kernel(const Geometry& g, const scalar_t* x, const w_t* w, scalar_t* y) {
   at::parallel_for(0, g.n * g.c, 1, [&](int64_t begin, int64_t end) {
@@ -24,15 +38,9 @@ void forward_kernel(const Geometry& g, const scalar_t* x, const w_t* w, scalar_t
       for (int64_t oh = 0; oh < g.oh; ++oh) {
         for (int64_t ow = 0; ow < g.ow; ++ow) {
           double acc = 0;
-          for (int64_t kh = 0; kh < g.kh; ++kh) {
-            const int64_t ih = oh * g.sh - g.pt + kh;
-            if (ih < 0 || ih >= g.h) continue;
-            for (int64_t kw = 0; kw < g.kw; ++kw) {
-              const int64_t iw = ow * g.sw - g.pl + kw;
-              if (iw < 0 || iw >= g.w) continue;
-              acc += static_cast<double>(plane[ih * g.w + iw]) * static_cast<double>(filter[kh * g.kw + kw]);
-            }
-          }
+          for_each_tap(g, oh, ow, [&](int64_t k, int64_t i) {
+            acc += static_cast<double>(plane[i]) * static_cast<double>(filter[k]);
+          });
           out[oh * g.ow + ow] = static_cast<scalar_t>(acc);
         }
       }
@@ -53,15 +61,7 @@ void backward_kernel(const Geometry& g, const scalar_t* dy, const scalar_t* x, c
       for (int64_t oh = 0; oh < g.oh; ++oh) {
         for (int64_t ow = 0; ow < g.ow; ++ow) {
           const double v = static_cast<double>(go[oh * g.ow + ow]);
-          for (int64_t kh = 0; kh < g.kh; ++kh) {
-            const int64_t ih = oh * g.sh - g.pt + kh;
-            if (ih < 0 || ih >= g.h) continue;
-            for (int64_t kw = 0; kw < g.kw; ++kw) {
-              const int64_t iw = ow * g.sw - g.pl + kw;
-              if (iw < 0 || iw >= g.w) continue;
-              acc[ih * g.w + iw] += v * static_cast<double>(filter[kh * g.kw + kw]);
-            }
-          }
+          for_each_tap(g, oh, ow, [&](int64_t k, int64_t i) { acc[i] += v * static_cast<double>(filter[k]); });
         }
       }
       scalar_t* out = dx + p * g.h * g.w;
@@ -79,15 +79,7 @@ void backward_kernel(const Geometry& g, const scalar_t* dy, const scalar_t* x, c
         for (int64_t oh = 0; oh < g.oh; ++oh) {
           for (int64_t ow = 0; ow < g.ow; ++ow) {
             const double v = static_cast<double>(go[oh * g.ow + ow]);
-            for (int64_t kh = 0; kh < g.kh; ++kh) {
-              const int64_t ih = oh * g.sh - g.pt + kh;
-              if (ih < 0 || ih >= g.h) continue;
-              for (int64_t kw = 0; kw < g.kw; ++kw) {
-                const int64_t iw = ow * g.sw - g.pl + kw;
-                if (iw < 0 || iw >= g.w) continue;
-                acc[kh * g.kw + kw] += v * static_cast<double>(plane[ih * g.w + iw]);
-              }
-            }
+            for_each_tap(g, oh, ow, [&](int64_t k, int64_t i) { acc[k] += v * static_cast<double>(plane[i]); });
           }
         }
       }
