@@ -55,5 +55,32 @@ def test_floor_of_the_default_step_and_the_bandwidth_of_a_profile(tmp_path):
     assert math_close(out["profile"]["times_floor"], 20.0 / out["floor_ms"], 0.01)
 
 
+def test_padding_copies_and_lss_kernels_in_a_profile(tmp_path):
+    """efficientnet's padded copies are their own kind; a profile of lss's kernels drops them from its floor and
+    reads lss's batch norm (forward and backward in the same kernels) with PyTorch's as one row."""
+    floor = _module()
+    x = torch.empty(1, 4, 8, 8, device="meta", requires_grad=True)
+    counter = floor.ByteCounter()
+    with counter:
+        torch.nn.functional.pad(x, (0, 1, 0, 1)).sum().backward()
+    assert counter.calls[floor.PADDING] == 2  # the copy and its gradient's slice back
+    profile = {"gpu_kernel_ms_per_step": 10.0, "top_kernels": [
+        {"name": "void lss::batch_norm::(anonymous namespace)::reduce_kernel<c10::BFloat16, 8, float>", "ms_per_step": 2.0},
+        {"name": "void at::native::batch_norm_collect_statistics_kernel<>", "ms_per_step": 0.5},
+        {"name": "void lss::depthwise_conv::(anonymous namespace)::forward_kernel<>", "ms_per_step": 1.0},
+        {"name": "void lss::depthwise_conv::(anonymous namespace)::weight_grad_kernel<>", "ms_per_step": 1.5},
+        {"name": "void at::native::elementwise_kernel<128, 4>", "ms_per_step": 1.0}]}
+    gb = {floor.BN_FORWARD: 2e9, floor.BN_BACKWARD: 3e9, floor.DW_FORWARD: 1e9, floor.DW_BACKWARD: 1.5e9,
+          floor.ELEMENTWISE: 4e9, floor.PADDING: 1e9}
+    rows = {row["kind"]: row for row in floor.achieved(profile, gb)}
+    bn = rows["batch norm, forward + backward (lss) | batch norm, forward"]
+    assert bn["ms_per_step"] == 2.5 and bn["floor_GB"] == 5.0 and bn["achieved_GB_per_s"] == 2000.0
+    assert rows[floor.DW_FORWARD]["floor_GB"] == 1.0 and rows[floor.DW_BACKWARD]["floor_GB"] == 1.5
+    assert rows[floor.ELEMENTWISE]["floor_GB"] == 4.0  # no padding copies through lss's depthwise kernels
+    # PyTorch's depthwise kernels: the padding copies are elementwise kernels of the floor
+    torch_profile = {"top_kernels": [{"name": "void at::native::elementwise_kernel<128, 4>", "ms_per_step": 1.0}]}
+    assert floor.achieved(torch_profile, gb)[0]["floor_GB"] == 5.0
+
+
 def math_close(a, b, tol=2e-3):
     return abs(a - b) <= tol
