@@ -328,3 +328,14 @@ def test_the_captured_training_step_follows_the_eager_trajectory_on_cuda():
     assert step.graph is not None
     assert any(isinstance(m, camera._LssDepthwise) for m in step.model.modules())
     assert_follows_eager(eager, graphed, pa, pb)
+
+
+@needs_ext
+def test_a_trace_for_export_keeps_efficientnet_pytorchs_forward():
+    """torch.jit.trace (the ONNX exporter's path) sees PyTorch's convolution, not lss's op, and
+    gives the same output."""
+    theirs, ours = _efficientnet_pair()
+    x = torch.randn(1, 4, 10, 12)
+    traced = torch.jit.trace(ours, x)
+    assert "lss::" not in str(traced.graph) and "aten::_convolution" in str(traced.graph)
+    torch.testing.assert_close(traced(x), theirs(x), rtol=1e-5, atol=1e-5)
