@@ -1,5 +1,5 @@
 """Training-mode batch normalization of contiguous N x C x ... (NCHW) inputs through lss's kernels
-(`model.batch_norm: lss`, docs/ops.md).
+(the model's, on CUDA by default: `model.batch_norm`, docs/ops.md).
 
 PyTorch sends bfloat16 NCHW batch norms to its own kernels, which read a channel one block row at a
 time; on the default recipe's camera trunk they are the largest share of the training step

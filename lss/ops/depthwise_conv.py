@@ -1,5 +1,5 @@
-"""Depthwise 2-D convolution of contiguous N x C x H x W (NCHW) inputs through lss's kernels
-(`model.depthwise_conv: lss`, docs/ops.md).
+"""Depthwise 2-D convolution of contiguous N x C x H x W (NCHW) inputs through lss's kernels (the
+camera trunk's, on CUDA by default: `model.depthwise_conv`, docs/ops.md).
 
 PyTorch sends NCHW depthwise convolutions (groups = channels) to its own kernels, which compute one
 output per thread and reduce the weight gradient one filter tap at a time; with the camera trunk's
