@@ -199,21 +199,28 @@ def test_pad_batch_repeats_the_last_sample_of_every_field():
     assert padded["sample_token"] == ["a", "b", "b", "b"] and len(padded["det_boxes"]) == 4
 
 
-class _BlasThreads(torch.utils.data.Dataset):
+class _NativeThreads(torch.utils.data.Dataset):
     def __len__(self):
         return 2
 
     def __getitem__(self, i):
+        import cv2
         from threadpoolctl import threadpool_info
 
-        return {"threads": torch.tensor([p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"])}
+        return {"threads": torch.tensor([p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]),
+                "cv2_threads": torch.tensor(cv2.getNumThreads())}
 
 
-def test_loader_workers_run_one_blas_thread():
+def test_loader_workers_run_one_blas_and_one_opencv_thread():
+    import cv2
+
     cfg = load_config(None, ["data.workers=1"])
-    loader = build_loader(cfg, _BlasThreads(), None, 2, False, torch.device("cpu"), 0)
+    before = cv2.getNumThreads()
+    loader = build_loader(cfg, _NativeThreads(), None, 2, False, torch.device("cpu"), 0)
     batch = next(iter(loader))
     assert batch["threads"].numel() > 0 and batch["threads"].eq(1).all()
+    assert batch["cv2_threads"].tolist() == [1, 1]
+    assert cv2.getNumThreads() == before  # the training process keeps its own
 
 
 class _Niceness(torch.utils.data.Dataset):

@@ -210,10 +210,12 @@ def _init_worker(niceness: int, worker_id: int) -> None:
 
 
 def limit_native_threads() -> None:
-    """One BLAS/OpenMP thread in a loader worker (DataLoader already sets torch's): the workers
-    are the parallelism, and every worker's numpy starting a pool of one thread per core
-    oversubscribes the machine many times over (12 workers x 16 spinning BLAS threads on 16
-    cores)."""
+    """One BLAS/OpenMP thread and one OpenCV thread in a loader worker (DataLoader already sets
+    torch's): the workers are the parallelism, and every worker's numpy or OpenCV starting a pool
+    of one thread per core oversubscribes the machine many times over (12 workers x 16 threads on
+    16 cores). OpenCV's own pthreads pool is not one threadpoolctl reaches."""
+    import cv2
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(1)
+    cv2.setNumThreads(1)
