@@ -159,3 +159,42 @@ def test_missing_or_corrupt_lidar_names_file_and_sample(synthetic_root, tmp_path
     Path(first).unlink()
     with pytest.raises(FileNotFoundError, match=re.escape(f"{first} not found (sample {dataset.sample_tokens[0]}")):
         NuScenesBEV(root, VERSION, "train", depth_config(), is_train=False, verbose=False)
+
+
+def test_the_decoded_cache_keeps_each_sweeps_projections(synthetic_root, tmp_path, monkeypatch):
+    """data.decoded_cache with depth targets: the same targets as without it under the same augmentations, one
+    entry per sample and camera, later epochs read no sweep; a sweep rewritten since is read and projected again."""
+    import lss.data.nuscenes as nuscenes_module
+
+    monkeypatch.setenv("LSS_CACHE_DIR", str(tmp_path / "cache"))
+
+    def dataset(decoded_cache):
+        return NuScenesBEV(synthetic_root, VERSION, "train", depth_config(decoded_cache=decoded_cache),
+                           is_train=True, verbose=False)
+
+    def epoch(ds, seed=4):
+        torch.manual_seed(seed)
+        return ds, [ds[i]["depth_targets"] for i in range(len(ds))]
+
+    _, plain = epoch(dataset(False))
+    ds, first = epoch(dataset(True))
+    entries = sorted((tmp_path / "cache" / "lidar").rglob("*.npy"))
+    assert len(entries) == len(ds) * len(ds.cameras)
+    assert all(torch.equal(a, b) for a, b in zip(plain, first))
+    load = nuscenes_module.load_lidar_points
+
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("a sweep was read although its projections are in the cache")
+
+    again = dataset(True)  # (opening a set reads one sweep, to check it is there)
+    monkeypatch.setattr(nuscenes_module, "load_lidar_points", no_sweep)
+    _, second = epoch(again)
+    assert all(torch.equal(a, b) for a, b in zip(plain, second))
+    # the first sample's sweep rewritten (same bytes): its entries no longer match it, so it is read again
+    sweep = Path(ds.lidar_paths[0])
+    sweep.write_bytes(sweep.read_bytes())
+    read = []
+    monkeypatch.setattr(nuscenes_module, "load_lidar_points", lambda *a: read.append(a[0]) or load(*a))
+    torch.manual_seed(4)
+    assert torch.equal(ds[0]["depth_targets"], plain[0])
+    assert read == [ds.lidar_paths[0]]

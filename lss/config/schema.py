@@ -54,8 +54,9 @@ class DataConfig:
     # per camera feature cell: depth bin of the nearest LIDAR_TOP return (docs/training.md)
     depth_targets: bool = False
     # keep camera images decoded on disk after their first decode (lss.data.decoded_cache;
-    # about 1.6 MB per sample at 1600x900 -> 128x352): later epochs skip the JPEG decode, the
-    # batches stay the same
+    # about 1.6 MB per sample at 1600x900 -> 128x352), and with depth_targets each lidar sweep's
+    # projection into each camera: later epochs skip the JPEG decode and the sweep, the batches
+    # stay the same
     decoded_cache: bool = False
     # loader processes per rank; "auto": min(12, this rank's share of the CPUs - 2), at least 1
     workers: Union[int, Literal["auto"]] = 4

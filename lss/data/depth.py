@@ -71,45 +71,45 @@ def load_lidar_points(path: str | Path, sample_token: str) -> np.ndarray:
     return points[np.isfinite(points).all(axis=1)]
 
 
-def project_depth_targets(
-    points: np.ndarray,
-    lidar_to_camera: np.ndarray,
-    intrinsics: np.ndarray,
+def source_projection(
+    points: np.ndarray, lidar_to_camera: np.ndarray, intrinsics: np.ndarray, image_size
+) -> tuple[np.ndarray, np.ndarray]:
+    """The returns of a sweep (points P x 3 float64, lidar frame) that lie in front of one camera
+    (lidar_to_camera 4 x 4, intrinsics 3 x 3) and inside its source image (image_size W, H): their
+    source pixels M x 2 and depths M, float64. The part of the depth targets that does not depend
+    on the image augmentation."""
+    to_camera = np.asarray(lidar_to_camera, np.float64)
+    pixels, depth = camera_to_pixels(points @ to_camera[:3, :3].T + to_camera[:3, 3], intrinsics)
+    src_w, src_h = image_size
+    keep = (
+        (depth > 0)
+        & (pixels[:, 0] >= -0.5)
+        & (pixels[:, 0] < src_w - 0.5)
+        & (pixels[:, 1] >= -0.5)
+        & (pixels[:, 1] < src_h - 0.5)
+    )
+    return pixels[keep], depth[keep]
+
+
+def depth_targets_from_projections(
+    projections: Sequence[tuple[np.ndarray, np.ndarray]],
     post_rot: np.ndarray,
     post_trans: np.ndarray,
-    image_sizes: np.ndarray,
     final_dim: Sequence[int],
     downsample: int,
     dbound: Sequence[float],
 ) -> np.ndarray:
-    """Depth-bin targets of N cameras from one lidar sweep.
-
-    points P x 3 (lidar frame), lidar_to_camera N x 4 x 4, intrinsics N x 3 x 3, post_rot N x 3 x 3
-    and post_trans N x 3 (the image augmentation: pixel_aug = post_rot @ (u, v, d) + post_trans),
-    image_sizes N x 2 (source W, H). A return counts when it lies in front of the camera, inside the
-    source image and inside the final_dim = (H, W) augmented image. Returns N x fH x fW int64 bin
-    indices in [0, D) (lss.geometry.depth_bin_index), IGNORE_DEPTH (-1) elsewhere;
-    fH, fW = H // downsample, W // downsample.
-    """
+    """Depth-bin targets of N cameras from one lidar sweep, given its returns in front of each
+    camera and inside its source image (source_projection: pixels M x 2, depths M), under the image
+    augmentation (post_rot N x 3 x 3, post_trans N x 3: pixel_aug = post_rot @ (u, v, d) +
+    post_trans). A return counts when it also lies inside the final_dim = (H, W) augmented image.
+    Returns N x fH x fW int64 bin indices in [0, D) (lss.geometry.depth_bin_index), IGNORE_DEPTH
+    (-1) elsewhere; fH, fW = H // downsample, W // downsample."""
     height, width = (int(v) for v in final_dim)
     fh, fw = height // downsample, width // downsample
-    count = len(lidar_to_camera)
+    count = len(projections)
     nearest = np.full(count * fh * fw, np.inf)
-    points = np.asarray(points, np.float64).reshape(-1, 3)
-    for k in range(count):
-        to_camera = np.asarray(lidar_to_camera[k], np.float64)
-        pixels, depth = camera_to_pixels(
-            points @ to_camera[:3, :3].T + to_camera[:3, 3], intrinsics[k]
-        )
-        src_w, src_h = image_sizes[k]
-        keep = (
-            (depth > 0)
-            & (pixels[:, 0] >= -0.5)
-            & (pixels[:, 0] < src_w - 0.5)
-            & (pixels[:, 1] >= -0.5)
-            & (pixels[:, 1] < src_h - 0.5)
-        )
-        pixels, depth = pixels[keep], depth[keep]
+    for k, (pixels, depth) in enumerate(projections):
         augmented = augment_pixels(pixels, depth, post_rot[k], post_trans[k])
         row, col, inside = feature_cells(augmented, final_dim, downsample)
         np.minimum.at(nearest, (k * fh + row[inside]) * fw + col[inside], depth[inside])

@@ -18,8 +18,8 @@ from lss.config import Config
 from lss.data import targets as T
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
 from lss.data.classes import class_kinds
-from lss.data.decoded_cache import DecodedImages
-from lss.data.depth import load_lidar_points, project_depth_targets
+from lss.data.decoded_cache import DecodedImages, LidarProjections, camera_tag
+from lss.data.depth import depth_targets_from_projections, load_lidar_points, source_projection
 from lss.data.original_conventions import rasterize_footprints_original
 from lss.data.sample_index import INDEX_FIELDS, previous_at_gap, split_index
 from lss.data.tables import (
@@ -121,6 +121,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
 
         self._pixel_lut = pixel_lut(data.image_mean, data.image_std)
         self._decoded = DecodedImages() if data.decoded_cache else None
+        self._lidar = LidarProjections() if data.decoded_cache and data.depth_targets else None
         self.root, self.layout = locate_dataroot(dataroot, version)
         index, cached = split_index(self.root, version, split, data)
         self.__dict__.update(index)
@@ -288,15 +289,26 @@ class NuScenesBEV(torch.utils.data.Dataset):
     ) -> np.ndarray:
         """N x fH x fW int64 depth-bin targets of cameras `cams` of sample `index` under their
         augmentation (post_rot N x 3 x 3, post_trans N x 3; image_sizes N x 2 source W, H); see
-        lss.data.depth."""
-        points = load_lidar_points(self.lidar_paths[index], self.sample_tokens[index])
-        return project_depth_targets(
-            points,
-            self.lidar_to_camera[index, cams],
-            self.intrinsics[index, cams],
+        lss.data.depth. With data.decoded_cache the sweep's projection into each camera is read
+        from the cache after its first use (the sweep is then not read at all)."""
+        path = self.lidar_paths[index]
+        points = None
+        projections = []
+        for j, cam in enumerate(cams):
+            calibration = (self.lidar_to_camera[index, cam], self.intrinsics[index, cam])
+            tag = camera_tag(*calibration, image_sizes[j]) if self._lidar is not None else ""
+            projection = self._lidar.load(path, tag) if self._lidar is not None else None
+            if projection is None:
+                if points is None:
+                    points = load_lidar_points(path, self.sample_tokens[index])
+                projection = source_projection(points, *calibration, image_sizes[j])
+                if self._lidar is not None:
+                    self._lidar.store(path, tag, *projection)
+            projections.append(projection)
+        return depth_targets_from_projections(
+            projections,
             post_rot,
             post_trans,
-            image_sizes,
             tuple(self.config.data.final_dim),
             self.config.model.downsample,
             tuple(self.config.grid.dbound),
