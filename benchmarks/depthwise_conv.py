@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lss.models.camera import same_padding
 from lss.ops import depthwise_conv2d
 
 # (N, C, H, W, kernel, stride) of EfficientNet-B0's depthwise convolutions at 256 x 704, 24 images
@@ -37,13 +38,6 @@ CASES = [0, 1, 3, 9, 12]  # rows of TRUNK timed alone
 QUICK_TRUNK = [(2, 4, 12, 20, 3, 1), (2, 6, 12, 20, 5, 2), (3, 5, 7, 9, 3, 2)]
 
 
-def same_padding(h: int, w: int, k: int, s: int) -> tuple[int, int, int, int]:
-    """TensorFlow's "same" padding (top, bottom, left, right): the extra row / column at the end."""
-    pad_h = max((-(-h // s) - 1) * s + k - h, 0)
-    pad_w = max((-(-w // s) - 1) * s + k - w, 0)
-    return (pad_h // 2, pad_h - pad_h // 2, pad_w // 2, pad_w - pad_w // 2)
-
-
 def _impls() -> dict:
     def efficientnet(x, w, s, p):
         padded = F.pad(x, (p[2], p[3], p[0], p[1]))
@@ -60,7 +54,7 @@ def _tensors(shapes, device, dtype):
     for n, c, h, w, k, s in shapes:
         x = torch.randn(n, c, h, w, device=device, dtype=dtype).requires_grad_()
         wt = (torch.randn(c, 1, k, k, device=device) * 0.1).requires_grad_()
-        p = same_padding(h, w, k, s)
+        p = same_padding((h, w), (k, k), (s, s))
         oh, ow = -(-h // s), -(-w // s)
         grad = torch.randn(n, c, oh, ow, device=device, dtype=dtype)
         out.append((x, wt, s, p, grad))

@@ -120,12 +120,16 @@ def step_bytes(cfg, dtype=torch.bfloat16) -> tuple[dict, dict, int]:
     return dict(counter.bytes), dict(counter.calls), sum(p.numel() for p in model.parameters())
 
 
+def pads_inside(profile: dict) -> bool:
+    """Whether the profiled step ran lss's depthwise kernels (which pad inside the kernel)."""
+    return any("lss::depthwise_conv::" in kernel["name"] for kernel in profile["top_kernels"])
+
+
 def achieved(profile: dict, floor_bytes: dict) -> list[dict]:
     """Per kernel kind of the profile's top kernels: its time per step, and the bandwidth its floor bytes mean. Kinds
     whose floor bytes overlap are one row (lss's batch norm beside PyTorch's, which the channels-last BEV encoder
     keeps); with lss's depthwise kernels in the profile the padding copies are not part of any floor."""
-    names = [kernel["name"] for kernel in profile["top_kernels"]]
-    padded_inside = any("lss::depthwise_conv::" in name for name in names)
+    padded_inside = pads_inside(profile)
     rows: list[dict] = []  # {"kinds": [...], "moves": set(...), "ms": float}
     for kernel in profile["top_kernels"]:
         match = next((kind for frag, kind in KERNEL_KINDS if frag in kernel["name"]), None)
@@ -176,8 +180,7 @@ def main(argv=None) -> dict:
         print(f"  {row['kind']}: {row['GB']:.3f} GB in {row['calls']} calls, {row['floor_ms']:.3f} ms")
     if args.profile:
         profile = json.loads(Path(args.profile).read_text())
-        padded_inside = any("lss::depthwise_conv::" in k["name"] for k in profile["top_kernels"])
-        floor_ms = out["floor_without_padding_copies_ms"] if padded_inside else out["floor_ms"]
+        floor_ms = out["floor_without_padding_copies_ms"] if pads_inside(profile) else out["floor_ms"]
         out["profile"] = {"gpu_kernel_ms_per_step": profile["gpu_kernel_ms_per_step"],
                           "floor_ms": floor_ms,
                           "times_floor": round(profile["gpu_kernel_ms_per_step"] / floor_ms, 2),

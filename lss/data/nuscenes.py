@@ -295,14 +295,14 @@ class NuScenesBEV(torch.utils.data.Dataset):
         points = None
         projections = []
         for j, cam in enumerate(cams):
-            calibration = (self.lidar_to_camera[index, cam], self.intrinsics[index, cam])
-            tag = camera_tag(*calibration, image_sizes[j]) if self._lidar is not None else ""
-            projection = self._lidar.load(path, tag) if self._lidar is not None else None
+            camera = (self.lidar_to_camera[index, cam], self.intrinsics[index, cam], image_sizes[j])
+            tag = camera_tag(*camera) if self._lidar is not None else None
+            projection = self._lidar.load(path, tag) if tag is not None else None
             if projection is None:
-                if points is None:
+                if points is None:  # read once, for the cameras the cache does not hold
                     points = load_lidar_points(path, self.sample_tokens[index])
-                projection = source_projection(points, *calibration, image_sizes[j])
-                if self._lidar is not None:
+                projection = source_projection(points, *camera)
+                if tag is not None:
                     self._lidar.store(path, tag, *projection)
             projections.append(projection)
         return depth_targets_from_projections(

@@ -16,7 +16,7 @@ from torchvision.models import resnet18
 
 from lss.errors import ConfigError
 from lss.models.blocks import Up
-from lss.ops import has_cuda_ops, has_ext
+from lss.ops import kernels_take
 from lss.ops.depthwise_conv import MAX_KERNEL, depthwise_conv2d
 
 # model.pretrained's value for efficientnet-pytorch's own ImageNet weights (torch.hub's cache)
@@ -114,6 +114,16 @@ class EfficientNetTrunk(nn.Module):
         return stride16, x
 
 
+def same_padding(size, kernel, stride) -> tuple[int, int, int, int]:
+    """TensorFlow's "same" padding (top, bottom, left, right) of an H x W input for a KH x KW
+    filter at stride (sH, sW), as efficientnet-pytorch computes it: the output is ceil(size /
+    stride), and an odd padding puts the extra row / column at the bottom / right."""
+    (ih, iw), (kh, kw), (sh, sw) = size, kernel, stride
+    pad_h = max((-(-ih // sh) - 1) * sh + kh - ih, 0)
+    pad_w = max((-(-iw // sw) - 1) * sw + kw - iw, 0)
+    return (pad_h // 2, pad_h - pad_h // 2, pad_w // 2, pad_w - pad_w // 2)
+
+
 class _LssDepthwise:
     """Forward of efficientnet-pytorch's depthwise convolutions with TensorFlow's "same" padding
     (one row and column more at the bottom and right where the padding is odd) through
@@ -131,11 +141,8 @@ class _LssDepthwise:
     def _ours(self, x: torch.Tensor) -> bool:
         return (
             x.dim() == 4
-            and (x.is_cuda or (self.on_cpu and x.device.type == "cpu"))
-            and not torch.jit.is_tracing()
+            and kernels_take(x, self.on_cpu)
             and x.is_contiguous()
-            and has_ext()
-            and (not x.is_cuda or has_cuda_ops())
             and (x.dtype == self.weight.dtype or self.weight.dtype == torch.float32)
         )
 
@@ -151,10 +158,7 @@ class SameDepthwiseConv2d(_LssDepthwise, Conv2dDynamicSamePadding):
     """Conv2dDynamicSamePadding (padding from the input's size) through lss's kernels."""
 
     def _padding(self, x: torch.Tensor) -> tuple[int, int, int, int]:
-        (ih, iw), (kh, kw), (sh, sw) = x.shape[-2:], self.weight.shape[-2:], self.stride
-        pad_h = max((-(-ih // sh) - 1) * sh + kh - ih, 0)
-        pad_w = max((-(-iw // sw) - 1) * sw + kw - iw, 0)
-        return (pad_h // 2, pad_h - pad_h // 2, pad_w // 2, pad_w - pad_w // 2)
+        return same_padding(x.shape[-2:], self.weight.shape[-2:], self.stride)
 
 
 class StaticSameDepthwiseConv2d(_LssDepthwise, Conv2dStaticSamePadding):

@@ -90,12 +90,12 @@ class LiftSplatShoot(nn.Module):
         )
         # the same modules and state dict through lss's kernels ("auto": on CUDA only, and not
         # under train.compile, whose compiler writes its own)
-        if model.batch_norm == "lss" or (model.batch_norm == "auto" and not config.train.compile):
-            use_lss_batch_norm(self, on_cpu=model.batch_norm == "lss")
-        if model.depthwise_conv == "lss" or (
-            model.depthwise_conv == "auto" and not config.train.compile
+        for setting, use in (
+            (model.batch_norm, use_lss_batch_norm),
+            (model.depthwise_conv, use_lss_depthwise_conv),
         ):
-            use_lss_depthwise_conv(self, on_cpu=model.depthwise_conv == "lss")
+            if setting == "lss" or (setting == "auto" and not config.train.compile):
+                use(self, on_cpu=setting == "lss")
 
     def forward(self, batch: dict) -> dict:
         images = batch["images"]

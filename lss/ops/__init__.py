@@ -3,7 +3,7 @@ reference."""
 
 import torch
 
-from lss.ops._ext import cuda_archs, has_cuda_ops, has_ext
+from lss.ops._ext import cuda_archs, has_cuda_ops, has_ext, kernels_take
 from lss.ops.upsample import UpsampleBilinear, upsample_bilinear, upsample_bilinear_reference
 from lss.ops.bev_pool import bev_pool, bev_pool_reference
 from lss.ops.focal_loss import (

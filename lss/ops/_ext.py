@@ -73,3 +73,14 @@ def check_device(op_name: str, *tensors: torch.Tensor) -> None:
             f"lss.ops.{op_name}: got CUDA tensors, but this build of lss has no CUDA kernels; "
             f"{REBUILD_HINT}"
         )
+
+
+def kernels_take(tensor: torch.Tensor, on_cpu: bool) -> bool:
+    """Whether a module that swaps PyTorch's kernels for lss's (BatchNorm2d, the depthwise
+    convolutions) runs lss's on `tensor`: CUDA with the CUDA kernels built, or the CPU when
+    `on_cpu`; never while tracing (export keeps PyTorch's operators) or without the extension."""
+    if torch.jit.is_tracing() or not has_ext():
+        return False
+    if tensor.is_cuda:
+        return has_cuda_ops()
+    return on_cpu and tensor.device.type == "cpu"

@@ -98,16 +98,13 @@ class BatchNorm2d(nn.BatchNorm2d):
     def _ours(self, input: Tensor) -> bool:
         return (
             self.training
-            and (input.is_cuda or (self.on_cpu and input.device.type == "cpu"))
-            and not torch.jit.is_tracing()
+            and _ext.kernels_take(input, self.on_cpu)
             and self.affine
             and self.weight.dtype == torch.float32
             and input.dim() == 4
             and input.is_contiguous()
             and input.is_floating_point()
             and (self.running_mean is None) == (self.running_var is None)
-            and _ext.has_ext()
-            and (not input.is_cuda or _ext.has_cuda_ops())
         )
 
     def forward(self, input: Tensor) -> Tensor:

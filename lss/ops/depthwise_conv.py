@@ -114,9 +114,7 @@ def depthwise_conv2d(
         out = torch.ops.lss.depthwise_conv2d(
             input.contiguous(), weight.contiguous(), stride, padding
         )
-    if bias is not None:
-        out = out + bias.to(out.dtype).view(1, -1, 1, 1)
-    return out
+    return _add_bias(out, bias)
 
 
 def depthwise_conv2d_reference(
@@ -129,7 +127,10 @@ def depthwise_conv2d_reference(
     """depthwise_conv2d through torch.nn.functional.pad and conv2d (groups = C), in the input's
     dtype."""
     stride, padding = _check(input, weight, bias, stride, padding)
-    out = _reference(input, weight, stride, padding)
+    return _add_bias(_reference(input, weight, stride, padding), bias)
+
+
+def _add_bias(out: Tensor, bias: Optional[Tensor]) -> Tensor:
     return out if bias is None else out + bias.to(out.dtype).view(1, -1, 1, 1)
 
 
