@@ -159,13 +159,39 @@ def cell(x, y, cfg):
     return int(math.floor((x - xb[0]) / xb[2])), int(math.floor((y - yb[0]) / yb[2]))
 
 
+def test_uint8_images_normalised_by_the_model_equal_the_loaders_float32_images(tiny_root):
+    """data.image_dtype: the default uint8 item carries the augmented pixels; the camera encoder's
+    normalisation of them equals the float32 item the loader normalises, value for value, for a
+    training item (random augmentation, same seed) and a validation item."""
+    from lss.models.camera import CameraEncoder
+
+    cfg8, cfg32 = make_config(), make_config(image_dtype="float32")
+    encoder = CameraEncoder(4, 8, backbone="resnet18", image_mean=cfg8.data.image_mean,
+                            image_std=cfg8.data.image_std)
+    for is_train in (True, False):
+        torch.manual_seed(3)
+        np.random.seed(3)
+        item8 = NuScenesBEV(tiny_root, VERSION, "train", cfg8, is_train=is_train)[1]
+        torch.manual_seed(3)
+        np.random.seed(3)
+        item32 = NuScenesBEV(tiny_root, VERSION, "train", cfg32, is_train=is_train)[1]
+        assert item8["images"].dtype == torch.uint8 and item32["images"].dtype == torch.float32
+        assert torch.equal(item8["post_rot"], item32["post_rot"])
+        normalised = encoder.normalize(item8["images"])
+        assert normalised.dtype == torch.float32 and torch.equal(normalised, item32["images"])
+    # float images pass through; a uint8 tensor without 3 channels is refused with its shape
+    assert encoder.normalize(item32["images"]) is item32["images"]
+    with pytest.raises(ValueError, match=r"uint8 images must be \.\.\. x 3 x H x W RGB, got \(6, 2, 4, 4\)"):
+        encoder.normalize(torch.zeros(6, 2, 4, 4, dtype=torch.uint8))
+
+
 def test_item_layout_and_targets(tiny_root):
     cfg = make_config(visibility_mask=True)
     ds = NuScenesBEV(tiny_root, VERSION, "train", cfg, is_train=False)
     assert len(ds) == 2 and ds.layout.startswith("DATAROOT/v1.0-mini")
     item = ds[0]
     n, (h, w) = 6, cfg.data.final_dim
-    assert item["images"].shape == (n, 3, h, w) and item["images"].dtype == torch.float32
+    assert item["images"].shape == (n, 3, h, w) and item["images"].dtype == torch.uint8
     for key, shape in [("intrinsics", (n, 3, 3)), ("sensor2ego_rot", (n, 3, 3)), ("sensor2ego_trans", (n, 3)),
                        ("post_rot", (n, 3, 3)), ("post_trans", (n, 3)), ("targets", (4, 200, 200))]:
         assert item[key].shape == shape and item[key].dtype == torch.float32, key
@@ -397,7 +423,6 @@ def test_synthetic_box_corners_project_onto_the_same_content(synthetic_root):
     torch.manual_seed(0)
     ds = NuScenesBEV(synthetic_root, VERSION, "train", cfg, is_train=True, verbose=False)
     nusc = NuScenes(VERSION, str(synthetic_root), verbose=False)
-    mean, std = np.asarray(cfg.data.image_mean), np.asarray(cfg.data.image_std)
     right, shifted = [], []
     for index in range(len(ds)):
         boxes, _ = devkit_ego_boxes(nusc, ds.sample_tokens[index])
@@ -405,7 +430,7 @@ def test_synthetic_box_corners_project_onto_the_same_content(synthetic_root):
         for _ in range(2):
             item = ds[index]
             for k in range(len(ds.cameras)):
-                aug = (item["images"][k].permute(1, 2, 0).numpy() * std + mean) * 255
+                aug = item["images"][k].permute(1, 2, 0).numpy().astype(np.float64)
                 source = np.asarray(Image.open(ds.image_paths[index, k]).convert("RGB"), dtype=np.float64)
                 scale = abs(np.linalg.det(item["post_rot"][k, :2, :2].numpy())) ** 0.5
                 source = cv2.GaussianBlur(source, (0, 0), max(0.5 / scale, 0.3))

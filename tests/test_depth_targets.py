@@ -141,7 +141,7 @@ def test_flipped_augmentation_mirrors_image_and_targets(synthetic_root, monkeypa
 
     plain = item_with(ImageAugmentation((290, 163), (17, 60), flip=False, rotate=4.0))
     flipped = item_with(ImageAugmentation((290, 163), (17, 60), flip=True, rotate=-4.0))
-    torch.testing.assert_close(flipped["images"], plain["images"].flip(-1), atol=0.1, rtol=0)
+    torch.testing.assert_close(flipped["images"].float(), plain["images"].flip(-1).float(), atol=6, rtol=0)
     assert (plain["depth_targets"] >= 0).sum() > 20
     assert not torch.equal(plain["depth_targets"], plain["depth_targets"].flip(-1))  # the test can tell
     assert torch.equal(flipped["depth_targets"], plain["depth_targets"].flip(-1))

@@ -97,7 +97,8 @@ def test_fixed_rig_export_runs_in_stock_onnxruntime_like_pytorch(checkpoint, tmp
     assert result["iou_torch"] == result["iou_onnx"] and result["rig_deviation"] == 0.0
     # the batch size is dynamic: two samples at once give each sample's own maps
     dataset = build_dataset(cfg, cfg.data.val_split, False)
-    images = torch.stack([dataset[0]["images"], dataset[1]["images"]]).numpy()
+    # the export reads normalised float images (the camera encoder's normalisation of the uint8 items)
+    images = done["model"].camera.normalize(torch.stack([dataset[0]["images"], dataset[1]["images"]])).numpy()
     session = ort.InferenceSession(str(done["path"]), providers=["CPUExecutionProvider"])
     both = session.run(None, {"images": images})[0]
     for b in range(2):
@@ -115,6 +116,7 @@ def test_rig_input_export_builds_each_samples_table_in_the_graph(checkpoint, tmp
         want = done["model"](batch)["segmentation"]
     session = ort.InferenceSession(str(done["path"]), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == ["images", *RIG_KEYS]
+    batch["images"] = done["model"].camera.normalize(batch["images"])
     got = session.run(None, {k: batch[k].float().numpy() for k in ["images", *RIG_KEYS]})[0]
     assert got.shape == tuple(want.shape) == (2, 2, 32, 32)
     assert np.abs(got - want.numpy()).max() <= 1e-3
@@ -170,7 +172,8 @@ def test_custom_op_graph_holds_one_documented_bev_pool_node(checkpoint, tmp_path
     batch.update({k: v[None] for k, v in done["rig"].items()})
     with torch.no_grad():
         want = done["model"](batch)["segmentation"].numpy()
-    got = ReferenceEvaluator(model, new_ops=[BevPool]).run(None, {"images": batch["images"].numpy()})[0]
+    images = done["model"].camera.normalize(batch["images"]).numpy()
+    got = ReferenceEvaluator(model, new_ops=[BevPool]).run(None, {"images": images})[0]
     assert np.abs(got - want).max() <= 1e-3
 
 

@@ -106,7 +106,7 @@ def test_predictor_equals_the_eval_forward_on_dataset_samples(tiny, val_set, pre
                                 *map(torch.from_numpy, calibration[2]))
     np.testing.assert_array_equal(arrays.probabilities, tensors.probabilities)
     decoded, files = predictor.inputs(rgb_images(val_set, 2), *calibration[2]), val_set[2]
-    assert (decoded["images"][0] - files["images"]).abs().mean() < 0.15
+    assert (decoded["images"][0].float() - files["images"].float()).abs().mean() < 8  # of 255 levels
     for key in RIG_KEYS:
         torch.testing.assert_close(decoded[key][0], files[key], rtol=0, atol=0.02)
     assert one.probabilities.shape == (2, 32, 32) and one.classes == ("vehicle", "drivable_area")
@@ -168,15 +168,14 @@ def test_make_synthetic_writes_the_rig_of_its_cameras(synthetic_root, val_set):
 # ------------------------------------------------------------------------- other resolutions, crops and rotations
 def colours_at(item, points, cfg):
     """The RGB (0..255) of the item's network images where `points` (ego metres) project, and where they are seen."""
-    mean, std = np.asarray(cfg.data.image_mean), np.asarray(cfg.data.image_std)
     H, W = cfg.data.final_dim
     colours, seen = [], []
     for n in range(len(cfg.data.cameras)):
         pixels, depth = ego_to_pixels(points, *(item[k][n].numpy() for k in RIG_KEYS))
         u, v = np.round(pixels[:, 0]).astype(int), np.round(pixels[:, 1]).astype(int)
         seen.append((depth > 1) & (u >= 1) & (u < W - 1) & (v >= 1) & (v < H - 1))
-        image = item["images"][n].numpy().transpose(1, 2, 0) * std + mean
-        colours.append(255 * image[np.clip(v, 0, H - 1), np.clip(u, 0, W - 1)])
+        image = item["images"][n].numpy().transpose(1, 2, 0).astype(np.float64)
+        colours.append(image[np.clip(v, 0, H - 1), np.clip(u, 0, W - 1)])
     return np.stack(colours), np.stack(seen)
 
 

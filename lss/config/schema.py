@@ -65,6 +65,10 @@ class DataConfig:
     worker_niceness: int = 0
     image_mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     image_std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    # the camera images in a batch: "uint8" (the augmented 0-255 RGB pixels; the model normalises
+    # them with image_mean / image_std on its own device, so the loader's shared memory, pinning
+    # and host-to-device copy move a quarter of the bytes) or "float32" (normalised by the loader)
+    image_dtype: Literal["uint8", "float32"] = "uint8"
     # the original LSS code's conventions, for ablations (lss.data.original_conventions,
     # docs/accuracy.md). Images: "fast" (JPEG DCT-domain downscale, area resize, one bilinear warp)
     # or "pil" (full PIL decode, bicubic resize, nearest-neighbour rotation)

@@ -1,6 +1,6 @@
 """The camera inputs of a prediction: a sample's images of any resolution with their calibration ->
-the model's input item (the evaluation resize and crop to data.final_dim, normalised, with the
-matrices of lss.geometry's augmentation convention), every problem in one line (ArgumentError);
+the model's input item (the evaluation resize and crop to data.final_dim, in data.image_dtype, with
+the matrices of lss.geometry's augmentation convention), every problem in one line (ArgumentError);
 and the sources `lss predict` reads: a scene of a nuScenes set, a folder of images with a rig file.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from lss.config import Config
-from lss.data.nuscenes import normalize_images, pixel_lut
+from lss.data.nuscenes import image_tensor, pixel_lut
 from lss.data.transforms import augment_image, image_size_from_header
 from lss.errors import ArgumentError, DatasetError
 from lss.geometry import val_augmentation
@@ -126,8 +126,9 @@ def camera_inputs(
     tensors). Each image gets the evaluation augmentation of its size (val_augmentation).
     `image_sizes` (W, H) per camera, where given: the size the calibration is for.
 
-    Returns "images" N x 3 x H x W (normalised), "intrinsics", "sensor2ego_rot", "post_rot"
-    N x 3 x 3 and "sensor2ego_trans", "post_trans" N x 3, float32, as a NuScenesBEV item."""
+    Returns "images" N x 3 x H x W (uint8, or normalised float32: data.image_dtype), "intrinsics",
+    "sensor2ego_rot", "post_rot" N x 3 x 3 and "sensor2ego_trans", "post_trans" N x 3, float32, as
+    a NuScenesBEV item."""
     data = cfg.data
     cameras = tuple(data.cameras)
     if isinstance(images, (np.ndarray, torch.Tensor)) and images.ndim != 4:
@@ -167,7 +168,10 @@ def camera_inputs(
         post_rot.append(rot)
         post_trans.append(trans)
     return {
-        "images": normalize_images(pixels, pixel_lut(data.image_mean, data.image_std)),
+        "images": image_tensor(
+            pixels,
+            pixel_lut(data.image_mean, data.image_std) if data.image_dtype == "float32" else None,
+        ),
         "intrinsics": torch.from_numpy(K.astype(np.float32)),
         "sensor2ego_rot": torch.from_numpy(T[:, :3, :3].astype(np.float32)),
         "sensor2ego_trans": torch.from_numpy(T[:, :3, 3].astype(np.float32)),

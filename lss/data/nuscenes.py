@@ -48,6 +48,7 @@ __all__ = [
     "NuScenesBEV",
     "load_tables",
     "locate_dataroot",
+    "image_tensor",
     "normalize_images",
     "pixel_lut",
     "resolve_split",
@@ -69,6 +70,17 @@ def normalize_images(images: Sequence[np.ndarray], lut: np.ndarray) -> torch.Ten
     return torch.from_numpy(out)
 
 
+def image_tensor(images: Sequence[np.ndarray], lut: Optional[np.ndarray]) -> torch.Tensor:
+    """N images H x W x 3 uint8 RGB -> N x 3 x H x W: uint8 as they are when `lut` is None
+    (data.image_dtype "uint8": the model normalises them on its device), else float32 through
+    normalize_images with `lut`."""
+    if lut is not None:
+        return normalize_images(images, lut)
+    if not len(images):
+        return torch.zeros(0, 3, 0, 0, dtype=torch.uint8)
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
+
+
 def pixel_lut(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """The normalized value of every uint8 level per channel, (level / 255 - mean) / std: 256 x 3
     float32, the table of normalize_images."""
@@ -80,7 +92,9 @@ class NuScenesBEV(torch.utils.data.Dataset):
     """Multi-camera images with calibration and augmentation, plus BEV targets, for one split.
 
     Item (all tensors float32 unless noted; N cameras, K classes, grid nx x ny from config.grid):
-      "images" N x 3 x H x W normalized RGB (H, W = config.data.final_dim), "intrinsics" N x 3 x 3,
+      "images" N x 3 x H x W RGB (H, W = config.data.final_dim): uint8 0-255 with
+      config.data.image_dtype "uint8" (the model normalises them), else float32 normalised with
+      data.image_mean / image_std; "intrinsics" N x 3 x 3,
       "sensor2ego_rot" N x 3 x 3, "sensor2ego_trans" N x 3, "post_rot" N x 3 x 3,
       "post_trans" N x 3, "targets" K x nx x ny in {0, 1} (config.data.classes order),
       "sample_token" str; "visibility_mask" nx x ny bool when config.data.visibility_mask;
@@ -119,7 +133,9 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.grid = BevGrid.from_config(self.config.grid)
         self.grid_shape = self.grid.shape
 
-        self._pixel_lut = pixel_lut(data.image_mean, data.image_std)
+        self._pixel_lut = (
+            pixel_lut(data.image_mean, data.image_std) if data.image_dtype == "float32" else None
+        )
         self._decoded = DecodedImages() if data.decoded_cache else None
         self._lidar = LidarProjections() if data.decoded_cache and data.depth_targets else None
         self.root, self.layout = locate_dataroot(dataroot, version)
@@ -222,7 +238,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
             post_trans.append(trans)
             augs.append(aug)
         return (
-            normalize_images(images, self._pixel_lut),
+            image_tensor(images, self._pixel_lut),
             torch.from_numpy(np.stack(post_rots)),
             torch.from_numpy(np.stack(post_trans)),
             np.asarray(sizes),

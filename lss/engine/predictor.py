@@ -29,6 +29,7 @@ from lss.errors import ArgumentError, CheckpointError
 from lss.geometry import RIG_KEYS, BevGrid
 from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS
 from lss.geometry.boxes import DETECTION_CLASSES
+from lss.models.camera import normalize_pixels, pixel_table
 
 BACKENDS = ("torch", "onnxruntime")
 MODEL_INPUTS = ("images",) + RIG_KEYS
@@ -220,6 +221,8 @@ class OnnxForward:
             path = Path(self._folder.name) / "model.onnx"
             onnx = export_checkpoint(cfg, checkpoint, path, rig_inputs=True)["path"]
         self.session = onnxruntime_session(onnx, cuda=device.type == "cuda")
+        self.pixel_table = pixel_table(cfg.data.image_mean, cfg.data.image_std)  # the export reads
+        # normalised images
         names = [i.name for i in self.session.get_inputs()]
         if any(k not in names for k in RIG_KEYS):
             raise ArgumentError(
@@ -229,6 +232,7 @@ class OnnxForward:
         self.inputs = names
 
     def __call__(self, batch: dict) -> dict:
+        batch = dict(batch, images=normalize_pixels(batch["images"], self.pixel_table))
         feeds = {k: batch[k].float().contiguous().cpu().numpy() for k in self.inputs}
         logits = self.session.run(["segmentation"], feeds)[0]
         return {"segmentation": torch.from_numpy(np.asarray(logits))}

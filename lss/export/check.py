@@ -85,6 +85,7 @@ def check_export(
                 depth, context = model.camera(batch["prev_images"].flatten(0, 1))
                 batch["prev_depth"] = depth.unflatten(0, (1, -1))
                 batch["prev_context"] = context.unflatten(0, (1, -1))
+        batch["images"] = model.camera.normalize(batch["images"])  # the export reads normalised
         feeds = {name: batch[name].float().contiguous().numpy() for name in inputs}
         theirs = torch.from_numpy(np.asarray(session.run(["segmentation"], feeds)[0]))
         max_diff = max(max_diff, float((theirs - ours).abs().max()))

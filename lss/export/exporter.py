@@ -151,13 +151,13 @@ def export_model(
     resize_mode: Optional[str] = None,
 ) -> Path:
     """Write the segmentation network of LiftSplatShoot `model` to `out` (ONNX; written to a
-    temporary file first, see `replacing`). Inputs: "images" B x N x 3 x H x W (normalised as the
-    data path does), with rig_inputs also the RIG_KEYS B x N x ...; output "segmentation"
-    B x K x nx x ny logits; a two-frame model (model.temporal.frames: 2, rig inputs only) also
-    reads the previous frame's camera features and rig and the ego motion and outputs this frame's
-    features (lss.export.temporal). The batch size is dynamic. upsample_mode: the mode the model
-    was trained with (default cfg.model.upsample_mode); resize_mode: the Resize coordinate mode
-    written (default: upsample_mode)."""
+    temporary file first, see `replacing`). Inputs: "images" B x N x 3 x H x W (float32, normalised
+    with data.image_mean / image_std), with rig_inputs also the RIG_KEYS B x N x ...; output
+    "segmentation" B x K x nx x ny logits; a two-frame model (model.temporal.frames: 2, rig inputs
+    only) also reads the previous frame's camera features and rig and the ego motion and outputs
+    this frame's features (lss.export.temporal). The batch size is dynamic. upsample_mode: the mode
+    the model was trained with (default cfg.model.upsample_mode); resize_mode: the Resize coordinate
+    mode written (default: upsample_mode)."""
     check_options(opset, splat, rig_inputs, resize_mode)
     two_frames = getattr(model, "temporal", None) is not None
     if two_frames and not rig_inputs:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pickle
 import urllib.parse
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from efficientnet_pytorch import EfficientNet
 from efficientnet_pytorch.utils import Conv2dDynamicSamePadding, Conv2dStaticSamePadding
 from torch import nn
+from torch.nn import functional as F
 from torchvision.models import resnet18
 
 from lss.errors import ConfigError
@@ -222,13 +223,37 @@ class ResNetTrunk(nn.Module):
         return x, self.layers[-1](x)
 
 
+def pixel_table(mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """Every uint8 level's normalised value per channel, (level / 255 - mean) / std computed in
+    float64 as the loader's table (lss.data.nuscenes.pixel_lut): 768 x 1 float32, channel-major,
+    the table of normalize_pixels."""
+    levels = torch.arange(256, dtype=torch.float64) / 255.0
+    table = (levels - torch.tensor(mean, dtype=torch.float64)[:, None]) / torch.tensor(
+        std, dtype=torch.float64
+    )[:, None]
+    return table.float().reshape(-1, 1)
+
+
+def normalize_pixels(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """uint8 RGB images ... x 3 x H x W -> float32 through `table` (pixel_table) on their device:
+    the values of the loader's data.image_dtype float32. Float images are returned as they are."""
+    if images.dtype != torch.uint8:
+        return images
+    if images.dim() < 3 or images.shape[-3] != 3:
+        raise ValueError(f"uint8 images must be ... x 3 x H x W RGB, got {tuple(images.shape)}")
+    offsets = torch.arange(0, 768, 256, device=images.device, dtype=torch.int32)
+    index = images.int() + offsets.view(3, 1, 1)
+    return F.embedding(index, table.to(images.device)).squeeze(-1)
+
+
 class CameraEncoder(nn.Module):
     """Lift: per camera pixel of the stride-s feature map (s = `downsample`), a softmax depth
     distribution over D bins and C context features.
 
     forward(images B*N x 3 x H x W) -> (depth B*N x D x H/s x W/s (probabilities), context
     B*N x C x H/s x W/s); with return_logits=True also the depth logits B*N x D x H/s x W/s (for
-    a depth loss) as a third element.
+    a depth loss) as a third element. Images are uint8 RGB (normalised here with the model's
+    image_mean / image_std) or float, already normalised.
     """
 
     def __init__(
@@ -240,8 +265,12 @@ class CameraEncoder(nn.Module):
         upsample_mode: str = "pytorch_half_pixel",
         downsample: int = 16,
         channels: int = 512,
+        image_mean: Sequence[float] = (0.485, 0.456, 0.406),
+        image_std: Sequence[float] = (0.229, 0.224, 0.225),
     ):
         super().__init__()
+        # uint8 inputs are normalised with it (not in the state dict)
+        self.register_buffer("pixel_table", pixel_table(image_mean, image_std), persistent=False)
         self.depth_bins = depth_bins
         self.context_channels = context_channels
         if backbone == "resnet18":
@@ -253,10 +282,15 @@ class CameraEncoder(nn.Module):
         self.fuse = Up(fine + coarse, channels, upsample_mode=upsample_mode)
         self.head = nn.Conv2d(channels, depth_bins + context_channels, kernel_size=1)
 
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """normalize_pixels with the model's image_mean / image_std: uint8 images -> float32,
+        float images as they are."""
+        return normalize_pixels(images, self.pixel_table)
+
     def forward(
         self, images: torch.Tensor, return_logits: bool = False
     ) -> tuple[torch.Tensor, ...]:
-        fine, coarse = self.trunk(images)
+        fine, coarse = self.trunk(self.normalize(images))
         out = self.head(self.fuse(coarse, fine))
         logits = out[:, : self.depth_bins]
         context = out[:, self.depth_bins :]

@@ -61,6 +61,8 @@ class LiftSplatShoot(nn.Module):
             model.upsample_mode,
             model.downsample,
             model.camera_channels,
+            config.data.image_mean,
+            config.data.image_std,
         )
         self.bev = BevEncoder(
             grid.nz * model.context_channels,

@@ -16,7 +16,10 @@ LABEL_COLOR = (255, 255, 0)
 
 
 def denormalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
-    """N x 3 x H x W normalized images -> N x H x W x 3 uint8 RGB."""
+    """N x 3 x H x W images (normalised float, or uint8 RGB as data.image_dtype "uint8" yields
+    them) -> N x H x W x 3 uint8 RGB."""
+    if images.dtype == torch.uint8:
+        return np.ascontiguousarray(images.detach().cpu().numpy().transpose(0, 2, 3, 1))
     # numpy, not torch: torch's thread pool costs more than the arithmetic on a busy CPU
     m = np.asarray(mean, np.float32).reshape(1, 3, 1, 1)
     s = np.asarray(std, np.float32).reshape(1, 3, 1, 1)
