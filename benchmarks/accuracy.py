@@ -18,6 +18,7 @@ docs/accuracy.md.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -188,6 +189,8 @@ class AccuracyOptions:
     dataset: SyntheticSet = BENCHMARK_SET
     # a checkout of nv-tlabs/lift-splat-shoot: runs the `original` recipes
     original_lss: Optional[str] = None
+    # (class, IoU): report each recipe's training time to that validation IoU (time_to_accuracy)
+    time_to: Optional[tuple[str, float]] = None
 
 
 def split_overrides(text: str) -> list[str]:
@@ -394,11 +397,107 @@ def collect_run(
     if "own" in val:
         record.update(own_iou=val["own"]["iou"], cellwise_iou=val["cellwise"]["iou"])
     records = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    seconds_at = training_seconds(records)
     record["curve"] = [
-        {"step": r["step"], "iou": r["iou"]} for r in records if r.get("kind") == "val"
+        {"step": r["step"], "iou": r["iou"], "seconds": seconds_at.get(r["step"])}
+        for r in records
+        if r.get("kind") == "val"
     ]
     record["steps"] = max((r["step"] for r in records if r.get("kind") == "train"), default=0)
     return record
+
+
+def training_seconds(records: Sequence[dict]) -> dict:
+    """val step -> seconds of training up to that validation, the validations before it left out:
+    the "elapsed" clock of the run's "train" records (lss: from train(); the original's runner:
+    from its first step), linearly interpolated between the records around the step, minus the
+    seconds of every earlier validation (lss: "timing"."seconds"; the original's: "seconds").
+    Empty when the run's train records carry no clock."""
+    clock = sorted(
+        (r["step"], r["elapsed"]) for r in records if r.get("kind") == "train" and "elapsed" in r
+    )
+    if not clock:
+        return {}
+    vals = sorted(
+        (r["step"], (r.get("timing") or {}).get("seconds", r.get("seconds")) or 0.0)
+        for r in records
+        if r.get("kind") == "val"
+    )
+    steps = [c[0] for c in clock]
+    out, spent = {}, 0.0
+    for step, eval_seconds in vals:
+        i = bisect.bisect_left(steps, step)
+        if i < len(clock) and steps[i] == step:
+            elapsed = clock[i][1]
+        elif i == 0:  # before the first record: its pace from the start
+            elapsed = clock[0][1] * step / clock[0][0]
+        elif i == len(clock):  # after the last record: its pace from the one before
+            (s0, e0), (s1, e1) = clock[max(0, i - 2)], clock[i - 1]
+            rate = (e1 - e0) / (s1 - s0) if s1 > s0 else e1 / s1
+            elapsed = e1 + rate * (step - s1)
+        else:
+            (s0, e0), (s1, e1) = clock[i - 1], clock[i]
+            elapsed = e0 + (e1 - e0) * (step - s0) / (s1 - s0)
+        out[step] = elapsed - spent
+        spent += eval_seconds
+    return out
+
+
+def parse_time_to(text: str) -> tuple[str, float]:
+    """--time-to CLASS=IOU ("vehicle=0.30", IoU as a fraction) -> (class, IoU); else ValueError."""
+    name, sep, value = text.partition("=")
+    try:
+        target = float(value)
+    except ValueError:
+        target = None
+    if not sep or not name.strip() or target is None or not 0.0 < target < 1.0:
+        raise ValueError(
+            f"--time-to {text!r}: expected CLASS=IOU with the IoU as a fraction, e.g. vehicle=0.30"
+        )
+    return name.strip(), target
+
+
+def time_to_accuracy(runs: list[dict], cls: str, target: float, steps: int) -> dict:
+    """recipe -> the training seconds (validations left out) to the first validation with IoU of
+    `cls` >= `target`: {"reached": runs that got there, "runs", "seconds" and "step" [mean, std]
+    over those}, and "best_by": {N: {"iou", "seconds"} [mean, std]} for N = steps / 2 and steps:
+    each run's best validation IoU up to step N and when it was reached."""
+    out = {}
+    for recipe in dict.fromkeys(r["recipe"] for r in runs):
+        ok = [
+            r
+            for r in runs
+            if r["recipe"] == recipe
+            and r["status"] == "ok"
+            and r.get("curve")
+            and all(p.get("seconds") is not None for p in r["curve"])
+        ]
+        if not ok or any(cls not in p["iou"] for r in ok for p in r["curve"]):
+            continue
+        hits = [next((p for p in r["curve"] if p["iou"][cls] >= target), None) for r in ok]
+        hits = [h for h in hits if h is not None]
+        row = {"reached": len(hits), "runs": len(ok)}
+        if hits:
+            row["seconds"] = list(mean_std([h["seconds"] for h in hits]))
+            row["step"] = list(mean_std([h["step"] for h in hits]))
+        row["best_by"] = {}
+        for by in dict.fromkeys((steps // 2, steps)):
+            best = [
+                max(
+                    (p for p in r["curve"] if p["step"] <= by),
+                    key=lambda p: p["iou"][cls],
+                    default=None,
+                )
+                for r in ok
+            ]
+            best = [b for b in best if b is not None]
+            if best:
+                row["best_by"][by] = {
+                    "iou": list(mean_std([b["iou"][cls] for b in best])),
+                    "seconds": list(mean_std([b["seconds"] for b in best])),
+                }
+        out[recipe] = row
+    return out
 
 
 def best_thresholds(sweep: dict) -> dict:
@@ -497,6 +596,8 @@ def to_markdown(result: dict) -> str:
                     f"{_pm(row['iou_cellwise'])} at 0.5"
                 )
     lines += [""] + notes if notes else []
+    if "time_to" in result:
+        lines += [""] + time_to_markdown(result["time_to"])
     for r in [r for r in result["runs"] if r["status"] == "skipped"]:
         lines += ["", f"SKIPPED: {r['recipe']} seed {r['seed']}: {r['reason']}"]
     failed = [r for r in result["runs"] if r["status"] == "failed"]
@@ -509,6 +610,37 @@ def to_markdown(result: dict) -> str:
             "```",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _seconds(stat: list) -> str:
+    mean, std = stat
+    return f"{mean:.0f} ± {std:.0f} s" if std is not None else f"{mean:.0f} s"
+
+
+def time_to_markdown(time_to: dict) -> list[str]:
+    """The lines of the time-to-accuracy table (benchmark()'s "time_to")."""
+    cls, target = time_to["class"], time_to["target"]
+    bys = sorted({int(b) for row in time_to["recipes"].values() for b in row["best_by"]})
+    lines = [
+        f"Training time (validations left out, mean ± std over the runs) to {cls} IoU >= "
+        f"{100 * target:.1f}, and the best {cls} IoU up to step N with when it was reached:",
+        "",
+        f"| recipe | runs that reached it | seconds | at step | "
+        + " | ".join(f"best by {b}: IoU, seconds" for b in bys)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(bys),
+    ]
+    for recipe, row in time_to["recipes"].items():
+        cells = [
+            f"{row['reached']} of {row['runs']}",
+            _seconds(row["seconds"]) if row["reached"] else "not reached",
+            f"{row['step'][0]:.0f}" if row["reached"] else "",
+        ]
+        for b in bys:
+            best = row["best_by"].get(b) or row["best_by"].get(str(b))
+            cells.append(f"{_pm(best['iou'])}, {_seconds(best['seconds'])}" if best else "")
+        lines.append(f"| {recipe} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot_curves(summary: dict, path: Path) -> None:
@@ -614,6 +746,13 @@ def benchmark(opts: AccuracyOptions, meta: Optional[dict] = None) -> dict:
             "original_lss": opts.original_lss,
         },
     }
+    if opts.time_to is not None:
+        cls, target = opts.time_to
+        result["time_to"] = {
+            "class": cls,
+            "target": target,
+            "recipes": time_to_accuracy(runs, cls, target, opts.steps),
+        }
     (out / "accuracy.json").write_text(json.dumps(result, indent=1))
     md = to_markdown(result)
     (out / "accuracy.md").write_text(md)
@@ -695,6 +834,13 @@ def build_parser():
         help="a checkout of nv-tlabs/lift-splat-shoot: runs the original code's recipes (original, "
         "original_4k, NAME=original[,setting=value...]); without it they are skipped",
     )
+    p.add_argument(
+        "--time-to",
+        default=None,
+        metavar="CLASS=IOU",
+        help="also report each recipe's training time to that validation IoU (a fraction, e.g. "
+        "vehicle=0.30) and its best IoU by half the steps and by the last step",
+    )
     p.add_argument("--quick", action="store_true", help="tiny set, 2 seeds x 2 steps on CPU")
     return p
 
@@ -722,6 +868,8 @@ def options_from_args(args) -> AccuracyOptions:
             scenes=args.scenes or opts.dataset.scenes,
             samples_per_scene=args.samples_per_scene or opts.dataset.samples_per_scene,
         )
+    if args.time_to is not None:
+        opts.time_to = parse_time_to(args.time_to)
     if args.original_lss is not None:
         from benchmarks.original_lss import check_checkout
 

@@ -7,6 +7,8 @@ accuracy.{json,md,png} (benchmarks/accuracy.py; docs/accuracy.md).
   python scripts/accuracy.py --recipe original --recipe paper --original-lss ../lift-splat-shoot
   python scripts/accuracy.py --set screen --recipe original --recipe paper --seeds 0 --parallel 8 \
       --workers 1 --original-lss ../lift-splat-shoot
+  python scripts/accuracy.py --recipe default --recipe original_4k --steps 4000 --eval-every 200 \
+      --parallel 4 --gpus 4 --time-to vehicle=0.30 --original-lss ../lift-splat-shoot
   python scripts/accuracy.py --quick          # CPU smoke run on a tiny set (CI)
 """
 

@@ -68,6 +68,7 @@ def test_quick_benchmark_writes_table_json_and_plot(tmp_path):
     opts = accuracy.quick_options(str(tmp_path / "out"))
     opts.recipes = [parse_recipe("paper"), parse_recipe("default"),
                     parse_recipe("broken=configs/lss_paper.yaml,optim.no_such_key=1")]
+    opts.time_to = ("vehicle", 0.5)
     result = accuracy.benchmark(opts, {"device": "cpu"})
     out = tmp_path / "out"
     saved = json.loads((out / "accuracy.json").read_text())
@@ -90,6 +91,10 @@ def test_quick_benchmark_writes_table_json_and_plot(tmp_path):
     md = (out / "accuracy.md").read_text()
     assert "| paper | 2 | vehicle |" in md and "| default | 2 | lane_divider |" in md
     assert "FAILED: broken seed 0" in md and "no_such_key" in md
+    # every validation of a real run carries its training time, and the time-to table has both recipes
+    assert all(p["seconds"] > 0 for r in saved["runs"] if r["status"] == "ok" for p in r["curve"])
+    assert list(saved["time_to"]["recipes"]) == ["paper", "default"]
+    assert saved["time_to"]["recipes"]["paper"]["runs"] == 2 and "to vehicle IoU >= 50.0" in md
     png = (out / "accuracy.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert result["runs"] == saved["runs"]
@@ -287,3 +292,63 @@ def test_the_two_set_recipes_change_only_what_they_name(name):
     else:
         assert differs == {("model", "batch_norm"), ("model", "depthwise_conv")}
         assert changed["model"]["batch_norm"] == changed["model"]["depthwise_conv"] == "torch"
+
+
+def test_training_seconds_leave_the_validations_out_and_interpolate_the_clock():
+    records = [
+        {"kind": "startup", "step": 1},
+        {"kind": "train", "step": 20, "elapsed": 12.0},
+        {"kind": "train", "step": 40, "elapsed": 14.0},
+        {"kind": "val", "step": 40, "timing": {"seconds": 5.0}},  # lss's records
+        {"kind": "train", "step": 60, "elapsed": 21.0},  # 5 s of it the validation at 40
+        {"kind": "val", "step": 50, "seconds": 1.0},  # the original's runner's records; between clock records
+        {"kind": "val", "step": 70, "seconds": 1.0},  # past the last clock record: its last pace
+    ]
+    got = accuracy.training_seconds(records)
+    assert got[40] == pytest.approx(14.0)
+    assert got[50] == pytest.approx(14.0 + 7.0 / 2 - 5.0)  # interpolated 17.5, less the validation at 40
+    assert got[70] == pytest.approx(21.0 + 3.5 - 6.0)  # 24.5 at the last pace (7 s per 20 steps), less 5 + 1
+    early = accuracy.training_seconds([{"kind": "train", "step": 20, "elapsed": 10.0},
+                                       {"kind": "val", "step": 10, "timing": {"seconds": 3.0}}])
+    assert early == {10: pytest.approx(5.0)}  # before the first record: its pace from the start
+    assert accuracy.training_seconds([{"kind": "train", "step": 20, "loss": 1.0},
+                                      {"kind": "val", "step": 20}]) == {}  # no clock, no times
+
+
+def _timed_run(recipe, seed, points):
+    return {"recipe": recipe, "seed": seed, "status": "ok",
+            "curve": [{"step": s, "seconds": t, "iou": {"vehicle": v}} for s, t, v in points]}
+
+
+def test_time_to_accuracy_reports_the_first_validation_over_the_target_and_the_best_by_each_half():
+    runs = [
+        _timed_run("fast", 0, [(100, 10.0, 0.20), (200, 20.0, 0.31), (300, 30.0, 0.29), (400, 40.0, 0.33)]),
+        _timed_run("fast", 1, [(100, 12.0, 0.25), (200, 22.0, 0.28), (300, 32.0, 0.30), (400, 42.0, 0.32)]),
+        _timed_run("slow", 0, [(100, 50.0, 0.10), (200, 100.0, 0.22), (300, 150.0, 0.25), (400, 200.0, 0.24)]),
+        {"recipe": "slow", "seed": 1, "status": "failed"},
+    ]
+    table = accuracy.time_to_accuracy(runs, "vehicle", 0.30, steps=400)
+    fast, slow = table["fast"], table["slow"]
+    assert fast["reached"] == 2 and fast["runs"] == 2
+    np.testing.assert_allclose(fast["seconds"], [26.0, np.std([20.0, 32.0], ddof=1)])
+    np.testing.assert_allclose(fast["step"][0], 250.0)
+    np.testing.assert_allclose(fast["best_by"][200]["iou"], [np.mean([0.31, 0.28]), np.std([0.31, 0.28], ddof=1)])
+    np.testing.assert_allclose(fast["best_by"][200]["seconds"][0], np.mean([20.0, 22.0]))
+    np.testing.assert_allclose(fast["best_by"][400]["iou"][0], np.mean([0.33, 0.32]))
+    assert slow == {"reached": 0, "runs": 1, "best_by": {200: {"iou": [0.22, None], "seconds": [100.0, None]},
+                                                          400: {"iou": [0.25, None], "seconds": [150.0, None]}}}
+    lines = "\n".join(accuracy.time_to_markdown({"class": "vehicle", "target": 0.30, "recipes": table}))
+    assert "| fast | 2 of 2 | 26 ± 8 s | 250 |" in lines and "| slow | 0 of 1 | not reached |" in lines
+    assert "best by 200: IoU, seconds | best by 400: IoU, seconds" in lines
+    # runs without a clock (written before train records carried one) are left out, not counted as zero
+    untimed = _timed_run("old", 0, [(100, None, 0.5)])
+    assert accuracy.time_to_accuracy([untimed], "vehicle", 0.30, steps=100) == {}
+
+
+@pytest.mark.parametrize("text", ["vehicle", "vehicle=30", "vehicle=x", "=0.3", "vehicle=0"])
+def test_time_to_argument_is_checked(text):
+    parser = accuracy.build_parser()
+    assert accuracy.options_from_args(parser.parse_args(["--time-to", "pedestrian=0.15"])).time_to == \
+        ("pedestrian", 0.15)
+    with pytest.raises(ValueError, match=r"expected CLASS=IOU with the IoU as a fraction, e.g. vehicle=0.30"):
+        accuracy.options_from_args(parser.parse_args(["--time-to", text]))
