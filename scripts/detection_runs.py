@@ -57,6 +57,14 @@ RUNS = {
     "joint_lane": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
                    "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
                    "loss.class_weights=[2.0,3.0,0.5,1.5]"),
+    # the own decoder stage with no detection gradient into the shared encoder (does the lane divider recover when
+    # only the detection head's own layers learn from boxes?), and with the lane divider weighted up
+    "joint_own_gs0": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
+                      "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
+                      "detection.decoder=own", "detection.trunk_grad_scale=0.0"),
+    "joint_own_lane": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
+                       "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
+                       "detection.decoder=own", "loss.class_weights=[2.0,3.0,0.5,1.0]"),
     # two frames (docs/temporal.md): the previous key frame, and the one two key frames back (1 s on nuScenes)
     "temporal": ("model.temporal.frames=2",),
     "temporal_gap2": ("model.temporal.frames=2", "model.temporal.gap=2"),
