@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from lss.config import Config
-from lss.data.nuscenes import image_tensor, pixel_lut
+from lss.data.nuscenes import image_tensor
 from lss.data.transforms import augment_image, image_size_from_header
 from lss.errors import ArgumentError, DatasetError
 from lss.geometry import val_augmentation
@@ -168,10 +168,7 @@ def camera_inputs(
         post_rot.append(rot)
         post_trans.append(trans)
     return {
-        "images": image_tensor(
-            pixels,
-            pixel_lut(data.image_mean, data.image_std) if data.image_dtype == "float32" else None,
-        ),
+        "images": image_tensor(pixels, data),
         "intrinsics": torch.from_numpy(K.astype(np.float32)),
         "sensor2ego_rot": torch.from_numpy(T[:, :3, :3].astype(np.float32)),
         "sensor2ego_trans": torch.from_numpy(T[:, :3, 3].astype(np.float32)),

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from lss.geometry.boxes import DETECTION_CLASSES, dense_targets
-from lss.config import Config
+from lss.config import Config, DataConfig
 from lss.data import targets as T
 from lss.data.bev_augmentation import BevAugmentation, sample_bev_augmentation
 from lss.data.classes import class_kinds
@@ -40,6 +40,7 @@ from lss.data.transforms import (
     scaled_shape,
 )
 from lss.geometry import BevGrid, ImageAugmentation
+from lss.geometry.camera import pixel_lut
 
 __all__ = [
     "INDEX_FIELDS",
@@ -50,7 +51,6 @@ __all__ = [
     "locate_dataroot",
     "image_tensor",
     "normalize_images",
-    "pixel_lut",
     "resolve_split",
 ]
 
@@ -70,22 +70,15 @@ def normalize_images(images: Sequence[np.ndarray], lut: np.ndarray) -> torch.Ten
     return torch.from_numpy(out)
 
 
-def image_tensor(images: Sequence[np.ndarray], lut: Optional[np.ndarray]) -> torch.Tensor:
-    """N images H x W x 3 uint8 RGB -> N x 3 x H x W: uint8 as they are when `lut` is None
-    (data.image_dtype "uint8": the model normalises them on its device), else float32 through
-    normalize_images with `lut`."""
-    if lut is not None:
-        return normalize_images(images, lut)
+def image_tensor(images: Sequence[np.ndarray], data: DataConfig) -> torch.Tensor:
+    """N images H x W x 3 uint8 RGB -> N x 3 x H x W in data.image_dtype: uint8 as they are (the
+    model normalises them on its device), or float32 through normalize_images with the table of
+    data.image_mean / image_std."""
+    if data.image_dtype == "float32":
+        return normalize_images(images, pixel_lut(data.image_mean, data.image_std))
     if not len(images):
         return torch.zeros(0, 3, 0, 0, dtype=torch.uint8)
     return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous()
-
-
-def pixel_lut(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
-    """The normalized value of every uint8 level per channel, (level / 255 - mean) / std: 256 x 3
-    float32, the table of normalize_images."""
-    levels = np.arange(256, dtype=np.float64)[:, None] / 255.0
-    return ((levels - np.asarray(mean)) / np.asarray(std)).astype(np.float32)
 
 
 class NuScenesBEV(torch.utils.data.Dataset):
@@ -133,9 +126,6 @@ class NuScenesBEV(torch.utils.data.Dataset):
         self.grid = BevGrid.from_config(self.config.grid)
         self.grid_shape = self.grid.shape
 
-        self._pixel_lut = (
-            pixel_lut(data.image_mean, data.image_std) if data.image_dtype == "float32" else None
-        )
         self._decoded = DecodedImages() if data.decoded_cache else None
         self._lidar = LidarProjections() if data.decoded_cache and data.depth_targets else None
         self.root, self.layout = locate_dataroot(dataroot, version)
@@ -238,7 +228,7 @@ class NuScenesBEV(torch.utils.data.Dataset):
             post_trans.append(trans)
             augs.append(aug)
         return (
-            image_tensor(images, self._pixel_lut),
+            image_tensor(images, self.config.data),
             torch.from_numpy(np.stack(post_rots)),
             torch.from_numpy(np.stack(post_trans)),
             np.asarray(sizes),

@@ -272,6 +272,15 @@ def ego_to_pixels(
     return camera_to_pixels(camera, intrinsics, post_rot, post_trans)
 
 
+def pixel_lut(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """The network's value of every uint8 level per channel, (level / 255 - mean) / std computed in
+    float64: 256 x 3 float32. The one table of the pixels' normalisation: the loader's
+    (lss.data.nuscenes.normalize_images, data.image_dtype float32) and the model's on its device
+    (lss.models.camera.normalize_pixels, uint8 batches)."""
+    levels = np.arange(256, dtype=np.float64)[:, None] / 255.0
+    return ((levels - np.asarray(mean)) / np.asarray(std)).astype(np.float32)
+
+
 def load_nuscenes_rig(cameras: Optional[Sequence[str]] = None, path: Optional[Path] = None):
     """The real nuScenes camera rig (lss/data/nuscenes_rig.json, 1600 x 900 images), or the rig file
     at `path` (lss.geometry.rig_file).

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from torchvision.models import resnet18
 
 from lss.errors import ConfigError
+from lss.geometry.camera import pixel_lut
 from lss.models.blocks import Up
 from lss.ops import kernels_take
 from lss.ops.depthwise_conv import MAX_KERNEL, depthwise_conv2d
@@ -224,14 +225,8 @@ class ResNetTrunk(nn.Module):
 
 
 def pixel_table(mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """Every uint8 level's normalised value per channel, (level / 255 - mean) / std computed in
-    float64 as the loader's table (lss.data.nuscenes.pixel_lut): 768 x 1 float32, channel-major,
-    the table of normalize_pixels."""
-    levels = torch.arange(256, dtype=torch.float64) / 255.0
-    table = (levels - torch.tensor(mean, dtype=torch.float64)[:, None]) / torch.tensor(
-        std, dtype=torch.float64
-    )[:, None]
-    return table.float().reshape(-1, 1)
+    """lss.geometry.camera.pixel_lut as the 768 x 1 channel-major table of normalize_pixels."""
+    return torch.from_numpy(pixel_lut(mean, std).T.copy()).reshape(-1, 1)
 
 
 def normalize_pixels(images: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
