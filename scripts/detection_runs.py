@@ -68,6 +68,8 @@ RUNS = {
     # two frames (docs/temporal.md): the previous key frame, and the one two key frames back (1 s on nuScenes)
     "temporal": ("model.temporal.frames=2",),
     "temporal_gap2": ("model.temporal.frames=2", "model.temporal.gap=2"),
+    # two residual blocks on each frame's grid before the fusion (BEVDet4D's extra BEV encoder)
+    "temporal_blocks": ("model.temporal.frames=2", "model.temporal.frame_blocks=2"),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

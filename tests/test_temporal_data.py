@@ -218,10 +218,12 @@ def test_config_refuses_other_frame_counts(frames):
 
 @pytest.mark.parametrize(
     "temporal, message",
-    [({"frame": 2}, "unknown key 'frame'. Allowed keys: frames, gap"), ({"frames": "two"}, "expected an integer"),
+    [({"frame": 2}, "unknown key 'frame'. Allowed keys: frames, gap, frame_blocks"), ({"frames": "two"}, "expected an integer"),
      ({"frames": 2, "gap": 0}, r"model.temporal.gap=0: expected a whole number of key frames >= 1"),
      ({"frames": 2, "gap": 1.5}, "expected an integer"),
-     ({"gap": 2}, r"model.temporal.gap=2 needs model.temporal.frames: 2")],
+     ({"gap": 2}, r"model.temporal.gap=2 needs model.temporal.frames: 2"),
+     ({"frames": 2, "frame_blocks": -1}, r"model.temporal.frame_blocks=-1: expected a whole number of residual blocks"),
+     ({"frame_blocks": 2}, r"model.temporal.frame_blocks=2 needs model.temporal.frames: 2")],
 )
 def test_config_refuses_unknown_keys_and_types(temporal, message):
     from lss.errors import ConfigError

@@ -32,8 +32,9 @@ ONE_FRAME_REFERENCE = {
 }
 
 
-def small_config(frames=1, **model):
-    values = {**SMALL, "model": {**SMALL["model"], **model, "temporal": {"frames": frames}}}
+def small_config(frames=1, frame_blocks=0, **model):
+    temporal = {"frames": frames, **({"frame_blocks": frame_blocks} if frame_blocks else {})}
+    values = {**SMALL, "model": {**SMALL["model"], **model, "temporal": temporal}}
     return config_from_dict(values)
 
 
@@ -121,6 +122,35 @@ def test_two_frame_forward_fuses_the_previous_frame():
     torch.testing.assert_close(again, outputs["segmentation"])
 
 
+def test_frame_blocks_run_the_same_residual_blocks_on_both_frames_before_the_fusion():
+    from torchvision.models.resnet import BasicBlock
+
+    torch.manual_seed(0)
+    plain = build_model(small_config(frames=2)).state_dict()
+    torch.manual_seed(0)
+    model = build_model(small_config(frames=2, frame_blocks=2))
+    added = sorted(set(model.state_dict()) - set(plain))
+    assert {k.split(".")[2] for k in added} == {"0", "1"} and all(k.startswith("temporal.frame.") for k in added)
+    assert all(torch.equal(plain[k], model.state_dict()[k]) for k in plain if not k.startswith("temporal."))
+    fusion = model.temporal.eval()
+    # the reference: two torchvision BasicBlocks with the fusion's weights, applied to each frame, then the conv
+    blocks = torch.nn.Sequential(BasicBlock(64, 64), BasicBlock(64, 64)).eval()
+    blocks.load_state_dict(fusion.frame.state_dict())
+    g = torch.Generator().manual_seed(4)
+    current, previous = (torch.randn(2, 64, 16, 16, generator=g) for _ in range(2))
+    with torch.no_grad():
+        want = fusion.conv(torch.cat([blocks(current), blocks(previous)], 1))
+        torch.testing.assert_close(fusion(current, previous), want)
+    # trained: the blocks learn from both frames' grids (the previous frame's camera pass has no gradient)
+    model.train()
+    batch = previous_of(rig_batch(batch_size=2))
+    batch["targets"] = torch.rand(2, 2, 64, 64, generator=g).round()
+    TotalLoss(small_config(frames=2, frame_blocks=2))(model(batch), batch)["loss"].backward()
+    grads = [p.grad for p in model.temporal.frame.parameters()]
+    assert all(gr is not None and gr.abs().sum() > 0 for gr in grads)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.camera.parameters())  # current frame
+
+
 def test_two_frame_model_refuses_a_batch_without_the_previous_frame():
     model = build_model(small_config(frames=2)).eval()
     with pytest.raises(ValueError, match=r"needs the previous frame's inputs, but the batch has no prev_images, "
@@ -180,7 +210,7 @@ def test_a_two_frame_checkpoint_is_refused_by_a_one_frame_config(tmp_path):
     cfg = small_config(frames=2)
     path = tmp_path / "two.pt"
     save_checkpoint(path, build_model(cfg), step=1, config=cfg)
-    assert config_to_dict(cfg)["model"]["temporal"] == {"frames": 2, "gap": 1}
+    assert config_to_dict(cfg)["model"]["temporal"] == {"frames": 2, "gap": 1, "frame_blocks": 0}
     with pytest.raises(CheckpointError, match=r"model.temporal.frames=2.*model.temporal.frames=1"):
         load_checkpoint_model(small_config(), path, torch.device("cpu"))
     # the same weights read two key frames back are another model: refused too, the gap named
@@ -195,6 +225,11 @@ def test_a_two_frame_checkpoint_is_refused_by_a_one_frame_config(tmp_path):
     load_checkpoint_model(cfg, tmp_path / "old.pt", torch.device("cpu"))
     with pytest.raises(CheckpointError, match=r"model.temporal.gap"):
         load_checkpoint_model(gap2, tmp_path / "old.pt", torch.device("cpu"))
+    # frame blocks are weights of their own: a checkpoint without them is refused by a config with them
+    blocks = config_from_dict({**config_to_dict(cfg), "model": {**config_to_dict(cfg)["model"],
+                                                                "temporal": {"frames": 2, "frame_blocks": 1}}})
+    with pytest.raises(CheckpointError, match=r"model.temporal.frame_blocks=0.*model.temporal.frame_blocks=1"):
+        load_checkpoint_model(blocks, path, torch.device("cpu"))
 
 
 def test_export_refuses_a_fixed_rig_for_a_two_frame_model(tmp_path):

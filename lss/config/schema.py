@@ -101,6 +101,9 @@ class TemporalConfig:
 
     frames: int = 1
     gap: int = 1
+    # with frames 2: residual blocks run on each frame's splatted grid (the same weights for both)
+    # before the two are concatenated, BEVDet4D's extra BEV encoder; 0: the grids as splatted
+    frame_blocks: int = 0
 
 
 @dataclass

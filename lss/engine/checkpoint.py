@@ -39,6 +39,7 @@ FIXED_KEYS = (
     "model.heads",
     "model.temporal.frames",
     "model.temporal.gap",
+    "model.temporal.frame_blocks",
     "detection.decoder",
 )
 # Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases:

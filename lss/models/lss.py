@@ -79,7 +79,9 @@ class LiftSplatShoot(nn.Module):
         # None: a one-frame model keeps its modules and state dict as they were; built last, so
         # that the other modules start as a one-frame model of the same seed does
         self.temporal = (
-            TemporalFusion(grid.nz * model.context_channels) if model.temporal.frames == 2 else None
+            TemporalFusion(grid.nz * model.context_channels, model.temporal.frame_blocks)
+            if model.temporal.frames == 2
+            else None
         )
         # detection.decoder: own: the detection head's own last decoder stage (built after the
         # others, so that they start as the shared model's of the same seed do)
