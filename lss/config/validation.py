@@ -155,21 +155,21 @@ def validate(cfg: Config) -> Config:
         "the previous sample, 2: the one before it)",
     )
     _check(
-        model.temporal.gap == 1 or model.temporal.frames == 2,
-        f"model.temporal.gap={model.temporal.gap} needs model.temporal.frames: 2 (a one-frame "
-        "model reads no previous frame); set frames: 2 or remove gap",
-    )
-    _check(
         isinstance(model.temporal.frame_blocks, int) and model.temporal.frame_blocks >= 0,
         f"model.temporal.frame_blocks={model.temporal.frame_blocks}: expected a whole number of "
         "residual blocks >= 0 (0: the splatted grids are concatenated as they are)",
     )
-    _check(
-        model.temporal.frame_blocks == 0 or model.temporal.frames == 2,
-        f"model.temporal.frame_blocks={model.temporal.frame_blocks} needs model.temporal.frames: 2 "
-        "(the blocks run on each frame's grid before the fusion); set frames: 2 or remove "
-        "frame_blocks",
-    )
+    # settings of the previous frame: other than their default only with frames 2
+    for key, default, why in (
+        ("gap", 1, "a one-frame model reads no previous frame"),
+        ("frame_blocks", 0, "the blocks run on each frame's grid before the fusion"),
+    ):
+        value = getattr(model.temporal, key)
+        _check(
+            value == default or model.temporal.frames == 2,
+            f"model.temporal.{key}={value} needs model.temporal.frames: 2 ({why}); set frames: 2 "
+            f"or remove {key}",
+        )
     detecting = "detection" in model.heads
     _check(
         data.detection_targets in (None, detecting),
