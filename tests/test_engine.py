@@ -190,6 +190,46 @@ def test_focal_loss_uses_the_op_and_class_weights(tmp_path):
         SegmentationLoss(fake_cfg(tmp_path, "loss.type=l2"))
 
 
+def test_soft_iou_term_against_hand_values_mask_and_gradient(tmp_path):
+    from lss.models.heads.segmentation import soft_iou
+
+    cfg = fake_cfg(tmp_path, "loss.pos_weight=2.0", "loss.soft_iou_weights=[0.0, 2.0]")
+    loss_fn = SegmentationLoss(cfg)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 2, 5, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = (torch.rand(2, 2, 5, 5, generator=g) > 0.7).float()
+    mask = torch.rand(2, 5, 5, generator=g) > 0.4
+    got = loss_fn({"segmentation": logits}, {"targets": targets, "visibility_mask": mask})
+    # by hand, the second class only, visible cells only, +1 on both sides of the fraction
+    p = torch.sigmoid(logits[:, 1].detach())[mask]
+    t = targets[:, 1][mask]
+    iou = ((p * t).sum() + 1) / ((p + t - p * t).sum() + 1)
+    elem = F.binary_cross_entropy_with_logits(logits.detach().float(), targets,
+                                              pos_weight=torch.tensor(2.0), reduction="none")
+    m = mask.unsqueeze(1).float().expand_as(elem)
+    bce = ((elem * m).sum((0, 2, 3)) / m.sum((0, 2, 3))).mean()
+    assert torch.allclose(got["loss/soft_iou"].double(), 2 * (1 - iou), atol=1e-6)
+    assert torch.allclose(got["loss"].double(), bce.double() + 2 * (1 - iou), atol=1e-6)
+    got["loss"].backward()
+    # the term pulls the second class's positives up and its negatives down: its gradient on the
+    # logits differs from the BCE's alone
+    ref = logits.detach().clone().requires_grad_(True)
+    SegmentationLoss(fake_cfg(tmp_path, "loss.pos_weight=2.0"))(
+        {"segmentation": ref}, {"targets": targets, "visibility_mask": mask})["loss"].backward()
+    assert torch.allclose(logits.grad[:, 0], ref.grad[:, 0])
+    diff = (logits.grad[:, 1] - ref.grad[:, 1])[mask]
+    assert (diff[t > 0] < 0).all() and (diff[t == 0] > 0).all()
+    # a perfect prediction scores (almost) 1; weights of zero leave the loss unchanged
+    perfect = (targets * 2 - 1) * 30
+    assert torch.allclose(soft_iou(perfect, targets), torch.ones(2), atol=1e-6)
+    plain = SegmentationLoss(fake_cfg(tmp_path, "loss.soft_iou_weights=[0.0, 0.0]"))
+    assert "loss/soft_iou" not in plain({"segmentation": logits}, {"targets": targets})
+    with pytest.raises(ValueError, match="soft_iou_weights has 1 values"):
+        SegmentationLoss(fake_cfg(tmp_path, "loss.soft_iou_weights=[1.0]"))
+    with pytest.raises(ValueError, match="expected finite values >= 0"):
+        SegmentationLoss(fake_cfg(tmp_path, "loss.soft_iou_weights=[1.0, -1.0]"))
+
+
 # ---------------------------------------------------------------------------------------- checkpoints
 def depth_case(seed=0, bins=5):
     """Float64 depth logits B x N x D x fH x fW and int64 targets with about 30% cells ignored (-1)."""

@@ -163,6 +163,9 @@ class LossConfig:
     # BCE: one pos_weight per class (replaces pos_weight)
     class_pos_weights: Optional[tuple[float, ...]] = None
     class_weights: Optional[tuple[float, ...]] = None
+    # one weight per class (0 = off) of a soft-IoU term, 1 - sum(p t) / sum(p + t - p t) over the
+    # batch's cells, added to the per-pixel loss: it rewards the overlap the IoU metric counts
+    soft_iou_weights: Optional[tuple[float, ...]] = None
     # lidar depth cross-entropy on the camera depth distribution; needs data.depth_targets
     depth_weight: float = 0.0
 

@@ -1,5 +1,6 @@
 """BEV segmentation: the head (one logit map per class of data.classes from the BEV encoder's
-features) and its loss (our sigmoid focal loss by default, or the LSS paper's BCE with pos_weight).
+features) and its loss (our sigmoid focal loss by default, or the LSS paper's BCE with pos_weight;
+optionally a soft-IoU term per class, loss.soft_iou_weights).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class SegmentationLoss(nn.Module):
             torch.tensor(pos_weights, dtype=torch.float32).view(-1, 1, 1),
             persistent=False,
         )
+        soft_iou = cfg.soft_iou_weights
+        self.soft_iou = soft_iou is not None and any(w > 0 for w in soft_iou)
+        if self.soft_iou:
+            self.register_buffer(
+                "soft_iou_weights", torch.tensor(soft_iou, dtype=torch.float32), persistent=False
+            )
 
     def forward(self, outputs: dict, batch: dict) -> dict:
         logits = outputs["segmentation"].float()
@@ -70,6 +77,10 @@ class SegmentationLoss(nn.Module):
         loss = (per_class * self.class_weights).sum() / self.class_weights.sum()
         out = {"loss": loss}
         out.update({f"loss/{c}": per_class[k].detach() for k, c in enumerate(self.classes)})
+        if self.soft_iou:
+            iou_term = ((1.0 - soft_iou(logits, targets, mask)) * self.soft_iou_weights).sum()
+            out["loss"] = loss + iou_term
+            out["loss/soft_iou"] = iou_term.detach()
         return out
 
     def _elementwise(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -80,6 +91,25 @@ class SegmentationLoss(nn.Module):
         return sigmoid_focal_loss(
             logits, targets, alpha=self.alpha, gamma=self.gamma, reduction="none"
         )
+
+
+def soft_iou(
+    logits: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Per-class soft IoU of B x K x nx x ny logits against 0/1 targets over the batch and grid ->
+    K: sum(p t) / sum(p + t - p t) with p = sigmoid(logits), the IoU of the metric with
+    probabilities in place of the thresholded masks (1 for a class absent from both). With a mask
+    (B x K x nx x ny, 1 = counted) only the visible cells count."""
+    probs = torch.sigmoid(logits.float())
+    targets = targets.float()
+    inter = probs * targets
+    union = probs + targets - inter
+    if mask is not None:
+        inter, union = inter * mask, union * mask
+    dims = (0, 2, 3)
+    inter, union = inter.sum(dim=dims), union.sum(dim=dims)
+    eps = 1.0
+    return (inter + eps) / (union + eps)
 
 
 def _masked_mean(values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
