@@ -57,8 +57,10 @@ NAMED_SETS = {"benchmark": BENCHMARK_SET, "confirm": CONFIRM_SET, "screen": SCRE
 # the CONFIG of recipes that run the original LSS code (benchmarks/original_lss.py)
 ORIGINAL = "original"
 # the default recipe before 2026-11-27: 1 m depth bins, the pedestrian's class weight 1; with the
-# full-resolution skip and its pos_weight 6 (SKIP_PW6), and before that without either (NOSKIP)
-BEFORE_D05 = ("grid.dbound=[4.0,45.0,1.0]", "loss.class_weights=[2.0,1.0,0.5,0.5]")
+# full-resolution skip and its pos_weight 6 (SKIP_PW6), and before that without either (NOSKIP); every
+# recipe measured before 2026-11-28 ran without the soft-IoU term (BEFORE_SOFT_IOU)
+BEFORE_SOFT_IOU = ("loss.soft_iou_weights=null",)
+BEFORE_D05 = BEFORE_SOFT_IOU + ("grid.dbound=[4.0,45.0,1.0]", "loss.class_weights=[2.0,1.0,0.5,0.5]")
 SKIP_PW6 = BEFORE_D05 + ("loss.class_pos_weights=[4.0,6.0,1.5,2.6]",)
 NOSKIP = BEFORE_D05 + ("model.bev_full_res_skip=false", "loss.class_pos_weights=[4.0,10.0,1.5,2.6]")
 DEFAULT_RECIPES = {  # name -> (config, overrides)
@@ -67,14 +69,18 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     # the same recipes at twice the benchmark's steps (a recipe's max_steps wins over --steps)
     "paper_4k": ("configs/lss_paper.yaml", ("train.max_steps=4000",)),
     "default_4k": ("configs/synthetic.yaml", ("train.max_steps=4000",)),
+    # the default recipe before its soft-IoU term (until 2026-11-28: the per-pixel BCE alone)
+    "no_soft_iou": ("configs/synthetic.yaml", BEFORE_SOFT_IOU),
+    "no_soft_iou_4k": ("configs/synthetic.yaml", BEFORE_SOFT_IOU + ("train.max_steps=4000",)),
     # the default recipe trained on vehicles alone: what the other classes cost (or give) the
     # vehicle class (a single class's loss weight cancels: the loss is divided by the weights' sum)
     "default_vehicle": (
         "configs/synthetic.yaml",
-        ("data.classes=[vehicle]", "loss.class_pos_weights=[4.0]", "loss.class_weights=null"),
+        BEFORE_SOFT_IOU
+        + ("data.classes=[vehicle]", "loss.class_pos_weights=[4.0]", "loss.class_weights=null"),
     ),
     # the default recipe with equal class weights: better map classes, a weaker vehicle class
-    "balanced": ("configs/synthetic.yaml", ("loss.class_weights=null",)),
+    "balanced": ("configs/synthetic.yaml", BEFORE_SOFT_IOU + ("loss.class_weights=null",)),
     # the default recipe as it was until 2026-11-26: the paper's 128x352 images, centred frustum
     # pixels, no full-resolution skip, pedestrian pos_weight 10, 1 m depth bins
     "default_128": (
@@ -92,9 +98,16 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
         "configs/synthetic.yaml",
         ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]"),
     ),
-    # the default recipe with the pedestrian's class weight 4 instead of 3 (docs/accuracy.md,
-    # "Pedestrians")
-    "ped_cw4": ("configs/synthetic.yaml", ("loss.class_weights=[2.0,4.0,0.5,0.5]",)),
+    "no_soft_iou_at_128": (
+        "configs/synthetic.yaml",
+        BEFORE_SOFT_IOU + ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]"),
+    ),
+    # the default recipe before its soft-IoU term with the pedestrian's class weight 4 instead of 3
+    # (docs/accuracy.md, "Pedestrians")
+    "ped_cw4": (
+        "configs/synthetic.yaml",
+        BEFORE_SOFT_IOU + ("loss.class_weights=[2.0,4.0,0.5,0.5]",),
+    ),
     # the default recipe on PyTorch's batch norm and depthwise convolution kernels instead of lss's
     # (model.batch_norm / depthwise_conv: torch): the same model and recipe (docs/benchmarks.md)
     "default_torch_kernels": (

@@ -271,7 +271,8 @@ def test_a_set_folder_made_for_one_set_is_refused_for_the_other(tmp_path):
         ensure_synthetic_set(tmp_path, accuracy.CONFIRM_SET)
 
 
-@pytest.mark.parametrize("name", ["default_at_128", "ped_cw4", "default_torch_kernels"])
+@pytest.mark.parametrize("name", ["default_at_128", "ped_cw4", "default_torch_kernels", "no_soft_iou",
+                                  "no_soft_iou_at_128"])
 def test_the_two_set_recipes_change_only_what_they_name(name):
     from lss.config import config_to_dict, load_config
 
@@ -281,14 +282,22 @@ def test_the_two_set_recipes_change_only_what_they_name(name):
     changed = config_to_dict(load_config(recipe.config, list(recipe.overrides)))
     differs = {(section, key) for section in default for key in default[section]
                if isinstance(default[section], dict) and default[section][key] != changed[section][key]}
-    if name == "default_at_128":
+    if name.startswith("no_soft_iou"):
+        # the recipe measured before 2026-11-28: the per-pixel BCE alone
+        assert changed["loss"]["soft_iou_weights"] is None and default["loss"]["soft_iou_weights"]
+        differs -= {("loss", "soft_iou_weights")}
+        name = name.replace("no_soft_iou", "default") if name.endswith("128") else "unchanged"
+    if name == "unchanged":
+        assert differs == set()
+    elif name == "default_at_128":
         # the paper's images: 128x352, the crop of 1600x900 images resized to 0.193-0.225 (as configs/lss_paper.yaml)
         paper = load_config("configs/lss_paper.yaml")
         assert differs == {("data", "final_dim"), ("data", "resize_lim")}
         assert tuple(changed["data"]["final_dim"]) == tuple(paper.data.final_dim) == (128, 352)
         assert tuple(changed["data"]["resize_lim"]) == tuple(paper.data.resize_lim)
     elif name == "ped_cw4":
-        assert differs == {("loss", "class_weights")} and changed["loss"]["class_weights"][1] == 4.0
+        assert differs == {("loss", "class_weights"), ("loss", "soft_iou_weights")}
+        assert changed["loss"]["class_weights"][1] == 4.0 and changed["loss"]["soft_iou_weights"] is None
     else:
         assert differs == {("model", "batch_norm"), ("model", "depthwise_conv")}
         assert changed["model"]["batch_norm"] == changed["model"]["depthwise_conv"] == "torch"

@@ -51,6 +51,7 @@ def test_the_nuscenes_configs_carry_the_default_recipe():
     assert default.loss.class_weights == (2.0, 3.0, 0.5, 0.5) and default.loss.type == "bce"
     assert default.loss.class_pos_weights == (4.0, 6.7, 1.5, 2.6)
     assert default.grid.dbound == (4.0, 45.0, 0.5)
+    assert default.loss.soft_iou_weights == (1.0, 1.0, 1.0, 1.0)
     for name in ("nuscenes_mini.yaml", "nuscenes_trainval.yaml"):
         cfg = load_config(str(ROOT / "configs" / name), [])
         assert cfg.data.classes == default.data.classes, name
@@ -75,6 +76,7 @@ def test_the_earlier_default_recipes_keep_what_they_were(name, dbound, pos_weigh
     assert cfg.grid.dbound == dbound
     assert cfg.loss.class_pos_weights == pos_weights and cfg.loss.class_weights == class_weights
     assert cfg.model.bev_full_res_skip is skip
+    assert cfg.loss.soft_iou_weights is None  # measured before the soft-IoU term
     assert cfg.data.final_dim == ((128, 352) if name == "default_128" else (256, 704))
 
 
