@@ -294,6 +294,32 @@ def test_detection_targets_match_devkit_boxes(tiny_root):
         assert np.allclose(row[7:], v[:2], atol=1e-5)
 
 
+def test_an_unknown_velocity_stays_out_of_the_loss(tiny_root, tmp_path, monkeypatch):
+    # the devkit gives NaN for an instance it sees once: the boxes keep NaN (not 0 m/s) and the targets
+    # mask that velocity out of the regression loss
+    from nuscenes.nuscenes import NuScenes
+
+    from lss.geometry.boxes import encode_targets
+
+    root = tmp_path / "root"  # a copy: its own index cache entry
+    shutil.copytree(tiny_root, root)
+    unknown = _token("ann", 0, 1)  # the pedestrian of sample 0
+    velocity = NuScenes.box_velocity
+    monkeypatch.setattr(NuScenes, "box_velocity", lambda self, token, *a, **k: (
+        np.full(3, np.nan) if token == unknown else velocity(self, token, *a, **k)))
+    ds = NuScenesBEV(root, VERSION, "train", make_config(detection_targets=True), is_train=False, verbose=False)
+    boxes, labels = ds[0]["det_boxes"], ds[0]["det_labels"]
+    is_ped = labels == DETECTION_CLASSES.index("pedestrian")
+    assert is_ped.sum() == 1 and torch.isnan(boxes[is_ped, 7:]).all()
+    assert torch.isfinite(boxes[~is_ped]).all() and torch.isfinite(boxes[:, :7]).all()
+    targets = encode_targets([boxes], [labels], ds.grid, len(DETECTION_CLASSES))
+    ped_rows = targets["labels"] == DETECTION_CLASSES.index("pedestrian")
+    assert ped_rows.any() and (~ped_rows).any()
+    assert (targets["regression_mask"][ped_rows, 8:10] == 0).all()
+    assert (targets["regression_mask"][~ped_rows] == 1).all()
+    assert torch.isfinite(targets["regression"]).all()
+
+
 def test_camera_dropout_and_augmentation(tiny_root):
     torch.manual_seed(0)
     ds = NuScenesBEV(tiny_root, VERSION, "train", make_config(num_train_cameras=5), verbose=False)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import BinaryIO, Callable, Collection, Optional
 
-FORMAT = 3  # bump when the cached fields change
+FORMAT = 4  # bump when the cached fields change
 # a background build still running after this long is stopped, the index built here
 BACKGROUND_WAIT_S = 1800.0
 _BACKGROUND: list = []  # this process's background builds (build_in_background), not yet waited for

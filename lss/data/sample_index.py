@@ -234,8 +234,9 @@ def _sample_records(nusc, scenes: list[dict], root: Path, version: str, data: Da
             w, l, h = ann["size"]
             velocity = np.zeros(2)
             if data.detection_targets and label >= 0:
-                v = ego_rot.T @ np.nan_to_num(nusc.box_velocity(ann_token), nan=0.0)
-                velocity = v[:2]
+                # NaN where the devkit cannot tell (an instance seen once): the targets leave its
+                # velocity out of the loss (lss.geometry.boxes.encode_targets) instead of teaching 0
+                velocity = (ego_rot.T @ nusc.box_velocity(ann_token))[:2]
             class_bits.append(bits)
             det_boxes.append([*center, w, l, h, yaw, *velocity])
             det_labels.append(label)
