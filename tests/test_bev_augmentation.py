@@ -158,6 +158,6 @@ def test_rotation_keeps_image_content_and_moves_footprints(synthetic_root, rotat
         if len(det):
             expected = aug.apply_to_boxes(ds_plain.det_boxes[ds_plain.object_offsets[index]:
                                                              ds_plain.object_offsets[index + 1]])
-            for box in det:  # every returned box is one of the moved boxes
-                assert np.abs(expected - box).max(1).min() < 1e-5
+            for box in det:  # every returned box is one of the moved boxes (an unknown velocity stays NaN)
+                assert np.abs(np.nan_to_num(expected, nan=1e6) - np.nan_to_num(box, nan=1e6)).max(1).min() < 1e-5
     assert checked > 20 and marked > 3
