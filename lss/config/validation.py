@@ -180,27 +180,24 @@ def validate(cfg: Config) -> Config:
     )
     data.detection_targets = detecting
 
-    for key in ("class_weights", "class_pos_weights"):
+    for key in ("class_weights", "class_pos_weights", "soft_iou_weights"):
         values = getattr(loss, key)
-        if values is not None:
-            _check(
-                len(values) == len(data.classes),
-                f"loss.{key} has {len(values)} values but data.classes has {len(data.classes)} "
-                f"({list(data.classes)}): give one value per class, in the same order",
-            )
-            _check(all(v > 0 for v in values), f"loss.{key}={list(values)}: expected values > 0")
-    if loss.soft_iou_weights is not None:
-        values = loss.soft_iou_weights
+        if values is None:
+            continue
+        optional = key == "soft_iou_weights"  # a weight of 0 leaves that class's term out
         _check(
             len(values) == len(data.classes),
-            f"loss.soft_iou_weights has {len(values)} values but data.classes has "
-            f"{len(data.classes)} ({list(data.classes)}): give one value per class, in the same "
-            "order (0 leaves a class out)",
+            f"loss.{key} has {len(values)} values but data.classes has {len(data.classes)} "
+            f"({list(data.classes)}): give one value per class, in the same order"
+            + (" (0 leaves a class out)" if optional else ""),
         )
-        _check(
-            all(0 <= v < math.inf for v in values),
-            f"loss.soft_iou_weights={list(values)}: expected finite values >= 0",
-        )
+        if optional:
+            _check(
+                all(0 <= v < math.inf for v in values),
+                f"loss.{key}={list(values)}: expected finite values >= 0",
+            )
+        else:
+            _check(all(v > 0 for v in values), f"loss.{key}={list(values)}: expected values > 0")
     _check(
         loss.class_pos_weights is None or loss.type == "bce",
         f"loss.class_pos_weights is set but loss.type={loss.type!r}: it weighs the positives of "
