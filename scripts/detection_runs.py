@@ -32,6 +32,10 @@ from benchmarks.accuracy import NAMED_SETS, QUICK_OVERRIDES, mean_std  # noqa: E
 
 CONFIG = "configs/synthetic_detection.yaml"
 QUICK_SET = SyntheticSet("v1.0-trainval", scenes=2, samples_per_scene=4, image_size=(400, 225), seed=0)
+# configs/synthetic_detection.yaml's cameras at the default recipe's settings (configs/synthetic.yaml): 256x704
+# images, 82 depth bins of 0.5 m, the frustum's rays where the trunk's features are centred
+HR = ("data.final_dim=[256,704]", "data.resize_lim=[0.386,0.45]", "grid.dbound=[4.0,45.0,0.5]",
+      "model.frustum_pixels=receptive_field")
 # name -> overrides of CONFIG; every run gets the same data, steps and seed
 RUNS = {
     # the second stage on the box centre and face middles (the default design), and on the box's envelope
@@ -70,6 +74,11 @@ RUNS = {
     "temporal_gap2": ("model.temporal.frames=2", "model.temporal.gap=2"),
     # two residual blocks on each frame's grid before the fusion (BEVDet4D's extra BEV encoder)
     "temporal_blocks": ("model.temporal.frames=2", "model.temporal.frame_blocks=2"),
+    # the same at the default recipe's camera settings (docs/detection.md: two frames there screened above the
+    # detection goals): one frame with the second stage off and on, and two frames
+    "hr_refine_off": HR + ("detection.refine=false",),
+    "hr_refine_on": HR + ("detection.refine=true",),
+    "temporal_hr": HR + ("model.temporal.frames=2",),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

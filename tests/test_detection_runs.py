@@ -117,3 +117,20 @@ def test_the_joint_variants_are_the_joint_recipe_plus_one_change():
         variant = config_to_dict(load_config(base, list(runs.RUNS[name])))
         differs = {(s, k) for s in joint if isinstance(joint[s], dict) for k in joint[s] if joint[s][k] != variant[s][k]}
         assert differs == keys, name
+
+
+def test_the_256x704_detection_recipes_take_the_default_recipes_cameras():
+    from lss.config import config_to_dict, load_config
+
+    runs = _module()
+    detection = REPO / "configs" / "synthetic_detection.yaml"
+    default = load_config(REPO / "configs" / "synthetic.yaml")
+    camera_keys = {("data", "final_dim"), ("data", "resize_lim"), ("grid", "dbound"), ("model", "frustum_pixels")}
+    for name, low in (("hr_refine_off", "refine_off"), ("hr_refine_on", "refine_on"), ("temporal_hr", "temporal")):
+        hr = load_config(detection, list(runs.RUNS[name]))
+        a, b = config_to_dict(hr), config_to_dict(load_config(detection, list(runs.RUNS[low])))
+        differs = {(s, k) for s in a if isinstance(a[s], dict) for k in a[s] if a[s][k] != b[s][k]}
+        assert differs == camera_keys, name
+        assert (hr.data.final_dim, hr.data.resize_lim) == (default.data.final_dim, default.data.resize_lim)
+        assert (hr.grid.dbound, hr.model.frustum_pixels) == (default.grid.dbound, default.model.frustum_pixels)
+    assert load_config(detection, list(runs.RUNS["temporal_hr"])).model.temporal.frames == 2
