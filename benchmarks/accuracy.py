@@ -63,6 +63,8 @@ BEFORE_SOFT_IOU = ("loss.soft_iou_weights=null",)
 BEFORE_D05 = BEFORE_SOFT_IOU + ("grid.dbound=[4.0,45.0,1.0]", "loss.class_weights=[2.0,1.0,0.5,0.5]")
 SKIP_PW6 = BEFORE_D05 + ("loss.class_pos_weights=[4.0,6.0,1.5,2.6]",)
 NOSKIP = BEFORE_D05 + ("model.bev_full_res_skip=false", "loss.class_pos_weights=[4.0,10.0,1.5,2.6]")
+# the paper's 128x352 images: the same crop of the 1600x900 images as configs/lss_paper.yaml
+AT_128 = ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]")
 DEFAULT_RECIPES = {  # name -> (config, overrides)
     "paper": ("configs/lss_paper.yaml", ()),
     "default": ("configs/synthetic.yaml", ()),
@@ -83,25 +85,11 @@ DEFAULT_RECIPES = {  # name -> (config, overrides)
     "balanced": ("configs/synthetic.yaml", BEFORE_SOFT_IOU + ("loss.class_weights=null",)),
     # the default recipe as it was until 2026-11-26: the paper's 128x352 images, centred frustum
     # pixels, no full-resolution skip, pedestrian pos_weight 10, 1 m depth bins
-    "default_128": (
-        "configs/synthetic.yaml",
-        (
-            "data.final_dim=[128,352]",
-            "data.resize_lim=[0.193,0.225]",
-            "model.frustum_pixels=centres",
-        )
-        + NOSKIP,
-    ),
+    "default_128": ("configs/synthetic.yaml", AT_128 + ("model.frustum_pixels=centres",) + NOSKIP),
     # the default recipe as it is, at the paper's 128x352 images (the same crop of the 1600x900
     # images): beside the original code, what comes from the recipe and what from the image size
-    "default_at_128": (
-        "configs/synthetic.yaml",
-        ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]"),
-    ),
-    "no_soft_iou_at_128": (
-        "configs/synthetic.yaml",
-        BEFORE_SOFT_IOU + ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]"),
-    ),
+    "default_at_128": ("configs/synthetic.yaml", AT_128),
+    "no_soft_iou_at_128": ("configs/synthetic.yaml", BEFORE_SOFT_IOU + AT_128),
     # the default recipe before its soft-IoU term with the pedestrian's class weight 4 instead of 3
     # (docs/accuracy.md, "Pedestrians")
     "ped_cw4": (

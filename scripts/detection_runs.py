@@ -36,6 +36,10 @@ QUICK_SET = SyntheticSet("v1.0-trainval", scenes=2, samples_per_scene=4, image_s
 # images, 82 depth bins of 0.5 m, the frustum's rays where the trunk's features are centred
 HR = ("data.final_dim=[256,704]", "data.resize_lim=[0.386,0.45]", "grid.dbound=[4.0,45.0,0.5]",
       "model.frustum_pixels=receptive_field")
+# the detection head added to a segmentation-only config (--config configs/synthetic.yaml), with the heatmap class
+# weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
+JOINT = ("model.heads=[segmentation,detection]", "data.detection_targets=true",
+         "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]")
 # name -> overrides of CONFIG; every run gets the same data, steps and seed
 RUNS = {
     # the second stage on the box centre and face middles (the default design), and on the box's envelope
@@ -43,32 +47,18 @@ RUNS = {
     "refine_envelope": ("detection.refine=true", "detection.refine_features=envelope"),
     "refine_off": ("detection.refine=false",),
     "segmentation_alone": ("model.heads=[segmentation]", "data.detection_targets=false"),
-    # the detection head added to a segmentation-only config (--config configs/synthetic.yaml), with the
-    # heatmap class weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
-    "joint": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
-              "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]"),
+    "joint": JOINT,
     # the joint model with less of the detection losses in the shared BEV encoder (docs/detection.md): its own
     # last decoder stage, half the detection gradient into the encoder, half the detection loss, the lane divider
     # weighted up
-    "joint_own": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
-                  "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]", "detection.decoder=own"),
-    "joint_gs05": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
-                   "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
-                   "detection.trunk_grad_scale=0.5"),
-    "joint_half": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
-                   "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
-                   "detection.heatmap_weight=0.5", "detection.regression_weight=0.125"),
-    "joint_lane": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
-                   "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
-                   "loss.class_weights=[2.0,3.0,0.5,1.5]"),
+    "joint_own": JOINT + ("detection.decoder=own",),
+    "joint_gs05": JOINT + ("detection.trunk_grad_scale=0.5",),
+    "joint_half": JOINT + ("detection.heatmap_weight=0.5", "detection.regression_weight=0.125"),
+    "joint_lane": JOINT + ("loss.class_weights=[2.0,3.0,0.5,1.5]",),
     # the own decoder stage with no detection gradient into the shared encoder (does the lane divider recover when
     # only the detection head's own layers learn from boxes?), and with the lane divider weighted up
-    "joint_own_gs0": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
-                      "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
-                      "detection.decoder=own", "detection.trunk_grad_scale=0.0"),
-    "joint_own_lane": ("model.heads=[segmentation,detection]", "data.detection_targets=true",
-                       "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]",
-                       "detection.decoder=own", "loss.class_weights=[2.0,3.0,0.5,1.0]"),
+    "joint_own_gs0": JOINT + ("detection.decoder=own", "detection.trunk_grad_scale=0.0"),
+    "joint_own_lane": JOINT + ("detection.decoder=own", "loss.class_weights=[2.0,3.0,0.5,1.0]"),
     # two frames (docs/temporal.md): the previous key frame, and the one two key frames back (1 s on nuScenes)
     "temporal": ("model.temporal.frames=2",),
     "temporal_gap2": ("model.temporal.frames=2", "model.temporal.gap=2"),

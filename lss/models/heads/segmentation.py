@@ -55,8 +55,8 @@ class SegmentationLoss(nn.Module):
             persistent=False,
         )
         soft_iou = cfg.soft_iou_weights
-        self.soft_iou = soft_iou is not None and any(w > 0 for w in soft_iou)
-        if self.soft_iou:
+        self.use_soft_iou = soft_iou is not None and any(w > 0 for w in soft_iou)
+        if self.use_soft_iou:
             self.register_buffer(
                 "soft_iou_weights", torch.tensor(soft_iou, dtype=torch.float32), persistent=False
             )
@@ -77,7 +77,7 @@ class SegmentationLoss(nn.Module):
         loss = (per_class * self.class_weights).sum() / self.class_weights.sum()
         out = {"loss": loss}
         out.update({f"loss/{c}": per_class[k].detach() for k, c in enumerate(self.classes)})
-        if self.soft_iou:
+        if self.use_soft_iou:
             iou_term = ((1.0 - soft_iou(logits, targets, mask)) * self.soft_iou_weights).sum()
             out["loss"] = loss + iou_term
             out["loss/soft_iou"] = iou_term.detach()
