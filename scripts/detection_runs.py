@@ -32,10 +32,14 @@ from benchmarks.accuracy import NAMED_SETS, QUICK_OVERRIDES, mean_std  # noqa: E
 
 CONFIG = "configs/synthetic_detection.yaml"
 QUICK_SET = SyntheticSet("v1.0-trainval", scenes=2, samples_per_scene=4, image_size=(400, 225), seed=0)
-# configs/synthetic_detection.yaml's cameras at the default recipe's settings (configs/synthetic.yaml): 256x704
+# the default recipe's cameras (configs/synthetic.yaml; configs/synthetic_detection.yaml's since 2026-11-28): 256x704
 # images, 82 depth bins of 0.5 m, the frustum's rays where the trunk's features are centred
 HR = ("data.final_dim=[256,704]", "data.resize_lim=[0.386,0.45]", "grid.dbound=[4.0,45.0,0.5]",
       "model.frustum_pixels=receptive_field")
+# configs/synthetic_detection.yaml's cameras before 2026-11-28 (the paper's 128x352, 41 depth bins of 1 m, pixel
+# centres): what the recipes measured at that size add, so that they run as they were measured
+AT_128 = ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]", "grid.dbound=[4.0,45.0,1.0]",
+          "model.frustum_pixels=centres")
 # the detection head added to a segmentation-only config (--config configs/synthetic.yaml), with the heatmap class
 # weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
 JOINT = ("model.heads=[segmentation,detection]", "data.detection_targets=true",
@@ -43,9 +47,9 @@ JOINT = ("model.heads=[segmentation,detection]", "data.detection_targets=true",
 # name -> overrides of CONFIG; every run gets the same data, steps and seed
 RUNS = {
     # the second stage on the box centre and face middles (the default design), and on the box's envelope
-    "refine_on": ("detection.refine=true",),
-    "refine_envelope": ("detection.refine=true", "detection.refine_features=envelope"),
-    "refine_off": ("detection.refine=false",),
+    "refine_on": AT_128 + ("detection.refine=true",),
+    "refine_envelope": AT_128 + ("detection.refine=true", "detection.refine_features=envelope"),
+    "refine_off": AT_128 + ("detection.refine=false",),
     "segmentation_alone": ("model.heads=[segmentation]", "data.detection_targets=false"),
     "joint": JOINT,
     # the joint model with less of the detection losses in the shared BEV encoder (docs/detection.md): its own
@@ -60,15 +64,21 @@ RUNS = {
     "joint_own_gs0": JOINT + ("detection.decoder=own", "detection.trunk_grad_scale=0.0"),
     "joint_own_lane": JOINT + ("detection.decoder=own", "loss.class_weights=[2.0,3.0,0.5,1.0]"),
     # two frames (docs/temporal.md): the previous key frame, and the one two key frames back (1 s on nuScenes)
-    "temporal": ("model.temporal.frames=2",),
-    "temporal_gap2": ("model.temporal.frames=2", "model.temporal.gap=2"),
+    "temporal": AT_128 + ("model.temporal.frames=2",),
+    "temporal_gap2": AT_128 + ("model.temporal.frames=2", "model.temporal.gap=2"),
     # two residual blocks on each frame's grid before the fusion (BEVDet4D's extra BEV encoder)
-    "temporal_blocks": ("model.temporal.frames=2", "model.temporal.frame_blocks=2"),
+    "temporal_blocks": AT_128 + ("model.temporal.frames=2", "model.temporal.frame_blocks=2"),
     # the same at the default recipe's camera settings (docs/detection.md: two frames there screened above the
     # detection goals): one frame with the second stage off and on, and two frames
     "hr_refine_off": HR + ("detection.refine=false",),
     "hr_refine_on": HR + ("detection.refine=true",),
     "temporal_hr": HR + ("model.temporal.frames=2",),
+    # the BEV-space augmentation (BEVDet's flips, rotation and scale of the ego frame) against overfitting a small set;
+    # a single flip mirrors the traffic (right-hand driving becomes left-hand), and the headings and velocities the
+    # head reads from where a vehicle drives with it (docs/detection.md), so also without flips, any rotation
+    "hr_bevaug": HR + ("detection.refine=false", "data.bev_flip=true", "data.bev_rot_lim=[-22.5,22.5]",
+                       "data.bev_scale_lim=[0.95,1.05]"),
+    "hr_bevrot": HR + ("detection.refine=false", "data.bev_rot_lim=[-180.0,180.0]", "data.bev_scale_lim=[0.95,1.05]"),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

@@ -3,9 +3,10 @@ jittered ground-truth proposals, box corners."""
 import math
 
 import numpy as np
+import pytest
 import torch
 
-from lss.geometry.boxes import (REGRESSION_CHANNELS, box_corners, box_footprints, boxes_to_regression, centre_cells,
+from lss.geometry.boxes import (REGRESSION_CHANNELS, apply_residuals, box_corners, box_residuals, box_footprints, boxes_to_regression, centre_cells,
                        regression_to_boxes)
 from lss.geometry.proposals import ground_truth_proposals
 from lss.geometry import BevGrid
@@ -85,3 +86,27 @@ def test_box_corners_are_the_devkit_corners_bottom_face_first_front_left_first()
         # the devkit lists front-left-top, front-right-top, front-right-bottom, front-left-bottom, then the rear
         np.testing.assert_allclose(ours, devkit[[3, 7, 6, 2, 0, 4, 5, 1]], atol=1e-9)
     np.testing.assert_allclose(box_footprints(boxes[:, :2], boxes[:, 3:5], boxes[:, 6]), corners[:, :4, :2])
+
+
+def test_apply_residuals_moves_only_the_chosen_parts():
+    proposals = boxes_on_map(50, seed=3)
+    targets = boxes_on_map(50, seed=4)
+    residuals = box_residuals(proposals, targets)
+
+    def same_yaw(a, b):  # equal modulo 2 pi
+        return (torch.remainder(a - b + math.pi, 2 * math.pi) - math.pi).abs().max() < 1e-4
+
+    keep = [0, 1, 2, 3, 4, 5, 7, 8]
+    every = apply_residuals(proposals, residuals)
+    torch.testing.assert_close(every[:, keep], targets[:, keep], atol=1e-4, rtol=1e-5)
+    assert same_yaw(every[:, 6], targets[:, 6])
+    # the yaw alone: every other value stays the proposal's, the yaw is the target's
+    yaw_only = apply_residuals(proposals, residuals, ("yaw",))
+    torch.testing.assert_close(yaw_only[:, keep], proposals[:, keep])
+    assert same_yaw(yaw_only[:, 6], targets[:, 6])
+    centre_size = apply_residuals(proposals, residuals, ("centre", "size"))
+    torch.testing.assert_close(centre_size[:, :6], targets[:, :6], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(centre_size[:, 6:], proposals[:, 6:])
+    torch.testing.assert_close(apply_residuals(proposals, residuals, ()), proposals)
+    with pytest.raises(ValueError, match="unknown parts \\['heading'\\]"):
+        apply_residuals(proposals, residuals, ("yaw", "heading"))

@@ -74,16 +74,16 @@ def test_the_joint_recipe_adds_the_detection_head_to_another_config(tmp_path):
 
 
 def test_the_joint_config_is_the_measured_joint_recipe():
-    """configs/synthetic_joint.yaml is configs/synthetic.yaml (before its soft-IoU term) with the `joint` recipe on the
-    benchmark set, the recipe docs/detection.md measured; only its run directory differs."""
+    """configs/synthetic_joint.yaml is configs/synthetic.yaml with the `joint_own` recipe on the benchmark set, the
+    recipe docs/detection.md measured; only its run directory differs."""
     from lss.config import config_to_dict, load_config
 
     runs = _module()
     detection = load_config(REPO / "configs" / "synthetic_detection.yaml")
     benchmark = [f"data.dataroot={detection.data.dataroot}", f"data.version={detection.data.version}",
                  f"data.synthetic.scenes={detection.data.synthetic.scenes}",
-                 f"data.synthetic.seed={detection.data.synthetic.seed}", "train.out_dir=runs/synthetic-joint", "loss.soft_iou_weights=null"]
-    measured = load_config(REPO / "configs" / "synthetic.yaml", list(runs.RUNS["joint"]) + benchmark)
+                 f"data.synthetic.seed={detection.data.synthetic.seed}", "train.out_dir=runs/synthetic-joint"]
+    measured = load_config(REPO / "configs" / "synthetic.yaml", list(runs.RUNS["joint_own"]) + benchmark)
     assert config_to_dict(load_config(REPO / "configs" / "synthetic_joint.yaml")) == config_to_dict(measured)
 
 
@@ -134,3 +134,9 @@ def test_the_256x704_detection_recipes_take_the_default_recipes_cameras():
         assert (hr.data.final_dim, hr.data.resize_lim) == (default.data.final_dim, default.data.resize_lim)
         assert (hr.grid.dbound, hr.model.frustum_pixels) == (default.grid.dbound, default.model.frustum_pixels)
     assert load_config(detection, list(runs.RUNS["temporal_hr"])).model.temporal.frames == 2
+    # the config is the measured 256x704 recipe: its first-stage run changes nothing
+    assert config_to_dict(load_config(detection, list(runs.RUNS["hr_refine_off"]))) == config_to_dict(
+        load_config(detection))
+    # the BEV augmentation screens: with flips (mirrored traffic) and with rotations alone
+    flips, turns = (load_config(detection, list(runs.RUNS[n])).data for n in ("hr_bevaug", "hr_bevrot"))
+    assert flips.bev_flip and not turns.bev_flip and tuple(turns.bev_rot_lim) == (-180.0, 180.0)

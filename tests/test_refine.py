@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from conftest import devices, val_statistics_checkpoint
 from test_detection import random_boxes
 
-from lss.config import Config, load_config
+from lss.config import Config, ConfigError, load_config, validate
 from lss.data import collate
 from lss.geometry import BevGrid
 from lss.geometry.boxes import DETECTION_CLASSES, REFINE_TARGET_KEYS, apply_residuals, dense_targets
 from lss.geometry.proposals import Proposals, ground_truth_proposals
-from lss.models.heads.detection import BOX_POINTS, BoxRefiner, DetectionHead, point_rois
+from lss.models.heads.detection import BOX_POINTS, BoxRefiner, DetectionHead, decode_detections, point_rois
 from lss.models.heads.detection_loss import detection_loss, refine_loss
 
 GRID = BevGrid((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (-10.0, 10.0, 20.0))
@@ -154,6 +154,37 @@ def test_the_second_stage_learns_to_move_boxes_towards_the_truth(design):
     far = out["det_proposals"].valid[:, : config.detection.refine_proposals]
     assert torch.cat(quality).mean() > torch.sigmoid(out["det_refine_scores"][:, : config.detection.refine_proposals][
         far]).mean()
+
+
+def test_decoding_applies_the_chosen_residuals_and_the_score_blend():
+    """decode_detections with the second stage: the boxes take the residuals of detection.refine_residuals only, the
+    score is first stage^(1 - a) x quality^a, invalid slots are dropped and the rest sorted by that score."""
+    g = torch.Generator().manual_seed(5)
+    boxes = random_boxes(4, g).unsqueeze(0)
+    proposals = Proposals(boxes, torch.tensor([[0.9, 0.4, 0.6, 0.8]]), torch.tensor([[0, 5, 0, 7]]),
+                          torch.tensor([[True, True, True, False]]))
+    residuals = torch.randn(1, 4, 9, generator=g) * 0.3
+    logits = torch.tensor([[-1.0, 2.0, 0.5, 3.0]])
+    outputs = {"det_proposals": proposals, "det_refine_scores": logits, "det_refine_residuals": residuals}
+    config = Config()
+    config.detection.refine = True
+    for alpha, parts in [(0.5, ("centre", "size", "yaw", "velocity")), (1.0, ("yaw",)), (0.0, ())]:
+        config.detection.refine_score_alpha, config.detection.refine_residuals = alpha, parts
+        det = decode_detections(outputs, config)[0]
+        score = proposals.scores[0, :3] ** (1 - alpha) * torch.sigmoid(logits[0, :3]) ** alpha
+        order = torch.argsort(score, descending=True)
+        torch.testing.assert_close(det["scores"], score[order])
+        assert det["labels"].tolist() == proposals.labels[0, :3][order].tolist()
+        expected = apply_residuals(boxes[0, :3], residuals[0, :3], parts)[order]
+        torch.testing.assert_close(det["boxes"], expected)
+        channels = {"centre": {0, 1, 2}, "size": {3, 4, 5}, "yaw": {6}, "velocity": {7, 8}}
+        moved = set().union(*(channels[p] for p in parts))
+        changed = (det["boxes"] != boxes[0, :3][order]).any(0)
+        assert changed.tolist() == [i in moved for i in range(9)]
+    for bad in (("yaw", "heading"), ("yaw", "yaw")):
+        config.detection.refine_residuals = bad
+        with pytest.raises(ConfigError, match="expected distinct names from \\['centre', 'size', 'yaw', 'velocity'\\]"):
+            validate(config)
 
 
 def test_a_joint_model_trains_both_heads_and_its_refine_checkpoint_predicts_and_exports(synthetic_root, tmp_path):

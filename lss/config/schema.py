@@ -274,6 +274,9 @@ class DetectionConfig:
     refine_features: Literal["points", "envelope"] = "points"
     # final score = first stage^(1 - alpha) x second stage^alpha
     refine_score_alpha: float = 0.5
+    # which parts of the second stage's box residuals the final boxes take (any of centre, size,
+    # yaw, velocity; the others stay the first stage's); the score is refined either way
+    refine_residuals: tuple[str, ...] = ("centre", "size", "yaw", "velocity")
     roi_size: int = 7  # envelope only
     roi_enlarge: float = 1.5  # envelope scale, for context around the box
     refine_hidden: int = 256

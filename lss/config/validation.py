@@ -10,7 +10,7 @@ import math
 import typing
 from typing import Any
 
-from lss.geometry.boxes import DETECTION_CLASSES, REGRESSION_CHANNELS
+from lss.geometry.boxes import DETECTION_CLASSES, REGRESSION_CHANNELS, RESIDUAL_PARTS
 from lss.config.schema import Config
 from lss.errors import ConfigError
 from lss.geometry import NUSCENES_CAMERAS, BevGrid, depth_bin_count
@@ -295,6 +295,13 @@ def validate(cfg: Config) -> Config:
         0 <= d.refine_score_alpha <= 1,
         f"detection.refine_score_alpha={d.refine_score_alpha}: expected a weight in [0, 1] "
         "(0: the first stage's score, 1: the second stage's)",
+    )
+    _check(
+        set(d.refine_residuals) <= set(RESIDUAL_PARTS)
+        and len(set(d.refine_residuals)) == len(d.refine_residuals),
+        f"detection.refine_residuals={list(d.refine_residuals)}: expected distinct names from "
+        f"{list(RESIDUAL_PARTS)} (the parts of the refined box the second stage moves; [] keeps "
+        "the first stage's boxes and refines the score alone)",
     )
     _check(
         d.match_distance > 0 and d.roi_enlarge > 0,

@@ -49,6 +49,13 @@ BOX_CENTRE = slice(0, 3)  # x, y, z
 BOX_SIZE = slice(3, 6)  # w, l, h
 BOX_YAW = 6
 BOX_VELOCITY = slice(7, 9)  # vx, vy
+# the parts of a box the second stage's residuals move (detection.refine_residuals)
+RESIDUAL_PARTS = {
+    "centre": BOX_CENTRE,
+    "size": BOX_SIZE,
+    "yaw": slice(6, 7),
+    "velocity": BOX_VELOCITY,
+}
 # The regression channel whose code weight each second-stage box residual takes (yaw: sin's).
 RESIDUAL_WEIGHT_CHANNELS = (0, 1, 2, 3, 4, 5, 6, 8, 9)
 # Sizes are clamped here when decoded so that an untrained head cannot produce inf boxes.
@@ -172,10 +179,24 @@ def box_residuals(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     )
 
 
-def apply_residuals(proposals: torch.Tensor, residuals: torch.Tensor) -> torch.Tensor:
+def apply_residuals(
+    proposals: torch.Tensor, residuals: torch.Tensor, parts: Sequence[str] = tuple(RESIDUAL_PARTS)
+) -> torch.Tensor:
     """Refined boxes ... x 9 from proposals ... x 9 and second-stage residuals ... x 9 (see
-    box_residuals)."""
+    box_residuals); only the residuals of `parts` (names of RESIDUAL_PARTS) are applied, the
+    other values stay the proposals'."""
     residuals = residuals.float()
+    if set(parts) != set(RESIDUAL_PARTS):
+        unknown = set(parts) - set(RESIDUAL_PARTS)
+        if unknown:
+            raise ValueError(
+                f"apply_residuals: unknown parts {sorted(unknown)}; expected names from "
+                f"{list(RESIDUAL_PARTS)}"
+            )
+        keep = torch.zeros(BOX_DIM, dtype=torch.bool, device=residuals.device)
+        for name in parts:
+            keep[RESIDUAL_PARTS[name]] = True
+        residuals = torch.where(keep, residuals, 0.0)
     return torch.cat(
         [
             proposals[..., BOX_CENTRE] + residuals[..., BOX_CENTRE],

@@ -150,13 +150,16 @@ def decode_detections(outputs: dict, config: Config) -> list[dict]:
     "boxes" M x 9 (ego frame), "scores" M (descending) and "labels" M (int64 into
     DETECTION_CLASSES).
 
-    With the second stage the proposals' boxes get the residuals and the score is
+    With the second stage the proposals' boxes get the residuals (of detection.refine_residuals)
+    and the score is
     first stage^(1 - a) x second stage^a (a = detection.refine_score_alpha); without it the
     first-stage proposals are the detections."""
     cfg = config.detection
     if "det_refine_scores" in outputs:
         proposals = outputs["det_proposals"]
-        boxes = apply_residuals(proposals.boxes, outputs["det_refine_residuals"].detach())
+        boxes = apply_residuals(
+            proposals.boxes, outputs["det_refine_residuals"].detach(), cfg.refine_residuals
+        )
         alpha = cfg.refine_score_alpha
         quality = torch.sigmoid(outputs["det_refine_scores"].detach().float())
         scores = proposals.scores.clamp(min=0) ** (1 - alpha) * quality**alpha
