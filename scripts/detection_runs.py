@@ -72,6 +72,8 @@ RUNS = {
     # detection goals): one frame with the second stage off and on, and two frames
     "hr_refine_off": HR + ("detection.refine=false",),
     "hr_refine_on": HR + ("detection.refine=true",),
+    # the second stage also reading the camera depth distribution at each box's projected centre
+    "hr_refine_depth": HR + ("detection.refine=true", "detection.refine_depth=true"),
     "temporal_hr": HR + ("model.temporal.frames=2",),
     # the BEV-space augmentation (BEVDet's flips, rotation and scale of the ego frame) against overfitting a small set;
     # a single flip mirrors the traffic (right-hand driving becomes left-hand), and the headings and velocities the

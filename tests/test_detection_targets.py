@@ -141,7 +141,8 @@ REFINE = ("detection.refine=true", "detection.refine_hidden=16", "detection.refi
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("extra", [(), REFINE], ids=["first_stage", "second_stage"])
+@pytest.mark.parametrize("extra", [(), REFINE, REFINE + ("detection.refine_depth=true",)],
+                         ids=["first_stage", "second_stage", "second_stage_camera_depth"])
 def test_detection_training_step_on_static_buffers_follows_eager_steps(device, extra, monkeypatch):
     import test_graph_step
 

@@ -272,6 +272,9 @@ class DetectionConfig:
     # what RoIAlign reads: the box centre and its four face middles (CenterPoint), or the whole
     # axis-aligned envelope at roi_size x roi_size
     refine_features: Literal["points", "envelope"] = "points"
+    # the second stage also reads each camera's depth distribution at the pixel its box's centre
+    # projects to (lss.models.heads.depth_cues): where along the ray the camera puts a surface
+    refine_depth: bool = False
     # final score = first stage^(1 - alpha) x second stage^alpha
     refine_score_alpha: float = 0.5
     # which parts of the second stage's box residuals the final boxes take (any of centre, size,

@@ -297,6 +297,11 @@ def validate(cfg: Config) -> Config:
         "(0: the first stage's score, 1: the second stage's)",
     )
     _check(
+        d.refine or not d.refine_depth,
+        "detection.refine_depth: true feeds the second stage, which is off; set detection.refine: "
+        "true as well, or refine_depth: false",
+    )
+    _check(
         set(d.refine_residuals) <= set(RESIDUAL_PARTS)
         and len(set(d.refine_residuals)) == len(d.refine_residuals),
         f"detection.refine_residuals={list(d.refine_residuals)}: expected distinct names from "

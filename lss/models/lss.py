@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lss.config import Config
-from lss.geometry import BevGrid
+from lss.geometry import RIG_KEYS, BevGrid
 from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS
 from lss.models.bev import BevEncoder
 from lss.models.blocks import scale_gradient
@@ -135,8 +135,14 @@ class LiftSplatShoot(nn.Module):
             outputs["camera_depth"], outputs["camera_context"] = depth.detach(), context.detach()
         if self.detection is not None:
             gt_boxes, gt_labels = batch_ground_truth(batch)
+            cameras = None
+            if self.detection.cfg.refine and self.detection.cfg.refine_depth:
+                cameras = {"depth": depth, "frustum": self.splat.frustum}
+                cameras.update({k: batch[k] for k in RIG_KEYS})
             outputs.update(
-                self.detection(detection_features, gt_boxes=gt_boxes, gt_labels=gt_labels)
+                self.detection(
+                    detection_features, gt_boxes=gt_boxes, gt_labels=gt_labels, cameras=cameras
+                )
             )
         return outputs
 

@@ -22,6 +22,7 @@ from lss.geometry.boxes import (
     regression_to_boxes,
 )
 from lss.geometry.proposals import Proposals, jitter_boxes, pad_boxes
+from lss.models.heads.depth_cues import CUE_CHANNELS, depth_cues
 from lss.config import Config, DetectionConfig
 from lss.geometry import BevGrid
 from lss.models.blocks import conv_bn_relu
@@ -254,6 +255,7 @@ class BoxRefiner(nn.Module):
         hidden: int = 256,
         enlarge: float = 1.5,
         features: str = "points",
+        camera_depth: bool = False,
     ):
         super().__init__()
         if features not in ("points", "envelope"):
@@ -263,7 +265,9 @@ class BoxRefiner(nn.Module):
         self.roi_size = roi_size if features == "envelope" else 1
         self.enlarge = enlarge
         reads = len(BOX_POINTS) if features == "points" else roi_size * roi_size
-        geometry = num_classes + 9  # one-hot class, sin/cos yaw, log size, z, velocity, score
+        # one-hot class, sin/cos yaw, log size, z, velocity, score (and the camera depth cues)
+        self.camera_depth = camera_depth
+        geometry = num_classes + 9 + (CUE_CHANNELS if camera_depth else 0)
         self.mlp = nn.Sequential(
             nn.Linear(in_channels * reads + geometry, hidden),
             nn.ReLU(inplace=True),
@@ -277,12 +281,24 @@ class BoxRefiner(nn.Module):
         nn.init.zeros_(self.residual.bias)
 
     def forward(
-        self, bev_features: torch.Tensor, proposals: Proposals, grid: BevGrid
+        self,
+        bev_features: torch.Tensor,
+        proposals: Proposals,
+        grid: BevGrid,
+        cues: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """bev_features B x C x H x W (the H x W map of `grid`). Returns score logits B x P and
-        residuals B x P x 9, zero on invalid slots. Every slot is computed (fixed shapes, no host
-        sync); invalid ones are masked."""
+        """bev_features B x C x H x W (the H x W map of `grid`); with camera_depth the proposals'
+        depth cues B x P x CUE_CHANNELS (lss.models.heads.depth_cues). Returns score logits B x P
+        and residuals B x P x 9, zero on invalid slots. Every slot is computed (fixed shapes, no
+        host sync); invalid ones are masked."""
         B, P = proposals.valid.shape
+        if self.camera_depth and (cues is None or cues.shape != (B, P, CUE_CHANNELS)):
+            raise ValueError(
+                f"BoxRefiner: detection.refine_depth needs the proposals' depth cues B x P x "
+                f"{CUE_CHANNELS} (B x P = {B} x {P}), got "
+                f"{None if cues is None else tuple(cues.shape)}: run the head through "
+                "lss.models.LSS, which passes it the camera depth"
+            )
         if P == 0:
             # Zero-valued use of every parameter: DDP expects gradients for all of them every step.
             unused = sum(p.sum() for p in self.parameters()).float() * 0
@@ -316,7 +332,8 @@ class BoxRefiner(nn.Module):
                 boxes[:, 2:3],
                 boxes[:, 7:9],
                 proposals.scores.reshape(-1, 1),
-            ],
+            ]
+            + ([cues.reshape(B * P, CUE_CHANNELS).float()] if self.camera_depth else []),
             dim=1,
         )
         hidden = self.mlp(torch.cat([pooled, geometry.to(pooled.dtype)], dim=1))
@@ -374,6 +391,7 @@ class DetectionHead(nn.Module):
                 cfg.refine_hidden,
                 cfg.roi_enlarge,
                 cfg.refine_features,
+                cfg.refine_depth,
             )
             if cfg.refine
             else None
@@ -385,6 +403,7 @@ class DetectionHead(nn.Module):
         extra_proposals: Optional[Proposals] = None,
         gt_boxes: Optional[torch.Tensor | Sequence[torch.Tensor]] = None,
         gt_labels: Optional[torch.Tensor | Sequence[torch.Tensor]] = None,
+        cameras: Optional[dict] = None,
     ) -> dict:
         if bev_features.dim() != 4:
             raise ValueError(
@@ -407,8 +426,19 @@ class DetectionHead(nn.Module):
                 if extra is not None:
                     proposals = proposals.cat(score_by_heatmap(extra, heat, grid))
         out["det_proposals"] = proposals
+        cues = None
+        if self.cfg.refine_depth:
+            if cameras is None:
+                raise ValueError(
+                    "DetectionHead: detection.refine_depth reads the camera depth; pass cameras "
+                    '{"depth": B x N x D x fH x fW, "frustum": D x fH x fW x 3, and the batch\'s '
+                    "calibration (lss.geometry.RIG_KEYS)} (lss.models.LSS does)"
+                )
+            cues = depth_cues(
+                proposals.boxes, proposals.valid, cameras["depth"], cameras["frustum"], cameras
+            )
         out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(
-            features, proposals, grid
+            features, proposals, grid, cues
         )
         return out
 
