@@ -112,7 +112,8 @@ def test_the_joint_variants_are_the_joint_recipe_plus_one_change():
                 "joint_half": {("detection", "heatmap_weight"), ("detection", "regression_weight")},
                 "joint_lane": {("loss", "class_weights")},
                 "joint_own_gs0": {("detection", "decoder"), ("detection", "trunk_grad_scale")},
-                "joint_own_lane": {("detection", "decoder"), ("loss", "class_weights")}}
+                "joint_own_lane": {("detection", "decoder"), ("loss", "class_weights")},
+                "joint_own_narrow": {("detection", "decoder"), ("detection", "decoder_channels")}}
     for name, keys in expected.items():
         variant = config_to_dict(load_config(base, list(runs.RUNS[name])))
         differs = {(s, k) for s in joint if isinstance(joint[s], dict) for k in joint[s] if joint[s][k] != variant[s][k]}

@@ -76,13 +76,36 @@ def test_trunk_grad_scale_scales_only_what_reaches_the_bev_encoder(decoder):
         torch.testing.assert_close(grads[0.25][n], grads[1.0][n], rtol=1e-5, atol=1e-9)
 
 
+def test_a_narrower_own_decoder_stage_feeds_the_head_and_leaves_segmentation_as_it_was():
+    wide, cfg = _model("detection.decoder=own")
+    narrow, _ = _model("detection.decoder=own", "detection.decoder_channels=32")
+    batch = rig_batch(cfg)
+    shapes = {k: v.shape for k, v in narrow.state_dict().items()}
+    differ = {k for k, v in wide.state_dict().items() if shapes[k] != v.shape}
+    assert differ and all(k.startswith(("detection_decoder.", "detection.shared.0.")) for k in differ)
+    assert shapes["detection.shared.0.weight"][1] == 32
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(narrow.detection_decoder) < 0.3 * count(wide.detection_decoder)
+    # the same seed: every module but the detection branch starts alike, so segmentation is the same
+    same = [k for k in wide.state_dict() if not k.startswith(("detection_decoder.", "detection."))]
+    assert all(torch.equal(wide.state_dict()[k], narrow.state_dict()[k]) for k in same)
+    with torch.no_grad():
+        a, b = wide.eval()(batch), narrow.eval()(batch)
+    torch.testing.assert_close(a["segmentation"], b["segmentation"])
+    assert b["det_heatmap"].shape == a["det_heatmap"].shape
+    grads = _grads(narrow.train(), _detection_loss(narrow(batch)))
+    assert any(_nonzero(g) for n, g in grads.items() if n.startswith("detection_decoder."))
+
+
 @pytest.mark.parametrize("setting, message", [
     ("detection.trunk_grad_scale=-1", r"trunk_grad_scale=-1.0: expected a finite factor >= 0"),
     ("detection.decoder=separate", "detection.decoder"),
+    ("detection.decoder_channels=32", r"decoder_channels=32: the width of the detection head's own decoder stage"),
+    ("detection.decoder=own;detection.decoder_channels=0", r"decoder_channels=0: .* a count >= 1"),
 ])
 def test_bad_settings_are_refused(setting, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, TINY + JOINT + [setting])
+        load_config(None, TINY + JOINT + setting.split(";"))
 
 
 def test_a_checkpoint_with_its_own_decoder_is_refused_by_a_shared_config(tmp_path):

@@ -290,6 +290,9 @@ class DetectionConfig:
     # (and grid skip), so that the detection losses do not train the last stage that the map
     # classes read
     decoder: Literal["shared", "own"] = "shared"
+    # with decoder "own": that stage's width (null: the BEV encoder's 128); a narrower stage costs
+    # less GPU time per step
+    decoder_channels: Optional[int] = None
     # the detection losses' gradient into the BEV encoder is multiplied by this (1: as is; 0: the
     # encoder learns from segmentation alone); the forward is unchanged
     trunk_grad_scale: float = 1.0

@@ -297,6 +297,11 @@ def validate(cfg: Config) -> Config:
         "(0: the first stage's score, 1: the second stage's)",
     )
     _check(
+        d.decoder_channels is None or (d.decoder == "own" and d.decoder_channels >= 1),
+        f"detection.decoder_channels={d.decoder_channels}: the width of the detection head's own "
+        "decoder stage, a count >= 1 with detection.decoder: own (null: the BEV encoder's width)",
+    )
+    _check(
         d.refine or not d.refine_depth,
         "detection.refine_depth: true feeds the second stage, which is off; set detection.refine: "
         "true as well, or refine_depth: false",

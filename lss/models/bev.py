@@ -3,6 +3,8 @@ one optionally fed the splatted grid itself); the heads (lss.models.heads) read 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 from torchvision.models import resnet18
@@ -43,16 +45,22 @@ class BevEncoder(nn.Module):
         self.up2 = self.last_stage(in_channels, upsample_mode, full_res_skip)
 
     @classmethod
-    def last_stage(cls, in_channels: int, upsample_mode: str, full_res_skip: bool) -> nn.Module:
+    def last_stage(
+        cls,
+        in_channels: int,
+        upsample_mode: str,
+        full_res_skip: bool,
+        out_channels: Optional[int] = None,
+    ) -> nn.Module:
         """The decoder's last stage: stride-2 features B x 256 (and with `full_res_skip` the grid)
-        -> B x feature_channels x nx x ny (detection.decoder: own builds a second one)."""
+        -> B x out_channels (default feature_channels) x nx x ny (detection.decoder: own builds a
+        second one, detection.decoder_channels wide)."""
+        out_channels = out_channels or cls.feature_channels
         if full_res_skip:
-            return Up(
-                in_channels + 256, cls.feature_channels, scale_factor=2, upsample_mode=upsample_mode
-            )
+            return Up(in_channels + 256, out_channels, scale_factor=2, upsample_mode=upsample_mode)
         return nn.Sequential(
             UpsampleBilinear(scale_factor=2, mode=upsample_mode),
-            *conv_bn_relu(256, cls.feature_channels),
+            *conv_bn_relu(256, out_channels),
         )
 
     def run_last_stage(self, stage: nn.Module, x: torch.Tensor, bev: torch.Tensor) -> torch.Tensor:

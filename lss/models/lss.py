@@ -71,8 +71,13 @@ class LiftSplatShoot(nn.Module):
             model.bev_full_res_skip,
         )
         self.segmentation = SegmentationHead(BevEncoder.feature_channels, len(self.classes))
+        # detection.decoder: own: the detection head reads its own decoder stage, of this width
+        own = config.detection.decoder == "own"
+        detection_channels = BevEncoder.feature_channels
+        if own and config.detection.decoder_channels:
+            detection_channels = config.detection.decoder_channels
         self.detection = (
-            DetectionHead(BevEncoder.feature_channels, config.detection, grid)
+            DetectionHead(detection_channels, config.detection, grid)
             if "detection" in model.heads
             else None
         )
@@ -87,9 +92,12 @@ class LiftSplatShoot(nn.Module):
         # others, so that they start as the shared model's of the same seed do)
         self.detection_decoder = (
             BevEncoder.last_stage(
-                grid.nz * model.context_channels, model.upsample_mode, model.bev_full_res_skip
+                grid.nz * model.context_channels,
+                model.upsample_mode,
+                model.bev_full_res_skip,
+                detection_channels,
             )
-            if self.detection is not None and config.detection.decoder == "own"
+            if self.detection is not None and own
             else None
         )
         # the same modules and state dict through lss's kernels ("auto": on CUDA only, and not
