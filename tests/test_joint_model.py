@@ -117,3 +117,6 @@ def test_a_checkpoint_with_its_own_decoder_is_refused_by_a_shared_config(tmp_pat
     _, shared = _model()
     with pytest.raises(CheckpointError, match="detection.decoder=own.*detection.decoder=shared"):
         load_checkpoint_model(shared, tmp_path / "own.pt", torch.device("cpu"))
+    _, narrow = _model("detection.decoder=own", "detection.decoder_channels=32")
+    with pytest.raises(CheckpointError, match="detection.decoder_channels=None.*detection.decoder_channels=32"):
+        load_checkpoint_model(narrow, tmp_path / "own.pt", torch.device("cpu"))

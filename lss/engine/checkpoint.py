@@ -41,6 +41,8 @@ FIXED_KEYS = (
     "model.temporal.gap",
     "model.temporal.frame_blocks",
     "detection.decoder",
+    "detection.decoder_channels",
+    "detection.refine_depth",
 )
 # Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases:
 # .<name>.<random>.tmp).
@@ -296,10 +298,14 @@ def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> dict:
     return state
 
 
+_MISSING = object()
+
+
 def _config_value(config: dict, key: str):
+    """The value at the dotted `key`, _MISSING where the dict lacks it (a null value is None)."""
     value = config
     for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
+        value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
@@ -311,9 +317,9 @@ def config_mismatches(state: dict, config: Config) -> list[tuple[str, Any, Any]]
     found = []
     for key in FIXED_KEYS:
         trained, wanted = _config_value(state["config"], key), _config_value(current, key)
-        if trained is None:
+        if trained is _MISSING:
             trained = _config_value(defaults, key)
-        if trained is not None and trained != wanted:
+        if trained is not _MISSING and trained != wanted:
             found.append((key, trained, wanted))
     return found
 
