@@ -10,9 +10,9 @@ import torch
 
 from lss.config import Config, ConfigError, validate
 from lss.data.bev_augmentation import BevAugmentation
-from lss.geometry import NUSCENES_CAMERAS, BevGrid, ego_to_pixels, frustum, load_nuscenes_rig
+from lss.geometry import NUSCENES_CAMERAS, BevGrid, ego_to_pixels, frustum, load_nuscenes_rig, project_to_cameras
 from lss.geometry.proposals import Proposals
-from lss.models.heads.depth_cues import CUE_CHANNELS, depth_cues, project_to_cameras
+from lss.models.heads.depth_cues import CUE_CHANNELS, depth_cues
 from lss.models.heads.detection import BoxRefiner, DetectionHead
 
 FINAL_DIM, DOWNSAMPLE, DBOUND = (128, 352), 16, (4.0, 45.0, 1.0)
@@ -74,7 +74,7 @@ def test_the_cues_read_the_distribution_where_the_box_centre_projects():
     boxes[0, 2, :3] = torch.tensor([-20.0, 6.0, 0.8])
     boxes[0, 3, :3] = torch.tensor([15.0, 0.0, 0.8])
     valid = torch.tensor([[True, True, True, False]])
-    cues = depth_cues(boxes, valid, depth, f, calib)
+    cues = depth_cues(boxes, valid, {"depth": depth, "frustum": f, **calib})
     assert cues.shape == (1, 4, CUE_CHANNELS)
     pixels, z = project_to_cameras(boxes[..., :3], *(calib[k] for k in (
         "intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")))
@@ -95,7 +95,7 @@ def test_the_cues_read_the_distribution_where_the_box_centre_projects():
     torch.testing.assert_close(cues[0, 0, 5:7], cues[0, 0, 1] * ray, atol=1e-3, rtol=1e-4)
     # at the box's own depth the distribution has all its mass near it: difference about 0, near mass 1
     at_box, _ = one_hot_depth(float(front))
-    near = depth_cues(boxes, valid, at_box, f, calib)
+    near = depth_cues(boxes, valid, {"depth": at_box, "frustum": f, **calib})
     assert abs(float(near[0, 0, 1])) <= 1.0 and float(near[0, 0, 2]) == pytest.approx(1.0, abs=1e-5)
     # the invalid slot reads nothing
     assert torch.equal(cues[0, 3], torch.zeros(CUE_CHANNELS))
@@ -109,7 +109,7 @@ def test_gradients_reach_only_the_cells_around_the_projected_centre():
     boxes[0, :, 3:6] = torch.tensor([1.9, 4.5, 1.6])
     boxes[0, 0, :3] = torch.tensor([15.0, 0.0, 0.5])
     boxes[0, 1, :3] = torch.tensor([float("nan"), 0.0, 0.5])  # a non-finite slot marked valid: no NaN anywhere
-    cues = depth_cues(boxes, torch.tensor([[True, True]]), depth, f, calib)
+    cues = depth_cues(boxes, torch.tensor([[True, True]]), {"depth": depth, "frustum": f, **calib})
     assert torch.isfinite(cues).all() and cues[0, 1].abs().sum() == 0
     cues[..., 1:3].sum().backward()
     grad = depth.grad[0].abs().sum(1)  # N x fH x fW
@@ -132,7 +132,8 @@ def test_missing_cues_or_camera_depth_and_bad_settings_have_clear_errors():
         head(torch.zeros(1, 8, 40, 40))
     depth, f = one_hot_depth(20.0)
     with pytest.raises(ValueError, match="the camera encoder's maps must be the splat's"):
-        depth_cues(torch.zeros(1, 2, 9), torch.ones(1, 2, dtype=torch.bool), depth[..., :-1], f, rig())
+        depth_cues(torch.zeros(1, 2, 9), torch.ones(1, 2, dtype=torch.bool),
+                   {"depth": depth[..., :-1], "frustum": f, **rig()})
     config.detection.refine = False
     with pytest.raises(ConfigError, match="refine_depth: true feeds the second stage, which is off"):
         validate(config)

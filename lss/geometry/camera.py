@@ -217,6 +217,29 @@ def frustum_to_ego(
         return pts.view(B, N, D, fH, fW, 3)
 
 
+def project_to_cameras(
+    points: torch.Tensor,
+    intrinsics: torch.Tensor,
+    sensor2ego_rot: torch.Tensor,
+    sensor2ego_trans: torch.Tensor,
+    post_rot: torch.Tensor,
+    post_trans: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ego points B x P x 3 and each camera's calibration (B x N x 3 x 3 matrices, B x N x 3
+    vectors, as in a batch) -> (augmented-image pixels B x N x P x 2, camera depth B x N x P): the
+    inverse of `frustum_to_ego`, in torch (`ego_to_pixels` is one camera in numpy). sensor2ego_rot
+    is inverted by `inverse_3x3`, so the BEV augmentation's similarities (a scale, a mirror) are
+    fine. Points within 1e-6 m of the image plane are divided by 1e-6: mask them by their depth."""
+    offset = points[:, None] - sensor2ego_trans[:, :, None]  # B x N x P x 3
+    camera = offset @ inverse_3x3(sensor2ego_rot).transpose(-1, -2)
+    projected = camera @ intrinsics.transpose(-1, -2)
+    depth = projected[..., 2]
+    safe = torch.where(depth.abs() < 1e-6, torch.full_like(depth, 1e-6), depth)
+    uvd = torch.cat([projected[..., :2] / safe[..., None], depth[..., None]], dim=-1)
+    pixels = uvd @ post_rot.transpose(-1, -2) + post_trans[:, :, None]
+    return pixels[..., :2], depth
+
+
 def ego_to_camera(
     points: np.ndarray, sensor2ego_rot: np.ndarray, sensor2ego_trans: np.ndarray
 ) -> np.ndarray:

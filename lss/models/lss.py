@@ -144,7 +144,7 @@ class LiftSplatShoot(nn.Module):
         if self.detection is not None:
             gt_boxes, gt_labels = batch_ground_truth(batch)
             cameras = None
-            if self.detection.cfg.refine and self.detection.cfg.refine_depth:
+            if self.detection.cfg.refine_depth:  # validated: only with detection.refine
                 cameras = {"depth": depth, "frustum": self.splat.frustum}
                 cameras.update({k: batch[k] for k in RIG_KEYS})
             outputs.update(

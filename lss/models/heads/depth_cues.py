@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lss.geometry import RIG_KEYS
+from lss.geometry import RIG_KEYS, project_to_cameras
 
 # seen, depth difference (m), probability within NEAR_M, ray x, ray y, difference x ray x, y
 CUE_CHANNELS = 7
@@ -21,40 +21,13 @@ NEAR_M = 1.0
 MAX_DIFFERENCE_M = 10.0
 
 
-def project_to_cameras(
-    points: torch.Tensor,
-    intrinsics: torch.Tensor,
-    sensor2ego_rot: torch.Tensor,
-    sensor2ego_trans: torch.Tensor,
-    post_rot: torch.Tensor,
-    post_trans: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ego points B x P x 3 and each camera's calibration (B x N x 3 x 3 matrices, B x N x 3
-    vectors, as in a batch) -> (augmented-image pixels B x N x P x 2, camera depth B x N x P); the
-    inverse of lss.geometry.frustum_to_ego. sensor2ego_rot may be a similarity (the BEV
-    augmentation's: an orthonormal matrix times a scale, a mirror included); its inverse is its
-    transpose over the squared scale. Points within 1e-6 m of the image plane are divided by 1e-6:
-    mask them by their depth."""
-    scale2 = (sensor2ego_rot[..., :, 0] ** 2).sum(-1)[..., None, None]
-    ego_to_camera = sensor2ego_rot.transpose(-1, -2) / scale2
-    offset = points[:, None] - sensor2ego_trans[:, :, None]  # B x N x P x 3
-    camera = offset @ ego_to_camera.transpose(-1, -2)
-    projected = camera @ intrinsics.transpose(-1, -2)
-    depth = projected[..., 2]
-    safe = torch.where(depth.abs() < 1e-6, torch.full_like(depth, 1e-6), depth)
-    uvd = torch.cat([projected[..., :2] / safe[..., None], depth[..., None]], dim=-1)
-    pixels = uvd @ post_rot.transpose(-1, -2) + post_trans[:, :, None]
-    return pixels[..., :2], depth
-
-
-def depth_cues(
-    boxes: torch.Tensor, valid: torch.Tensor, depth: torch.Tensor, frustum: torch.Tensor, rig: dict
-) -> torch.Tensor:
-    """B x P x CUE_CHANNELS cues of boxes B x P x 9 (ego frame; zeros where not `valid`) from the
-    camera depth distributions `depth` B x N x D x fH x fW (softmax over D) of the frustum
-    D x fH x fW x 3 (its (u, v, d): evenly spaced pixels, the depth bins) and the batch's
-    calibration `rig` (lss.geometry.RIG_KEYS). The distributions are read by bilinear
+def depth_cues(boxes: torch.Tensor, valid: torch.Tensor, cameras: dict) -> torch.Tensor:
+    """B x P x CUE_CHANNELS cues of boxes B x P x 9 (ego frame; zeros where not `valid`) from
+    `cameras`: "depth", the camera depth distributions B x N x D x fH x fW (softmax over D);
+    "frustum", D x fH x fW x 3 (its (u, v, d): evenly spaced pixels, the depth bins); and the
+    batch's calibration (lss.geometry.RIG_KEYS). The distributions are read by bilinear
     interpolation between the feature cells; gradients reach them."""
+    depth, frustum = cameras["depth"], cameras["frustum"]
     B, N, D, fH, fW = depth.shape
     if frustum.shape[:3] != (D, fH, fW):
         raise ValueError(
@@ -62,7 +35,7 @@ def depth_cues(
             f"{tuple(frustum.shape)}: the camera encoder's maps must be the splat's"
         )
     centres = boxes[..., :3].float()
-    calibration = [rig[k].to(device=boxes.device, dtype=torch.float32) for k in RIG_KEYS]
+    calibration = [cameras[k].to(device=boxes.device, dtype=torch.float32) for k in RIG_KEYS]
     pixels, z = project_to_cameras(centres, *calibration)  # B x N x P x 2, B x N x P
     u, v, bins = frustum[0, 0, :, 0], frustum[0, :, 0, 1], frustum[:, 0, 0, 2]
     # the frustum's pixels are evenly spaced: column j at u[0] + j (u[1] - u[0])

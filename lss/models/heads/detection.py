@@ -434,9 +434,7 @@ class DetectionHead(nn.Module):
                     '{"depth": B x N x D x fH x fW, "frustum": D x fH x fW x 3, and the batch\'s '
                     "calibration (lss.geometry.RIG_KEYS)} (lss.models.LSS does)"
                 )
-            cues = depth_cues(
-                proposals.boxes, proposals.valid, cameras["depth"], cameras["frustum"], cameras
-            )
+            cues = depth_cues(proposals.boxes, proposals.valid, cameras)
         out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(
             features, proposals, grid, cues
         )
