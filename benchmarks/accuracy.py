@@ -46,7 +46,7 @@ BENCHMARK_SET = SyntheticSet(
     "v1.0-trainval", scenes=40, samples_per_scene=40, image_size=(1600, 900), seed=11
 )
 QUICK_SET = SyntheticSet("v1.0-mini", scenes=2, samples_per_scene=3, image_size=(400, 225), seed=0)
-# screening set: the 10 v1.0-mini scenes at 1600x900 of configs/synthetic.yaml (8 train, 2 val)
+# screening set: the 10 v1.0-mini scenes at 1600x900 of configs/synthetic_segmentation.yaml (8 train, 2 val)
 SCREEN_SET = SyntheticSet(
     "v1.0-mini", scenes=10, samples_per_scene=40, image_size=(1600, 900), seed=0
 )
@@ -67,48 +67,48 @@ NOSKIP = BEFORE_D05 + ("model.bev_full_res_skip=false", "loss.class_pos_weights=
 AT_128 = ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]")
 DEFAULT_RECIPES = {  # name -> (config, overrides)
     "paper": ("configs/lss_paper.yaml", ()),
-    "default": ("configs/synthetic.yaml", ()),
+    "default": ("configs/synthetic_segmentation.yaml", ()),
     # the same recipes at twice the benchmark's steps (a recipe's max_steps wins over --steps)
     "paper_4k": ("configs/lss_paper.yaml", ("train.max_steps=4000",)),
-    "default_4k": ("configs/synthetic.yaml", ("train.max_steps=4000",)),
+    "default_4k": ("configs/synthetic_segmentation.yaml", ("train.max_steps=4000",)),
     # the default recipe before its soft-IoU term (until 2026-11-28: the per-pixel BCE alone)
-    "no_soft_iou": ("configs/synthetic.yaml", BEFORE_SOFT_IOU),
-    "no_soft_iou_4k": ("configs/synthetic.yaml", BEFORE_SOFT_IOU + ("train.max_steps=4000",)),
+    "no_soft_iou": ("configs/synthetic_segmentation.yaml", BEFORE_SOFT_IOU),
+    "no_soft_iou_4k": ("configs/synthetic_segmentation.yaml", BEFORE_SOFT_IOU + ("train.max_steps=4000",)),
     # the default recipe trained on vehicles alone: what the other classes cost (or give) the
     # vehicle class (a single class's loss weight cancels: the loss is divided by the weights' sum)
     "default_vehicle": (
-        "configs/synthetic.yaml",
+        "configs/synthetic_segmentation.yaml",
         BEFORE_SOFT_IOU
         + ("data.classes=[vehicle]", "loss.class_pos_weights=[4.0]", "loss.class_weights=null"),
     ),
     # the default recipe with equal class weights: better map classes, a weaker vehicle class
-    "balanced": ("configs/synthetic.yaml", BEFORE_SOFT_IOU + ("loss.class_weights=null",)),
+    "balanced": ("configs/synthetic_segmentation.yaml", BEFORE_SOFT_IOU + ("loss.class_weights=null",)),
     # the default recipe as it was until 2026-11-26: the paper's 128x352 images, centred frustum
     # pixels, no full-resolution skip, pedestrian pos_weight 10, 1 m depth bins
-    "default_128": ("configs/synthetic.yaml", AT_128 + ("model.frustum_pixels=centres",) + NOSKIP),
+    "default_128": ("configs/synthetic_segmentation.yaml", AT_128 + ("model.frustum_pixels=centres",) + NOSKIP),
     # the default recipe as it is, at the paper's 128x352 images (the same crop of the 1600x900
     # images): beside the original code, what comes from the recipe and what from the image size
-    "default_at_128": ("configs/synthetic.yaml", AT_128),
-    "no_soft_iou_at_128": ("configs/synthetic.yaml", BEFORE_SOFT_IOU + AT_128),
+    "default_at_128": ("configs/synthetic_segmentation.yaml", AT_128),
+    "no_soft_iou_at_128": ("configs/synthetic_segmentation.yaml", BEFORE_SOFT_IOU + AT_128),
     # the default recipe before its soft-IoU term with the pedestrian's class weight 4 instead of 3
     # (docs/accuracy.md, "Pedestrians")
     "ped_cw4": (
-        "configs/synthetic.yaml",
+        "configs/synthetic_segmentation.yaml",
         BEFORE_SOFT_IOU + ("loss.class_weights=[2.0,4.0,0.5,0.5]",),
     ),
     # the default recipe on PyTorch's batch norm and depthwise convolution kernels instead of lss's
     # (model.batch_norm / depthwise_conv: torch): the same model and recipe (docs/benchmarks.md)
     "default_torch_kernels": (
-        "configs/synthetic.yaml",
+        "configs/synthetic_segmentation.yaml",
         ("model.batch_norm=torch", "model.depthwise_conv=torch"),
     ),
     # the default recipe before the full-resolution skip (pedestrian pos_weight 10, no skip)
-    "default_noskip": ("configs/synthetic.yaml", NOSKIP),
-    "default_noskip_4k": ("configs/synthetic.yaml", NOSKIP + ("train.max_steps=4000",)),
+    "default_noskip": ("configs/synthetic_segmentation.yaml", NOSKIP),
+    "default_noskip_4k": ("configs/synthetic_segmentation.yaml", NOSKIP + ("train.max_steps=4000",)),
     # the default recipe before its 0.5 m depth bins and pedestrian class weight 3: a stronger
     # vehicle at 4,000 steps, a weaker pedestrian (docs/accuracy.md, "Pedestrians")
-    "skip_pw6": ("configs/synthetic.yaml", SKIP_PW6),
-    "skip_pw6_4k": ("configs/synthetic.yaml", SKIP_PW6 + ("train.max_steps=4000",)),
+    "skip_pw6": ("configs/synthetic_segmentation.yaml", SKIP_PW6),
+    "skip_pw6_4k": ("configs/synthetic_segmentation.yaml", SKIP_PW6 + ("train.max_steps=4000",)),
     # the original LSS code (its loader, model, loss, Adam, fp32) from --original-lss
     "original": (ORIGINAL, ()),
     "original_4k": (ORIGINAL, ("train.max_steps=4000",)),

@@ -45,7 +45,7 @@ from benchmarks.accuracy import QUICK_OVERRIDES, QUICK_SET
 from benchmarks.train_loop import LOOP_SET, host_split_rows, loop_overrides, loop_rates
 from lss.errors import ArgumentError
 
-CONFIG = "configs/synthetic.yaml"
+CONFIG = "configs/synthetic_segmentation.yaml"
 BATCH_PER_GPU = 4
 # augmentation off: the same global batches in 1 and N processes (1600 x 900 images to 128 x 352)
 NO_AUGMENTATION = (

@@ -16,7 +16,7 @@ val split; the rate after the first batch, from the "timing" of eval.json).
 A run past its time limit gets SIGABRT first, so that the log (train.log / the eval row) ends with the Python stack
 of every thread (PYTHONFAULTHANDLER): where it hung.
 
-Environment: LSS_LOOP_CONFIG (default configs/synthetic.yaml), LSS_LOOP_STEPS, LSS_LOOP_DATA (a synthetic set to
+Environment: LSS_LOOP_CONFIG (default configs/synthetic_segmentation.yaml), LSS_LOOP_STEPS, LSS_LOOP_DATA (a synthetic set to
 reuse; LSS_LOOP_VERSION its version, default v1.0-mini), LSS_LOOP_OUT (run directory; default a temporary one),
 LSS_LOOP_SET (more config overrides, separated by ";", e.g. "train.cudnn_benchmark=false;data.workers=8"),
 LSS_LOOP_TIMEOUT (seconds for the training run, default 180).
@@ -406,7 +406,7 @@ def eval_rate(config: str, overrides: list[str], ckpt: Path, out: Path, timeout:
 def run(ctx) -> list[dict]:
     env = os.environ
     quick = ctx.quick
-    config = env.get("LSS_LOOP_CONFIG", "configs/synthetic.yaml")
+    config = env.get("LSS_LOOP_CONFIG", "configs/synthetic_segmentation.yaml")
     steps = int(env.get("LSS_LOOP_STEPS", 5 if quick else 300))
     out = Path(env.get("LSS_LOOP_OUT") or tempfile.mkdtemp(prefix="lss_train_loop_"))
     out.mkdir(parents=True, exist_ok=True)

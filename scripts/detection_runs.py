@@ -40,8 +40,8 @@ HR = ("data.final_dim=[256,704]", "data.resize_lim=[0.386,0.45]", "grid.dbound=[
 # centres): what the recipes measured at that size add, so that they run as they were measured
 AT_128 = ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]", "grid.dbound=[4.0,45.0,1.0]",
           "model.frustum_pixels=centres")
-# the detection head added to a segmentation-only config (--config configs/synthetic.yaml), with the heatmap class
-# weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
+# the detection head added to the segmentation-only config (--config configs/synthetic_segmentation.yaml), with the
+# heatmap class weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
 JOINT = ("model.heads=[segmentation,detection]", "data.detection_targets=true",
          "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]")
 # name -> overrides of CONFIG; every run gets the same data, steps and seed
@@ -63,7 +63,7 @@ RUNS = {
     # only the detection head's own layers learn from boxes?), and with the lane divider weighted up
     "joint_own_gs0": JOINT + ("detection.decoder=own", "detection.trunk_grad_scale=0.0"),
     "joint_own_lane": JOINT + ("detection.decoder=own", "loss.class_weights=[2.0,3.0,0.5,1.0]"),
-    # the own stage at half the width (64 channels): less GPU time per step
+    # the own stage at half the width (64 channels): less GPU time per step (configs/synthetic.yaml since 2026-11-28)
     "joint_own_narrow": JOINT + ("detection.decoder=own", "detection.decoder_channels=64"),
     # two frames (docs/temporal.md): the previous key frame, and the one two key frames back (1 s on nuScenes)
     "temporal": AT_128 + ("model.temporal.frames=2",),
@@ -83,6 +83,11 @@ RUNS = {
     "hr_bevaug": HR + ("detection.refine=false", "data.bev_flip=true", "data.bev_rot_lim=[-22.5,22.5]",
                        "data.bev_scale_lim=[0.95,1.05]"),
     "hr_bevrot": HR + ("detection.refine=false", "data.bev_rot_lim=[-180.0,180.0]", "data.bev_scale_lim=[0.95,1.05]"),
+    # a rotation within +-22.5 degrees, no flips: the headings keep their relation to the ego frame's axes
+    "hr_bevrot_small": HR + ("detection.refine=false", "data.bev_rot_lim=[-22.5,22.5]", "data.bev_scale_lim=[0.95,1.05]"),
+    # the rotation-only augmentation with the second stage reading the camera depth distributions
+    "hr_bevrot_depth": HR + ("detection.refine=true", "detection.refine_depth=true", "data.bev_rot_lim=[-180.0,180.0]",
+                             "data.bev_scale_lim=[0.95,1.05]"),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

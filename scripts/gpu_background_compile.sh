@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # train.compile_start, run from the repository root on a CUDA machine (logs under $OUT, default runs/gpu).
 # STAGE=check: build, the background-compile tests (CPU and CUDA) and the trainer's CUDA tests, then 2,000 steps of
-# configs/synthetic.yaml end to end with compile off. STAGE=compile: the same config with train.compile: true twice,
+# configs/synthetic_segmentation.yaml end to end with compile off. STAGE=compile: the same config with train.compile: true twice,
 # first with empty compiler caches, then with the caches of the first run; STAGE=now: the cold run with
 # train.compile_start: now, its peer. Each run prints its wall time, its first step, the switch to compiled steps and
 # its step rates (scripts/run_rates.py).
@@ -20,7 +20,7 @@ train_run() {  # name, steps, extra --set pairs...
   local sets=(--set train.max_steps=$steps --set train.out_dir=/tmp/runs/$name)
   for kv in "$@"; do sets+=(--set "$kv"); done
   local t1=$SECONDS
-  /usr/bin/time -f "%e s wall, %M KB max RSS" python3 -m lss train --config configs/synthetic.yaml "${sets[@]}" \
+  /usr/bin/time -f "%e s wall, %M KB max RSS" python3 -m lss train --config configs/synthetic_segmentation.yaml "${sets[@]}" \
     --overwrite > "$OUT/$name.log" 2>&1
   echo "== $name: rc=$? in $((SECONDS - t1)) s"
   grep -a -E "^lss:|wall|val IoU" "$OUT/$name.log" | grep -v "^ " | tail -n 8

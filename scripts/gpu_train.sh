@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU training check, run from the repository root on a CUDA machine (it builds the ops unless built): generate a
-# synthetic set at 1600x900, train configs/synthetic.yaml for TRAIN_STEPS steps (at most TRAIN_SECONDS), evaluate;
+# synthetic set at 1600x900, train configs/synthetic_segmentation.yaml for TRAIN_STEPS steps (at most TRAIN_SECONDS), evaluate;
 # with DETECTION=1 also train and evaluate the detection head on a small synthetic v1.0-trainval set. Logs go to
 # $OUT/train.log, the loss/IoU curve to $OUT/seg_metrics.jsonl ($OUT: default runs/gpu).
 set -uo pipefail
@@ -12,7 +12,7 @@ python3 -m lss make-synthetic data/synthetic --scenes ${SEG_SCENES:-10} --sample
   --workers "$(nproc)" >> "$LOG" 2>&1
 echo "segmentation set generated in $((SECONDS - t0)) s" | tee -a "$LOG"
 seg_train() {
-  timeout ${TRAIN_SECONDS:-300} python3 -m lss train --config configs/synthetic.yaml --out runs/synthetic \
+  timeout ${TRAIN_SECONDS:-300} python3 -m lss train --config configs/synthetic_segmentation.yaml --out runs/synthetic \
     --set data.synthetic.scenes=${SEG_SCENES:-10} --set data.synthetic.samples_per_scene=${SEG_SAMPLES:-24} \
     --set train.max_steps=${TRAIN_STEPS:-2000} --set train.eval_every=${EVAL_EVERY:-250} --set train.ckpt_every=250 \
     --set train.viz_every=100000 "$@" >> "$LOG" 2>&1
@@ -24,7 +24,7 @@ if [ $rc != 0 ] && [ $rc != 124 ]; then  # a failure (not the time limit): say s
 fi
 echo "segmentation training rc=$rc after $((SECONDS - t0)) s" | tee -a "$LOG"
 cp runs/synthetic/metrics.jsonl "$OUT/seg_metrics.jsonl" 2>/dev/null
-python3 -m lss eval --config configs/synthetic.yaml --set data.synthetic.scenes=${SEG_SCENES:-10} \
+python3 -m lss eval --config configs/synthetic_segmentation.yaml --set data.synthetic.scenes=${SEG_SCENES:-10} \
   --set data.synthetic.samples_per_scene=${SEG_SAMPLES:-24} --ckpt runs/synthetic/checkpoints/last.pt \
   --out /tmp/lss-eval-seg 2>&1 | tee -a "$LOG" | tail -n 20
 if [ "${DETECTION:-0}" = 1 ]; then

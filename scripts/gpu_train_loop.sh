@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU training-loop check, run from the repository root on a CUDA machine: builds the ops if needed, then
-# `lss bench --suite train_loop` (configs/synthetic.yaml, compile off, LOOP_STEPS steps, 12 workers) once with cuDNN
+# `lss bench --suite train_loop` (configs/synthetic_segmentation.yaml, compile off, LOOP_STEPS steps, 12 workers) once with cuDNN
 # autotuning and once without. Each run prints its rows (start-up phases, loop, loader alone, step alone, loop/step,
 # eval) and writes $OUT/train_loop_<name>.{json,log} ($OUT: default runs/gpu); a run past its limit ends with the
 # Python stacks of the stuck process in its rows. RUNS=cudnn_benchmark (or no_cudnn_benchmark) runs one of them.

@@ -1,6 +1,6 @@
 """The camera trunk's batch norms alone, forward and backward in training mode, in each activation dtype and memory
 layout: which kernels PyTorch picks (its own or cuDNN's) and how long the step's batch norms take with each. The
-shapes are those of the camera encoder of `--config` (configs/synthetic.yaml: B4 x 6 cameras at 256x704), found on
+shapes are those of the camera encoder of `--config` (configs/synthetic_segmentation.yaml: B4 x 6 cameras at 256x704), found on
 the meta device; the weights stay float32 as under autocast. Prints one JSON line. On a CUDA machine:
 
     python scripts/probe_batch_norm.py
@@ -172,7 +172,7 @@ def time_variant(shapes, dtype: torch.dtype, layout, device: torch.device, repea
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/synthetic.yaml")
+    p.add_argument("--config", default="configs/synthetic_segmentation.yaml")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="DTYPE:LAYOUT,... (dtypes bf16, fp16, fp32)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="cuda")

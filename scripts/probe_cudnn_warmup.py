@@ -1,4 +1,4 @@
-"""The first training call of the channels-last camera encoder and BEV encoder (configs/synthetic.yaml's sizes:
+"""The first training call of the channels-last camera encoder and BEV encoder (configs/synthetic_segmentation.yaml's sizes:
 B4 x 6 cameras at 256x704, the splatted 200x200 grid), with or without their convolutions warmed up first on
 `--threads` threads (warm_convolutions below), and the steady call after it. One process per measurement (cuDNN
 keeps what it built for the life of the process); prints one JSON line. On a CUDA machine:
@@ -161,7 +161,7 @@ def without_cudnn(forward):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/synthetic.yaml")
+    p.add_argument("--config", default="configs/synthetic_segmentation.yaml")
     p.add_argument("--threads", type=int, default=0, help="0: no warm-up; else warm-up threads")
     p.add_argument("--channels-last", default="true", choices=["true", "false", "bev"])
     p.add_argument("--steady", type=int, default=10)

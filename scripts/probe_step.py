@@ -1,4 +1,4 @@
-"""Probe of the training step of configs/synthetic.yaml on a GPU: the first call (warm-up, compilation, capture) and
+"""Probe of the training step of configs/synthetic_segmentation.yaml on a GPU: the first call (warm-up, compilation, capture) and
 the captured step's replay time for one layout (train.channels_last's values, or "hybrid": channels-last but for
 the depthwise convolutions), optionally compiled (with the compiler's phase times), optionally with a kernel
 profile of eager steps. Random images on the real rig, random depth targets; prints one JSON line first.
@@ -45,7 +45,7 @@ def main() -> None:
         compiled.fast_start_compiler = lambda start_workers: []
     imports_s = time.perf_counter() - T0
     hybrid = a.layout == "hybrid"
-    cfg = load_config("configs/synthetic.yaml", [f"train.channels_last={'true' if hybrid else a.layout}", *a.set])
+    cfg = load_config("configs/synthetic_segmentation.yaml", [f"train.channels_last={'true' if hybrid else a.layout}", *a.set])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = apply_channels_last(LiftSplatShoot(cfg).to(device), cfg.train.channels_last)

@@ -10,7 +10,7 @@ The floor is the unfused one: each operation as the model writes it, none fused 
 move less unless operations are fused (a fused kernel reads once what two read twice). The splat (bev_pool) and the
 lookup table are not counted (a few MB a step); the optimizer is, as fused Adam in fp32 (28 bytes a parameter).
 
-    python scripts/step_floor.py --config configs/synthetic.yaml \
+    python scripts/step_floor.py --config configs/synthetic_segmentation.yaml \
         --profile results/step-256x704-lss-kernels-2026-11-28/profile_shipped_default.json --bandwidth 4.3e12
 """
 
@@ -154,7 +154,7 @@ def achieved(profile: dict, floor_bytes: dict) -> list[dict]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/synthetic.yaml")
+    p.add_argument("--config", default="configs/synthetic_segmentation.yaml")
     p.add_argument("--set", action="append", default=[], dest="overrides")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (4.3e12: an H200 as measured)")
     p.add_argument("--profile", default=None, help="a train.profile_steps summary.json of the same config")

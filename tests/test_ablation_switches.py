@@ -375,7 +375,7 @@ def test_a_checkpoint_loads_without_the_imagenet_file(hub):
 def test_the_nuscenes_configs_start_from_imagenet_and_the_synthetic_ones_from_scratch():
     for name in ("nuscenes_mini.yaml", "nuscenes_trainval.yaml"):
         assert load_config(ROOT / "configs" / name).model.pretrained == "imagenet", name
-    for name in ("synthetic.yaml", "synthetic_demo.yaml", "lss_paper.yaml"):
+    for name in ("synthetic_segmentation.yaml", "synthetic.yaml", "synthetic_demo.yaml", "lss_paper.yaml"):
         assert load_config(ROOT / "configs" / name).model.pretrained is None, name
 
 

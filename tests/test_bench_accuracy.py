@@ -59,7 +59,7 @@ def test_a_recipes_own_max_steps_wins_over_the_benchmark_steps():
     assert steps == ["train.max_steps=2000", "train.max_steps=4000"]  # the later one wins in the config loader
     from lss.config import load_config
 
-    cfg = load_config("configs/synthetic.yaml", overrides)
+    cfg = load_config("configs/synthetic_segmentation.yaml", overrides)
     assert cfg.train.max_steps == 4000 and cfg.train.seed == 1
 
 
@@ -253,7 +253,7 @@ def test_the_set_argument_selects_the_set_its_folder_and_the_runs_data(monkeypat
     overrides = accuracy.run_overrides(confirm, parse_recipe("default"), seed=2)
     from lss.config import load_config
 
-    cfg = load_config("configs/synthetic.yaml", overrides)
+    cfg = load_config("configs/synthetic_segmentation.yaml", overrides)
     assert cfg.data.dataroot == str((accuracy.Path("data/confirm_accuracy")).resolve())
     assert (cfg.data.version, cfg.train.seed, cfg.data.make_synthetic_if_missing) == ("v1.0-trainval", 2, False)
     with pytest.raises(SystemExit):
@@ -277,8 +277,8 @@ def test_the_two_set_recipes_change_only_what_they_name(name):
     from lss.config import config_to_dict, load_config
 
     recipe = parse_recipe(name)
-    assert recipe.config == "configs/synthetic.yaml"
-    default = config_to_dict(load_config("configs/synthetic.yaml"))
+    assert recipe.config == "configs/synthetic_segmentation.yaml"
+    default = config_to_dict(load_config("configs/synthetic_segmentation.yaml"))
     changed = config_to_dict(load_config(recipe.config, list(recipe.overrides)))
     differs = {(section, key) for section in default for key in default[section]
                if isinstance(default[section], dict) and default[section][key] != changed[section][key]}

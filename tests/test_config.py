@@ -85,7 +85,7 @@ def test_shipped_configs_load_and_build_a_model(path):
 
 def test_expected_configs_are_shipped():
     names = {p.name for p in CONFIGS}
-    assert {"synthetic_demo.yaml", "synthetic.yaml", "nuscenes_mini.yaml", "nuscenes_trainval.yaml"} <= names
+    assert {"synthetic_demo.yaml", "synthetic.yaml", "synthetic_segmentation.yaml", "nuscenes_mini.yaml", "nuscenes_trainval.yaml"} <= names
 
 
 def test_demo_config_is_embedded_identically():
@@ -99,13 +99,13 @@ def test_demo_config_is_embedded_identically():
 def test_each_demo_recipe_is_the_packaged_copy_of_its_config():
     from lss.engine.demo import CPU_RECIPE, CUDA_RECIPE, describe, recipe_config
 
-    for recipe, name in ((CPU_RECIPE, "synthetic_demo.yaml"), (CUDA_RECIPE, "synthetic.yaml")):
+    for recipe, name in ((CPU_RECIPE, "synthetic_demo.yaml"), (CUDA_RECIPE, "synthetic_segmentation.yaml")):
         assert recipe.config == f"configs/{name}"
         assert (ROOT / recipe.config).read_text() == recipe.yaml()
         expected = load_config(ROOT / recipe.config, recipe.overrides)
         assert config_to_dict(recipe_config(recipe)) == config_to_dict(expected)
     assert CPU_RECIPE.overrides == ()  # the CPU demo is configs/synthetic_demo.yaml as it is
-    cuda = recipe_config(CUDA_RECIPE)  # the default recipe on a set of 24 scenes, 4 of them for validation
+    cuda = recipe_config(CUDA_RECIPE)  # the segmentation recipe on a set of 24 scenes, 4 of them for validation
     assert (cuda.data.version, cuda.data.synthetic.scenes, cuda.data.dataroot) == (
         "v1.0-trainval", 24, "data/synthetic-demo-cuda")
     assert describe(recipe_config(CUDA_RECIPE, ["train.device=cuda"])) == (

@@ -198,10 +198,10 @@ def test_model_switch_keeps_the_state_dict_and_the_outputs():
 
     overrides = ["data.final_dim=[64,192]", "model.pretrained=null"]
     torch.manual_seed(0)
-    theirs = build_model(load_config("configs/synthetic.yaml", overrides))
+    theirs = build_model(load_config("configs/synthetic_segmentation.yaml", overrides))
     torch.manual_seed(0)
     lss_kernels = overrides + ["model.depthwise_conv=lss"]
-    ours = build_model(load_config("configs/synthetic.yaml", lss_kernels))
+    ours = build_model(load_config("configs/synthetic_segmentation.yaml", lss_kernels))
     assert sum(type(m) is StaticSameDepthwiseConv2d for m in ours.modules()) == 16
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     ours.load_state_dict(theirs.state_dict())

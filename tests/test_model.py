@@ -377,3 +377,6 @@ def test_the_default_config_lifts_82_depth_bins_and_predicts_its_classes_on_the_
     assert out["depth_logits"].shape == (1, 6, 82, h, w)  # 4-45 m in 0.5 m bins
     assert out["segmentation"].shape == (1, len(cfg.data.classes), 200, 200)
     assert torch.isfinite(out["segmentation"]).all()
+    # the default trains both heads: the detection head's heatmap of the 10 classes on the same grid
+    assert tuple(cfg.model.heads) == ("segmentation", "detection") and cfg.data.detection_targets
+    assert out["det_heatmap"].shape == (1, 10, 200, 200) and torch.isfinite(out["det_heatmap"]).all()

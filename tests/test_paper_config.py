@@ -47,7 +47,7 @@ def test_paper_recipe_trains_on_the_tiny_set(synthetic_root, tmp_path):
 
 
 def test_the_nuscenes_configs_carry_the_default_recipe():
-    default = load_config(str(ROOT / "configs/synthetic.yaml"), [])
+    default = load_config(str(ROOT / "configs/synthetic_segmentation.yaml"), [])
     assert default.loss.class_weights == (2.0, 3.0, 0.5, 0.5) and default.loss.type == "bce"
     assert default.loss.class_pos_weights == (4.0, 6.7, 1.5, 2.6)
     assert default.grid.dbound == (4.0, 45.0, 0.5)
@@ -89,4 +89,4 @@ def test_every_named_recipe_resolves_to_a_valid_config(name):
     if name == "default_vehicle":
         assert cfg.data.classes == ("vehicle",) and weights is None
     if name == "balanced":
-        assert weights is None and cfg.optim == load_config(str(ROOT / "configs/synthetic.yaml"), []).optim
+        assert weights is None and cfg.optim == load_config(str(ROOT / "configs/synthetic_segmentation.yaml"), []).optim

@@ -256,7 +256,7 @@ def test_an_input_beyond_the_hosts_memory_is_refused_in_one_line_before_anything
                                                                                           capsys):
     monkeypatch.setattr("lss.config.memory.host_memory", lambda: 16 * 2**30)
     root = tmp_path / "synthetic"
-    rc = main(["train", "--config", "configs/synthetic.yaml", "--set", "data.final_dim=[32,96000]", "--set",
+    rc = main(["train", "--config", "configs/synthetic_segmentation.yaml", "--set", "data.final_dim=[32,96000]", "--set",
                "train.device=cpu", "--set", f"data.dataroot={root}", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.splitlines()
     assert rc == 2 and err[0] == (

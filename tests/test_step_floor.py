@@ -41,7 +41,7 @@ def test_floor_of_the_default_step_and_the_bandwidth_of_a_profile(tmp_path):
         {"name": "void at::native::batch_norm_collect_statistics_kernel<>", "ms_per_step": 1.0},
         {"name": "sm90_xmma_gemm", "ms_per_step": 5.0}]}
     (tmp_path / "profile.json").write_text(json.dumps(profile))
-    out = floor.main(["--config", str(REPO / "configs" / "synthetic.yaml"), "--set",
+    out = floor.main(["--config", str(REPO / "configs" / "synthetic_segmentation.yaml"), "--set",
                       "data.final_dim=[64, 192]", "--set", "train.batch_size=1", "--bandwidth", "1e12",
                       "--profile", str(tmp_path / "profile.json"), "--out", str(tmp_path / "floor.json")])
     assert json.loads((tmp_path / "floor.json").read_text()) == out

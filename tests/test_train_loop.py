@@ -472,5 +472,5 @@ print("clean")
 def test_step_alone_runs_the_step_the_config_trains_with(overrides, cpu, cuda):
     from benchmarks.train_loop import step_impl
 
-    cfg = load_config("configs/synthetic.yaml", overrides)
+    cfg = load_config("configs/synthetic_segmentation.yaml", overrides)
     assert (step_impl(cfg, torch.device("cpu")), step_impl(cfg, torch.device("cuda"))) == (cpu, cuda)

@@ -1,6 +1,7 @@
 """`lss demo`: generate the synthetic set if missing, train, evaluate and render. On a CPU it runs
-the demo recipe (configs/synthetic_demo.yaml, minutes on 2 cores); on a CUDA machine the default
-recipe (configs/synthetic.yaml). An application over the engine (train, eval) and the pictures
+the demo recipe (configs/synthetic_demo.yaml, minutes on 2 cores); on a CUDA machine the
+segmentation recipe (configs/synthetic_segmentation.yaml: the default recipe's segmentation head
+alone). An application over the engine (train, eval) and the pictures
 (lss.viz)."""
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ class DemoRecipe:
 
 
 CPU_RECIPE = DemoRecipe("cpu", "the CPU demo recipe", "demo.yaml", "configs/synthetic_demo.yaml")
-# The default recipe on a set of its own: 24 scenes of the trainval names (20 train, 4 val) rather
-# than the 10 of v1.0-mini, whose 8 training scenes were too few for its 4,000 steps
+# The segmentation recipe on a set of its own: 24 scenes of the trainval names (20 train, 4 val)
+# rather than the 10 of v1.0-mini, whose 8 training scenes were too few for its 4,000 steps
 # (docs/benchmarks.md#gpu-demo)
 CUDA_RECIPE = DemoRecipe(
     "cuda",
-    "the default recipe",
+    "the segmentation recipe",
     "demo_cuda.yaml",
-    "configs/synthetic.yaml",
+    "configs/synthetic_segmentation.yaml",
     (
         "data.dataroot=data/synthetic-demo-cuda",
         "data.version=v1.0-trainval",
