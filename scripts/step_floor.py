@@ -102,7 +102,9 @@ class ByteCounter(TorchDispatchMode):
 
 def step_bytes(cfg, dtype=torch.bfloat16) -> tuple[dict, dict, int]:
     """(bytes by kind, calls by kind, parameters) of one training forward + backward of the camera encoder, the BEV
-    encoder and the segmentation head at `cfg`'s sizes, on the meta device in `dtype`."""
+    encoder, the segmentation head and, where the config has one, the detection head (its decoder stage, heatmap and
+    regression maps; the second stage and the losses' own reads are not counted) at `cfg`'s sizes, on the meta device
+    in `dtype`."""
     model = build_model(cfg).to(device="meta", dtype=dtype).train()
     b, n = cfg.train.batch_size, len(cfg.data.cameras)
     h, w = cfg.data.final_dim
@@ -113,9 +115,17 @@ def step_bytes(cfg, dtype=torch.bfloat16) -> tuple[dict, dict, int]:
     counter = ByteCounter()
     with counter:
         depth, context = model.camera(images)
-        features = model.bev(splatted)
+        if model.detection_decoder is not None:  # the detection head's own copy of the decoder's last stage
+            features, stride2 = model.bev(splatted, return_stride2=True)
+            detection_features = model.bev.run_last_stage(model.detection_decoder, stride2, splatted)
+        else:
+            features = model.bev(splatted)
+            detection_features = features
         logits = model.segmentation(features)
         loss = depth.float().sum() + context.float().sum() + logits.float().sum()
+        if model.detection is not None:
+            maps = model.detection(detection_features)
+            loss = loss + maps["det_heatmap"].float().sum() + maps["det_regression"].float().sum()
         loss.backward()
     return dict(counter.bytes), dict(counter.calls), sum(p.numel() for p in model.parameters())
 

@@ -5,6 +5,9 @@ from pathlib import Path
 
 import torch
 
+from lss.geometry import BevGrid
+from lss.models import build_model
+
 from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,3 +87,29 @@ def test_padding_copies_and_lss_kernels_in_a_profile(tmp_path):
 
 def math_close(a, b, tol=2e-3):
     return abs(a - b) <= tol
+
+
+def test_the_default_configs_floor_counts_the_detection_heads_maps():
+    """configs/synthetic.yaml (both heads) moves the segmentation recipe's bytes plus its detection head's: the own
+    decoder stage (two 3 x 3 convolutions with their batch norms, and its upsampling) and the heatmap and regression
+    convolutions at the grid's size."""
+    from lss.config import load_config
+
+    floor = _module()
+    small = ["data.final_dim=[64, 192]", "train.batch_size=1"]
+    joint_bytes, joint_calls, _ = floor.step_bytes(load_config(REPO / "configs" / "synthetic.yaml", small))
+    seg_bytes, seg_calls, _ = floor.step_bytes(load_config(REPO / "configs" / "synthetic_segmentation.yaml", small))
+    cfg = load_config(REPO / "configs" / "synthetic.yaml", small)
+    cells = BevGrid.from_config(cfg.grid).shape[0] * BevGrid.from_config(cfg.grid).shape[1]
+    maps = 2 * cfg.detection.decoder_channels * cells  # one bf16 activation of the own stage
+    extra = sum(joint_bytes.values()) - sum(seg_bytes.values())
+    assert extra > 4 * maps
+    model = build_model(cfg)
+    norms = sum(isinstance(m, torch.nn.BatchNorm2d) for part in (model.detection, model.detection_decoder)
+                for m in part.modules())
+    convs = sum(isinstance(m, torch.nn.Conv2d) for part in (model.detection, model.detection_decoder)
+                for m in part.modules())
+    assert norms == 5 and convs == 7  # the stage's two convolutions and norms; the head's shared, heatmap, regression
+    assert joint_calls["batch norm, forward"] == seg_calls["batch norm, forward"] + norms
+    assert joint_calls["convolution, forward"] == seg_calls["convolution, forward"] + convs
+    assert joint_calls["upsampling"] > seg_calls["upsampling"]
