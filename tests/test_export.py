@@ -275,3 +275,89 @@ def test_a_failed_export_leaves_an_existing_file_as_it_was(checkpoint, tmp_path,
     monkeypatch.setattr(torch.onnx, "export", real_export)
     export_checkpoint(cfg, ckpt, out)
     assert _resize_nodes(out) and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.rig.json"]
+
+
+@pytest.mark.parametrize("decoder", ["shared", "own"])
+def test_the_detection_heads_maps_are_exported_and_checked(synthetic_root, tmp_path, decoder):
+    """A model with the detection head (on the decoder's output, or on its own last stage as the default config) exports
+    its heatmap logits and regression maps beside the segmentation; onnxruntime gives PyTorch's maps and boxes, and
+    `lss export --check` holds the maps to the logits' tolerance."""
+    from lss.models.heads.detection import decode_detections
+
+    extra = ["model.heads=[segmentation, detection]", "data.detection_targets=true", "detection.head_channels=8",
+             "model.bev_full_res_skip=true", f"detection.decoder={decoder}"]
+    if decoder == "own":
+        extra.append("detection.decoder_channels=16")
+    cfg, ckpt = _checkpoint(_tiny_config(synthetic_root, *extra), tmp_path / "det.pt", logit_scale=8.0)
+    done = export_checkpoint(cfg, ckpt, tmp_path / "det.onnx", rig_inputs=True)
+    session = ort.InferenceSession(str(done["path"]), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["segmentation", "det_heatmap", "det_regression"]
+    dataset = build_dataset(cfg, cfg.data.val_split, False)
+    batch = collate([dataset[0], dataset[1]])
+    with torch.no_grad():
+        want = done["model"](batch)
+    feeds = {k: batch[k].float().numpy() for k in RIG_KEYS}
+    feeds["images"] = done["model"].camera.normalize(batch["images"]).numpy()
+    got = dict(zip(["segmentation", "det_heatmap", "det_regression"], session.run(None, feeds)))
+    for name in ("det_heatmap", "det_regression"):
+        assert got[name].shape == tuple(want[name].shape)
+        assert np.abs(got[name] - want[name].numpy()).max() <= 1e-3, name
+    assert want["det_heatmap"].std() > 0.1  # maps that vary, so the comparison means something
+    ours = decode_detections(want, cfg)
+    theirs = decode_detections({k: torch.from_numpy(v) for k, v in got.items()}, cfg)
+    for a, b in zip(ours, theirs):
+        assert len(a["boxes"]) > 0
+        torch.testing.assert_close(b["scores"][:20], a["scores"][:20], atol=1e-4, rtol=0)
+        torch.testing.assert_close(b["boxes"][:20], a["boxes"][:20], atol=1e-3, rtol=0)
+    result = check_export(cfg, done["model"], done["path"], samples=2)
+    assert result["passed"] and result["max_abs_diff_detection"] <= 1e-3
+    from lss.export.check import format_check
+
+    assert "detection head (heatmap logits, regression maps)" in format_check(result, done["path"])
+
+
+def _add_to_output(path, out, name, value):
+    """The ONNX file at `path` with the constant `value` (broadcast) added to its output `name`, written to `out`."""
+    model = onnx.load(str(path))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(value, np.float32), "added"))
+    before = f"{name}_before_the_addition"
+    for node in model.graph.node:
+        node.output[:] = [before if o == name else o for o in node.output]
+    model.graph.node.append(onnx.helper.make_node("Add", [before, "added"], [name]))
+    onnx.save(model, str(out))
+    return out
+
+
+def test_a_detection_map_off_the_pytorch_model_fails_the_check(synthetic_root, tmp_path):
+    """The check compares the detection maps: an export whose regression output is moved fails it, with the
+    segmentation unchanged."""
+    extra = ["model.heads=[segmentation, detection]", "data.detection_targets=true", "detection.head_channels=8"]
+    cfg, ckpt = _checkpoint(_tiny_config(synthetic_root, *extra), tmp_path / "det.pt", logit_scale=8.0)
+    done = export_checkpoint(cfg, ckpt, tmp_path / "det.onnx", rig_inputs=True)
+    shifted = _add_to_output(done["path"], tmp_path / "shifted.onnx", "det_regression", 0.01)
+    result = check_export(cfg, done["model"], shifted, samples=1)
+    assert result["max_abs_diff"] <= 1e-3 and result["max_iou_diff_points"] == 0.0
+    assert abs(result["max_abs_diff_detection"] - 0.01) < 1e-3 and result["off_cell_share"] == 1.0
+    assert not result["passed"]
+
+
+@pytest.mark.parametrize("rig_inputs", [True, False])
+def test_a_few_cells_off_pass_only_an_export_that_computes_its_table(checkpoint, tmp_path, rig_inputs):
+    """A rig-input export computes the frustum-to-BEV table in onnxruntime: a frustum point on a cell boundary may land
+    in the neighbouring cell and move the logits around it. A few such cells pass its check (and are reported); the
+    same cells off fail a fixed-rig export, whose table is PyTorch's own."""
+    from lss.export.check import BOUNDARY_CELL_SHARE, format_check
+
+    cfg, ckpt = checkpoint
+    done = export_checkpoint(cfg, ckpt, tmp_path / "m.onnx", rig_inputs=rig_inputs)
+    bump = np.zeros((1, len(cfg.data.classes), 32, 32), np.float32)
+    bump[0, 0, 5, 7] = 0.01  # one cell of one class off in every sample
+    moved = _add_to_output(done["path"], tmp_path / "bump.onnx", "segmentation", bump)
+    result = check_export(cfg, done["model"], moved, done["rig"], samples=2)
+    assert abs(result["max_abs_diff"] - 0.01) < 1e-3
+    assert result["off_cell_share"] == 1 / (32 * 32) < BOUNDARY_CELL_SHARE
+    assert result["passed"] is rig_inputs
+    assert "cells off by more than 0.001: 0.098 %" in format_check(result, moved)
+    spread = np.full_like(bump, 0.01)  # every cell off: a wrong export, whatever computes the table
+    assert not check_export(cfg, done["model"], _add_to_output(done["path"], tmp_path / "all.onnx", "segmentation",
+                                                               spread), done["rig"], samples=1)["passed"]

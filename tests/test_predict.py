@@ -394,6 +394,21 @@ def test_the_onnxruntime_backend_gives_the_torch_maps(tiny, val_set, predictor, 
         Predictor(ckpt, "cpu", backend="onnxruntime", onnx=fixed)
 
 
+def test_the_onnxruntime_backend_gives_the_torch_boxes(synthetic_root, tmp_path):
+    pytest.importorskip("onnxruntime")
+    cfg = load_config(None, TINY + DETECTION + [f"data.dataroot={synthetic_root}"])
+    ckpt = _checkpoint(cfg, tmp_path / "det.pt")
+    batch = collate([build_dataset(cfg, cfg.data.val_split, False, verbose=False)[i] for i in range(2)])
+    onnx = Predictor(ckpt, "cpu", backend="onnxruntime")
+    assert onnx.forward.outputs == ["segmentation", "det_heatmap", "det_regression"]
+    for ours, theirs in zip(Predictor(ckpt, "cpu").predict_batch(batch), onnx.predict_batch(batch)):
+        assert len(ours.boxes) > 0 and theirs.boxes.shape[1] == 9
+        np.testing.assert_allclose(theirs.probabilities, ours.probabilities, atol=1e-4)
+        np.testing.assert_allclose(theirs.scores[:20], ours.scores[:20], atol=1e-4)
+        np.testing.assert_allclose(theirs.boxes[:20], ours.boxes[:20], atol=1e-3)
+        np.testing.assert_array_equal(theirs.labels[:20], ours.labels[:20])
+
+
 @pytest.mark.cuda
 def test_the_cuda_graph_replays_the_eager_bf16_forward_on_any_calibration(tiny, val_set):
     cfg, ckpt = tiny

@@ -207,13 +207,14 @@ class CapturedForward(EagerForward):
 
 
 class OnnxForward:
-    """The exported segmentation network (lss.export, rig inputs) in onnxruntime: `onnx`, an export
+    """The exported network (lss.export, rig inputs) in onnxruntime: `onnx`, an export
     made with --rig-inputs, or the checkpoint exported into a temporary folder. On a CUDA device it
     runs on onnxruntime's CUDA execution provider where that is installed."""
 
     def __init__(self, cfg: Config, checkpoint: Path, device: torch.device, onnx=None):
         from lss.export import export_checkpoint
         from lss.export.check import onnxruntime_session
+        from lss.export.graph import DETECTION_OUTPUTS
 
         self._folder = None
         if onnx is None:
@@ -230,12 +231,16 @@ class OnnxForward:
                 "calibration need an export with rig inputs: lss export --rig-inputs"
             )
         self.inputs = names
+        # "segmentation", and the detection head's maps where the export has them (the boxes are
+        # decoded from them as from the PyTorch model's)
+        exported = [o.name for o in self.session.get_outputs()]
+        self.outputs = ["segmentation"] + [n for n in DETECTION_OUTPUTS if n in exported]
 
     def __call__(self, batch: dict) -> dict:
         batch = dict(batch, images=normalize_pixels(batch["images"], self.pixel_table))
         feeds = {k: batch[k].float().contiguous().cpu().numpy() for k in self.inputs}
-        logits = self.session.run(["segmentation"], feeds)[0]
-        return {"segmentation": torch.from_numpy(np.asarray(logits))}
+        arrays = self.session.run(self.outputs, feeds)
+        return {name: torch.from_numpy(np.asarray(a)) for name, a in zip(self.outputs, arrays)}
 
 
 class Predictor:
@@ -252,7 +257,8 @@ class Predictor:
     (precision="fp32": without) and with `cuda_graph` replayed as one CUDA graph per batch size
     (not with the detection head's second stage, whose proposals depend on the data). The frustum
     lookup table is cached while the calibration is unchanged. "onnxruntime": the exported
-    segmentation network (OnnxForward; no boxes)."""
+    network (OnnxForward; with the detection head the boxes are decoded from its exported maps, as
+    without the second stage)."""
 
     def __init__(
         self,
@@ -290,6 +296,8 @@ class Predictor:
                 )
             check_config_fits(state, self.cfg, path)
             self.forward = OnnxForward(self.cfg, path, self.device, onnx)
+            # boxes from the export's detection maps (an export without them: maps alone)
+            self.with_boxes = "detection" in heads and "det_heatmap" in self.forward.outputs
             return
         model, _ = load_checkpoint_model(self.cfg, path, self.device, state=state)
         # autocast applies on CUDA only, as in training and evaluation

@@ -12,10 +12,16 @@ from torch import nn
 
 from lss.config import Config
 from lss.errors import ArgumentError, LssError
-from lss.export.graph import CUSTOM_DOMAIN, RIG_KEYS
+from lss.export.graph import CUSTOM_DOMAIN, DETECTION_OUTPUTS, RIG_KEYS
 
 LOGIT_TOLERANCE = 1e-3  # fp32: max |logit difference| of a faithful export
 IOU_TOLERANCE = 0.1  # IoU points
+# An export with rig inputs computes the frustum-to-BEV table in the graph, in float32 as PyTorch
+# does but through onnxruntime's kernels: a frustum point within rounding of a cell boundary can
+# land in the neighbouring cell, which moves the logits of the cells around it beyond
+# LOGIT_TOLERANCE. Such an export passes when the grid cells (any class or map) off by more than
+# LOGIT_TOLERANCE are at most this share of the cells checked.
+BOUNDARY_CELL_SHARE = 1e-2
 
 
 def onnxruntime_session(path: Union[str, Path], threads: Optional[int] = None, cuda: bool = False):
@@ -58,7 +64,11 @@ def check_export(
     `samples` validation samples, one at a time. A fixed-rig export (rig given) is compared with
     PyTorch run on that rig, and the largest difference between the samples' own rig and it is
     reported ("rig_deviation"). Returns max_abs_diff, max_abs_logit, the IoU of both
-    (IoUMeter.compute), the largest IoU difference in points and "passed"."""
+    (IoUMeter.compute), the largest IoU difference in points and "passed"; an export with the
+    detection head's maps also max_abs_diff_detection (its heatmap logits and regression maps),
+    held to the same tolerance. "off_cell_share": the share of grid cells where any output is off
+    by more than LOGIT_TOLERANCE; an export with rig inputs passes with up to BOUNDARY_CELL_SHARE
+    of them (frustum points on cell boundaries)."""
     from lss.data import collate
     from lss.data.loader import build_dataset
     from lss.engine.metrics import IoUMeter
@@ -70,7 +80,10 @@ def check_export(
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     count = min(samples, len(dataset))
     meters = {name: IoUMeter(cfg.data.classes, cfg.eval.threshold) for name in ("torch", "onnx")}
-    max_diff = max_logit = rig_deviation = 0.0
+    outputs = [o.name for o in session.get_outputs()]
+    detection = [name for name in DETECTION_OUTPUTS if name in outputs]
+    max_diff = max_logit = rig_deviation = detection_diff = 0.0
+    off_cells = cells = 0
     model = model.cpu().eval()
     for index in range(count):
         batch = collate([dataset[index]])
@@ -80,15 +93,24 @@ def check_export(
             )
             batch.update({k: rig[k][None].float() for k in RIG_KEYS})
         with torch.no_grad():
-            ours = model(batch)["segmentation"]
+            mine = model(batch)
+            ours = mine["segmentation"]
             if "prev_depth" in inputs:  # a two-frame export reads the previous frame's features
                 depth, context = model.camera(batch["prev_images"].flatten(0, 1))
                 batch["prev_depth"] = depth.unflatten(0, (1, -1))
                 batch["prev_context"] = context.unflatten(0, (1, -1))
         batch["images"] = model.camera.normalize(batch["images"])  # the export reads normalised
         feeds = {name: batch[name].float().contiguous().numpy() for name in inputs}
-        theirs = torch.from_numpy(np.asarray(session.run(["segmentation"], feeds)[0]))
-        max_diff = max(max_diff, float((theirs - ours).abs().max()))
+        arrays = session.run(["segmentation", *detection], feeds)
+        theirs, *maps = (torch.from_numpy(np.asarray(a)) for a in arrays)
+        diff = (theirs - ours).abs()
+        max_diff = max(max_diff, float(diff.max()))
+        off = diff.amax(dim=1) > LOGIT_TOLERANCE  # B x nx x ny: the cells off in any class
+        for name, exported in zip(detection, maps):
+            diff = (exported - mine[name]).abs()
+            detection_diff = max(detection_diff, float(diff.max()))
+            off |= diff.amax(dim=1) > LOGIT_TOLERANCE
+        off_cells, cells = off_cells + int(off.sum()), cells + off.numel()
         max_logit = max(max_logit, float(ours.abs().max()))
         meters["torch"].update(ours, batch["targets"])
         meters["onnx"].update(theirs, batch["targets"])
@@ -98,13 +120,18 @@ def check_export(
         "max_abs_logit": max_logit,
         "rig_deviation": rig_deviation if rig is not None else None,
     }
+    if detection:
+        result["max_abs_diff_detection"] = detection_diff
+    result["off_cell_share"] = off_cells / cells
+    rig_inputs = all(k in inputs for k in RIG_KEYS)
     result.update({f"iou_{name}": meter.compute()["iou"] for name, meter in meters.items()})
     result["max_iou_diff_points"] = max(
         100 * abs(result["iou_torch"][c] - result["iou_onnx"][c]) for c in cfg.data.classes
     )
-    result["passed"] = (
-        max_diff <= LOGIT_TOLERANCE and result["max_iou_diff_points"] <= IOU_TOLERANCE
+    close = max(max_diff, detection_diff) <= LOGIT_TOLERANCE or (
+        rig_inputs and result["off_cell_share"] <= BOUNDARY_CELL_SHARE
     )
+    result["passed"] = close and result["max_iou_diff_points"] <= IOU_TOLERANCE
     return result
 
 
@@ -115,6 +142,11 @@ def format_check(result: dict, path: Union[str, Path]) -> str:
         f"max |logit difference| {result['max_abs_diff']:.3g} (largest |logit| "
         f"{result['max_abs_logit']:.3g}; target <= {LOGIT_TOLERANCE:g})",
     ]
+    if "max_abs_diff_detection" in result:
+        lines.append(
+            f"detection head (heatmap logits, regression maps): max |difference| "
+            f"{result['max_abs_diff_detection']:.3g} (target <= {LOGIT_TOLERANCE:g})"
+        )
     width = max(len(c) for c in result["iou_torch"])
     lines.append(f"{'class':<{width}}  IoU torch  IoU onnx")
     for c, iou in result["iou_torch"].items():
@@ -123,6 +155,12 @@ def format_check(result: dict, path: Union[str, Path]) -> str:
         f"largest IoU difference {result['max_iou_diff_points']:.3f} points "
         f"(target <= {IOU_TOLERANCE:g})"
     )
+    if result.get("off_cell_share"):
+        lines.append(
+            f"cells off by more than {LOGIT_TOLERANCE:g}: {100 * result['off_cell_share']:.3f} % "
+            f"(an export with rig inputs passes with up to {100 * BOUNDARY_CELL_SHARE:g} %: "
+            "frustum points on cell boundaries)"
+        )
     if result["rig_deviation"]:
         lines.append(
             f"note: the samples' own rigs differ from the exported fixed rig by up to "

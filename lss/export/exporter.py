@@ -1,5 +1,5 @@
-"""`lss export`: a checkpoint's segmentation network to an ONNX file (TorchScript exporter, opset
-16 or later)."""
+"""`lss export`: a checkpoint's network (segmentation, and the detection head's maps) to an ONNX
+file (TorchScript exporter, opset 16 or later)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from lss.config import Config
 from lss.errors import ArgumentError
-from lss.export.graph import CUSTOM_DOMAIN, RIG_KEYS, DeployModel
+from lss.export.graph import CUSTOM_DOMAIN, DETECTION_OUTPUTS, RIG_KEYS, DeployModel
 from lss.export.temporal import INPUT_NAMES as TEMPORAL_INPUTS
 from lss.export.temporal import OUTPUT_NAMES as TEMPORAL_OUTPUTS
 from lss.export.temporal import TemporalDeployModel
@@ -150,14 +150,17 @@ def export_model(
     upsample_mode: Optional[str] = None,
     resize_mode: Optional[str] = None,
 ) -> Path:
-    """Write the segmentation network of LiftSplatShoot `model` to `out` (ONNX; written to a
-    temporary file first, see `replacing`). Inputs: "images" B x N x 3 x H x W (float32, normalised
-    with data.image_mean / image_std), with rig_inputs also the RIG_KEYS B x N x ...; output
-    "segmentation" B x K x nx x ny logits; a two-frame model (model.temporal.frames: 2, rig inputs
-    only) also reads the previous frame's camera features and rig and the ego motion and outputs
-    this frame's features (lss.export.temporal). The batch size is dynamic. upsample_mode: the mode
-    the model was trained with (default cfg.model.upsample_mode); resize_mode: the Resize coordinate
-    mode written (default: upsample_mode)."""
+    """Write the network of LiftSplatShoot `model` to `out` (ONNX; written to a temporary file
+    first, see `replacing`). Inputs: "images" B x N x 3 x H x W (float32, normalised with
+    data.image_mean / image_std), with rig_inputs also the RIG_KEYS B x N x ...; output
+    "segmentation" B x K x nx x ny logits, with the detection head also its first stage's maps
+    "det_heatmap" (logits) and "det_regression" (lss.models.heads.detection.decode_detections
+    turns them into boxes; the second stage is not exported); a two-frame model
+    (model.temporal.frames: 2, rig inputs only) also reads the previous frame's camera features and
+    rig and the ego motion and outputs this frame's features (lss.export.temporal; segmentation
+    only). The batch size is dynamic. upsample_mode: the mode the model was trained with (default
+    cfg.model.upsample_mode); resize_mode: the Resize coordinate mode written (default:
+    upsample_mode)."""
     check_options(opset, splat, rig_inputs, resize_mode)
     two_frames = getattr(model, "temporal", None) is not None
     if two_frames and not rig_inputs:
@@ -184,6 +187,8 @@ def export_model(
     H, W = cfg.data.final_dim
     args = [torch.zeros(1, num_cameras, 3, H, W)]
     names, outputs = ["images"], ["segmentation"]
+    if getattr(model, "detection", None) is not None:
+        outputs += list(DETECTION_OUTPUTS)
     if rig_inputs:
         args += (
             [rig[k][None].float() for k in RIG_KEYS]

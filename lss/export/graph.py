@@ -145,9 +145,14 @@ def replace_upsampling(module: nn.Module, mode: str) -> None:
             replace_upsampling(child, mode)
 
 
+# the outputs a model with the detection head adds to "segmentation" (DeployModel.heads)
+DETECTION_OUTPUTS = ("det_heatmap", "det_regression")
+
+
 class DeployModel(nn.Module):
-    """The segmentation network of a LiftSplatShoot, for export.
-    forward(images B x N x 3 x H x W[, rig]) -> segmentation logits B x K x nx x ny.
+    """The network of a LiftSplatShoot, for export.
+    forward(images B x N x 3 x H x W[, rig]) -> segmentation logits B x K x nx x ny; with the
+    detection head (segmentation, det_heatmap, det_regression), see `heads`.
 
     splat = "onnx": the frustum-to-BEV table is a constant (rig: N x ... tensors of RIG_KEYS) and
     the pooling a gather + ScatterND(add); "custom": the same constant table feeds one lss.BevPool
@@ -172,6 +177,9 @@ class DeployModel(nn.Module):
         model = copy.deepcopy(model).cpu().eval()  # the caller's model stays where it is
         replace_upsampling(model, resize_mode or upsample_mode)
         self.camera, self.bev, self.segmentation = model.camera, model.bev, model.segmentation
+        # the detection head's first stage (its maps; decoding and the second stage stay outside)
+        self.detection = getattr(model, "detection", None)
+        self.detection_decoder = getattr(model, "detection_decoder", None)
         self.splat_mode = splat
         self.grid = model.grid
         self.binning = model.splat.binning  # model.splat_binning
@@ -195,10 +203,28 @@ class DeployModel(nn.Module):
         self.register_buffer("kept_pixels", n * (fH * fW) + rest, persistent=False)
         self.register_buffer("kept_cells", lut.point_cell[kept].long(), persistent=False)
 
-    def forward(self, images: torch.Tensor, *rig: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, *rig: torch.Tensor):
         B, N = images.shape[0], images.shape[1]
         depth, context = self.camera(images.flatten(0, 1))
-        return self.segmentation(self.bev(self.splat(depth, context, B, N, rig)))
+        return self.heads(self.splat(depth, context, B, N, rig))
+
+    def heads(self, grid: torch.Tensor):
+        """The splatted grid -> segmentation logits B x K x nx x ny; with the detection head also
+        its heatmap logits B x classes x nx x ny and regression maps B x 10 x nx x ny (as
+        lss.models.LSS computes them: the head on the decoder's output or on its own last stage)."""
+        if self.detection is None:
+            return self.segmentation(self.bev(grid))
+        if self.detection_decoder is not None:
+            features, stride2 = self.bev(grid, return_stride2=True)
+            detection = self.bev.run_last_stage(self.detection_decoder, stride2, grid)
+        else:
+            features = detection = self.bev(grid)
+        shared = self.detection.shared(detection)
+        return (
+            self.segmentation(features),
+            self.detection.heatmap(shared),
+            self.detection.regression(shared),
+        )
 
     def splat(
         self, depth: torch.Tensor, context: torch.Tensor, B: int, N: int, rig: tuple
