@@ -362,10 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="generate a synthetic set if missing, train, evaluate, render")
     p.add_argument("--config", default=None, help="default: the recipe of --device")
-    recipes = (
-        "cpu: configs/synthetic_demo.yaml, cuda: configs/synthetic_segmentation.yaml "
-        "(auto: cuda if any)"
-    )
+    recipes = "cpu: configs/synthetic_demo.yaml, cuda: configs/synthetic_segmentation.yaml (auto)"
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=recipes)
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
