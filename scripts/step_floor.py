@@ -115,12 +115,7 @@ def step_bytes(cfg, dtype=torch.bfloat16) -> tuple[dict, dict, int]:
     counter = ByteCounter()
     with counter:
         depth, context = model.camera(images)
-        if model.detection_decoder is not None:  # the detection head's own copy of the decoder's last stage
-            features, stride2 = model.bev(splatted, return_stride2=True)
-            detection_features = model.bev.run_last_stage(model.detection_decoder, stride2, splatted)
-        else:
-            features = model.bev(splatted)
-            detection_features = features
+        features, detection_features = model.bev.for_heads(splatted, model.detection_decoder)
         logits = model.segmentation(features)
         loss = depth.float().sum() + context.float().sum() + logits.float().sum()
         if model.detection is not None:

@@ -214,11 +214,7 @@ class DeployModel(nn.Module):
         lss.models.LSS computes them: the head on the decoder's output or on its own last stage)."""
         if self.detection is None:
             return self.segmentation(self.bev(grid))
-        if self.detection_decoder is not None:
-            features, stride2 = self.bev(grid, return_stride2=True)
-            detection = self.bev.run_last_stage(self.detection_decoder, stride2, grid)
-        else:
-            features = detection = self.bev(grid)
+        features, detection = self.bev.for_heads(grid, self.detection_decoder)
         shared = self.detection.shared(detection)
         return (
             self.segmentation(features),

@@ -72,3 +72,15 @@ class BevEncoder(nn.Module):
         x = self.up1(self.layer3(self.layer2(x1)), x1)
         features = self.run_last_stage(self.up2, x, bev)
         return (features, x) if return_stride2 else features
+
+    def for_heads(self, bev: torch.Tensor, detection_stage=None, branch=None) -> tuple:
+        """(the segmentation head's features, the detection head's): with `detection_stage` (the
+        detection head's own copy of the last stage, detection.decoder: own) its output on the
+        shared stride-2 map and the grid, else the same features. `branch` wraps what the detection
+        branch takes from the shared encoder (detection.trunk_grad_scale)."""
+        branch = branch or (lambda t: t)
+        if detection_stage is None:
+            features = self(bev)
+            return features, branch(features)
+        features, stride2 = self(bev, return_stride2=True)
+        return features, self.run_last_stage(detection_stage, branch(stride2), branch(bev))

@@ -127,14 +127,10 @@ class LiftSplatShoot(nn.Module):
         # (and the splatted grid) scaled where the branch leaves it
         scale = self.detection_grad_scale if torch.is_grad_enabled() else 1.0
         branch = (lambda t: scale_gradient(t, scale)) if scale != 1.0 else (lambda t: t)
-        if self.detection_decoder is not None:
-            features, stride2 = self.bev(bev, return_stride2=True)
-            detection_features = self.bev.run_last_stage(
-                self.detection_decoder, branch(stride2), branch(bev)
-            )
+        if self.detection is not None:
+            features, detection_features = self.bev.for_heads(bev, self.detection_decoder, branch)
         else:
-            features = self.bev(bev)
-            detection_features = branch(features) if self.detection is not None else None
+            features, detection_features = self.bev(bev), None
         outputs = {
             "segmentation": self.segmentation(features),
             "depth_logits": depth_logits.unflatten(0, (b, n)),
