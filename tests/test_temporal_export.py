@@ -58,3 +58,27 @@ def test_onnxruntime_predictor_refuses_a_two_frame_checkpoint(two_frame_checkpoi
 
     with pytest.raises(ArgumentError, match="backend onnxruntime runs one-frame exports"):
         Predictor(two_frame_checkpoint[0], device="cpu", backend="onnxruntime")
+
+
+def test_a_two_frame_export_with_the_detection_head_outputs_its_maps(tmp_path):
+    from lss.export.temporal import output_names
+
+    cfg = small_config(frames=2, heads=("segmentation", "detection"))
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    path = export_model(model, tmp_path / "two_det.onnx", cfg, rig_inputs=True)
+    session = onnxruntime_session(path)
+    names = ["segmentation", "det_heatmap", "det_regression", "camera_depth", "camera_context"]
+    assert [o.name for o in session.get_outputs()] == names == list(output_names(model))
+    batch = previous_of(rig_batch(), forward=3.0)
+    with torch.no_grad():
+        before = model({**batch, "images": batch["prev_images"]})
+        ours = model(batch)
+    feeds = {k: batch[k].numpy() for k in INPUT_NAMES if k in batch}
+    feeds["prev_depth"], feeds["prev_context"] = before["camera_depth"].numpy(), before["camera_context"].numpy()
+    theirs = dict(zip(names, session.run(None, feeds)))
+    for name in ("det_heatmap", "det_regression"):
+        assert theirs[name].shape == tuple(ours[name].shape)
+        scale = float(ours[name].abs().max())
+        np.testing.assert_allclose(theirs[name], ours[name].numpy(), rtol=0, atol=2e-4 * scale)
+    assert float(ours["det_heatmap"].std()) > 0

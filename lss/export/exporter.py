@@ -20,8 +20,7 @@ from lss.config import Config
 from lss.errors import ArgumentError
 from lss.export.graph import CUSTOM_DOMAIN, DETECTION_OUTPUTS, RIG_KEYS, DeployModel
 from lss.export.temporal import INPUT_NAMES as TEMPORAL_INPUTS
-from lss.export.temporal import OUTPUT_NAMES as TEMPORAL_OUTPUTS
-from lss.export.temporal import TemporalDeployModel
+from lss.export.temporal import TemporalDeployModel, output_names
 from lss.ops.upsample import MODES
 
 MIN_OPSET = 16  # ScatterND with reduction "add"
@@ -157,8 +156,8 @@ def export_model(
     "det_heatmap" (logits) and "det_regression" (lss.models.heads.detection.decode_detections
     turns them into boxes; the second stage is not exported); a two-frame model
     (model.temporal.frames: 2, rig inputs only) also reads the previous frame's camera features and
-    rig and the ego motion and outputs this frame's features (lss.export.temporal; segmentation
-    only). The batch size is dynamic. upsample_mode: the mode the model was trained with (default
+    rig and the ego motion and outputs this frame's features (lss.export.temporal). The batch size
+    is dynamic. upsample_mode: the mode the model was trained with (default
     cfg.model.upsample_mode); resize_mode: the Resize coordinate mode written (default:
     upsample_mode)."""
     check_options(opset, splat, rig_inputs, resize_mode)
@@ -201,7 +200,7 @@ def export_model(
         C = cfg.model.context_channels
         features = [torch.zeros(1, num_cameras, D, fH, fW), torch.zeros(1, num_cameras, C, fH, fW)]
         args += features + [a.clone() for a in args[1:]] + [torch.eye(4)[None]]
-        names, outputs = list(TEMPORAL_INPUTS), list(TEMPORAL_OUTPUTS)
+        names, outputs = list(TEMPORAL_INPUTS), list(output_names(model))
     out = Path(out)
     with replacing(out) as tmp, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter(

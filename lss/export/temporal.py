@@ -9,7 +9,7 @@ import copy
 import torch
 from torch import nn
 
-from lss.export.graph import DeployModel
+from lss.export.graph import DETECTION_OUTPUTS, DeployModel
 from lss.geometry import RIG_KEYS
 from lss.geometry.ego_motion import PREVIOUS_RIG_KEYS, previous_cam_to_ego
 
@@ -17,11 +17,20 @@ INPUT_NAMES = ("images", *RIG_KEYS, "prev_depth", "prev_context", *PREVIOUS_RIG_
 OUTPUT_NAMES = ("segmentation", "camera_depth", "camera_context")
 
 
+def output_names(model: nn.Module) -> tuple:
+    """The export's outputs for `model`: OUTPUT_NAMES, with the detection head's maps
+    (DETECTION_OUTPUTS) after the segmentation where the model has the head."""
+    if getattr(model, "detection", None) is None:
+        return OUTPUT_NAMES
+    return (OUTPUT_NAMES[0], *DETECTION_OUTPUTS, *OUTPUT_NAMES[1:])
+
+
 class TemporalDeployModel(nn.Module):
     """forward(images B x N x 3 x H x W, the RIG_KEYS B x N x ..., prev_depth B x N x D x fH x fW,
     prev_context B x N x C x fH x fW, the previous frame's rig (PREVIOUS_RIG_KEYS), ego_motion
-    B x 4 x 4) -> (segmentation logits B x K x nx x ny, camera_depth, camera_context: this frame's
-    features, the next frame's prev_depth / prev_context). Both frames' tables are computed in the
+    B x 4 x 4) -> (segmentation logits B x K x nx x ny[, det_heatmap, det_regression: with the
+    detection head], camera_depth, camera_context: this frame's features, the next frame's
+    prev_depth / prev_context; output_names). Both frames' tables are computed in the
     graph (DeployModel's "rig_inputs" splat); resize_mode and upsample_mode as DeployModel's."""
 
     def __init__(self, model: nn.Module, resize_mode=None, upsample_mode="pytorch_half_pixel"):
@@ -44,9 +53,9 @@ class TemporalDeployModel(nn.Module):
         rot, trans = previous_cam_to_ego(ego_motion, rot, trans)
         moved = (intrinsics, rot, trans, post_rot, post_trans)
         before = self.frame.splat(prev_depth.flatten(0, 1), prev_context.flatten(0, 1), B, N, moved)
-        features = self.frame.bev(self.temporal(current, before))
+        heads = self.frame.heads(self.temporal(current, before))
         return (
-            self.frame.segmentation(features),
+            *(heads if isinstance(heads, tuple) else (heads,)),
             depth.unflatten(0, (B, N)),
             context.unflatten(0, (B, N)),
         )
