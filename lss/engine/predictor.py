@@ -213,8 +213,7 @@ class OnnxForward:
 
     def __init__(self, cfg: Config, checkpoint: Path, device: torch.device, onnx=None):
         from lss.export import export_checkpoint
-        from lss.export.check import onnxruntime_session
-        from lss.export.graph import DETECTION_OUTPUTS
+        from lss.export.check import onnxruntime_session, session_head_outputs
 
         self._folder = None
         if onnx is None:
@@ -231,10 +230,8 @@ class OnnxForward:
                 "calibration need an export with rig inputs: lss export --rig-inputs"
             )
         self.inputs = names
-        # "segmentation", and the detection head's maps where the export has them (the boxes are
-        # decoded from them as from the PyTorch model's)
-        exported = [o.name for o in self.session.get_outputs()]
-        self.outputs = ["segmentation"] + [n for n in DETECTION_OUTPUTS if n in exported]
+        # the boxes are decoded from the detection maps as from the PyTorch model's
+        self.outputs = session_head_outputs(self.session)
 
     def __call__(self, batch: dict) -> dict:
         batch = dict(batch, images=normalize_pixels(batch["images"], self.pixel_table))

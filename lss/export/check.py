@@ -53,6 +53,14 @@ def onnxruntime_session(path: Union[str, Path], threads: Optional[int] = None, c
     return ort.InferenceSession(str(path), options, providers=providers)
 
 
+def session_head_outputs(session) -> list[str]:
+    """The head outputs an onnxruntime session of an lss export has: "segmentation", and the
+    detection head's maps where the export holds them (an export without the head, or an older
+    one)."""
+    exported = {o.name for o in session.get_outputs()}
+    return ["segmentation"] + [name for name in DETECTION_OUTPUTS if name in exported]
+
+
 def check_export(
     cfg: Config,
     model: nn.Module,
@@ -80,8 +88,7 @@ def check_export(
     dataset = build_dataset(cfg, cfg.data.val_split, False)
     count = min(samples, len(dataset))
     meters = {name: IoUMeter(cfg.data.classes, cfg.eval.threshold) for name in ("torch", "onnx")}
-    outputs = [o.name for o in session.get_outputs()]
-    detection = [name for name in DETECTION_OUTPUTS if name in outputs]
+    detection = session_head_outputs(session)[1:]
     max_diff = max_logit = rig_deviation = detection_diff = 0.0
     off_cells = cells = 0
     model = model.cpu().eval()

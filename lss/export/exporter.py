@@ -18,7 +18,7 @@ from torch import nn
 
 from lss.config import Config
 from lss.errors import ArgumentError
-from lss.export.graph import CUSTOM_DOMAIN, DETECTION_OUTPUTS, RIG_KEYS, DeployModel
+from lss.export.graph import CUSTOM_DOMAIN, RIG_KEYS, DeployModel, head_outputs
 from lss.export.temporal import INPUT_NAMES as TEMPORAL_INPUTS
 from lss.export.temporal import TemporalDeployModel, output_names
 from lss.ops.upsample import MODES
@@ -185,9 +185,7 @@ def export_model(
     ).eval()
     H, W = cfg.data.final_dim
     args = [torch.zeros(1, num_cameras, 3, H, W)]
-    names, outputs = ["images"], ["segmentation"]
-    if getattr(model, "detection", None) is not None:
-        outputs += list(DETECTION_OUTPUTS)
+    names, outputs = ["images"], list(head_outputs(model))
     if rig_inputs:
         args += (
             [rig[k][None].float() for k in RIG_KEYS]

@@ -149,6 +149,13 @@ def replace_upsampling(module: nn.Module, mode: str) -> None:
 DETECTION_OUTPUTS = ("det_heatmap", "det_regression")
 
 
+def head_outputs(model: nn.Module) -> tuple:
+    """The names of DeployModel.heads' outputs for `model`: "segmentation", then
+    DETECTION_OUTPUTS where the model has the detection head."""
+    has_detection = getattr(model, "detection", None) is not None
+    return ("segmentation", *(DETECTION_OUTPUTS if has_detection else ()))
+
+
 class DeployModel(nn.Module):
     """The network of a LiftSplatShoot, for export.
     forward(images B x N x 3 x H x W[, rig]) -> segmentation logits B x K x nx x ny; with the

@@ -9,7 +9,7 @@ import copy
 import torch
 from torch import nn
 
-from lss.export.graph import DETECTION_OUTPUTS, DeployModel
+from lss.export.graph import DeployModel, head_outputs
 from lss.geometry import RIG_KEYS
 from lss.geometry.ego_motion import PREVIOUS_RIG_KEYS, previous_cam_to_ego
 
@@ -20,9 +20,7 @@ OUTPUT_NAMES = ("segmentation", "camera_depth", "camera_context")
 def output_names(model: nn.Module) -> tuple:
     """The export's outputs for `model`: OUTPUT_NAMES, with the detection head's maps
     (DETECTION_OUTPUTS) after the segmentation where the model has the head."""
-    if getattr(model, "detection", None) is None:
-        return OUTPUT_NAMES
-    return (OUTPUT_NAMES[0], *DETECTION_OUTPUTS, *OUTPUT_NAMES[1:])
+    return (*head_outputs(model), *OUTPUT_NAMES[1:])
 
 
 class TemporalDeployModel(nn.Module):
