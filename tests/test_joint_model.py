@@ -153,3 +153,39 @@ def test_lss_train_with_the_shipped_default_trains_and_evaluates_both_heads(synt
         change = [float((trained[name] - value.detach()).abs().max()) for name, value in model.named_parameters()
                   if name.startswith(prefix)]
         assert change and max(change) < 1e-2 and min(change) > 0, (prefix, change)
+
+
+@pytest.mark.parametrize("full_res_skip", [True, False])
+def test_both_last_stages_read_one_upsampled_map_as_if_each_made_its_own(full_res_skip):
+    """for_heads upsamples (and concatenates the grid) once for both last stages: the features and every gradient,
+    with the detection branch's gradient scaled, are those of each stage run on its own copy of the inputs."""
+    from lss.models.blocks import scale_gradient
+
+    model, cfg = _model("detection.decoder=own", "detection.decoder_channels=8",
+                        f"model.bev_full_res_skip={str(full_res_skip).lower()}")
+    bev_encoder, stage = model.bev, model.detection_decoder
+    grid = torch.randn(2, bev_encoder.stem[0].in_channels, 16, 16, dtype=torch.float64)
+    bev_encoder.double(), stage.double()
+    branch = lambda t: scale_gradient(t, 0.5)  # noqa: E731
+
+    def run(shared):
+        bev = grid.clone().requires_grad_(True)
+        if shared:
+            seg, det = bev_encoder.for_heads(bev, stage, branch)
+        else:  # each stage upsamples its own input; the branch scales both of the detection stage's inputs
+            x = bev_encoder.stride2(bev)
+            seg = bev_encoder.up2(x, bev) if full_res_skip else bev_encoder.up2(x)
+            det = stage(branch(x), branch(bev)) if full_res_skip else stage(branch(x))
+        weights = torch.linspace(-1, 1, det.numel(), dtype=det.dtype).view_as(det)
+        loss = seg.square().mean() + (det * weights).sum()
+        params = list(bev_encoder.parameters()) + list(stage.parameters())
+        return seg, det, torch.autograd.grad(loss, [bev] + params)
+
+    seg_a, det_a, grads_a = run(True)
+    seg_b, det_b, grads_b = run(False)
+    assert seg_a.shape[1] == bev_encoder.feature_channels and det_a.shape[1] == 8
+    torch.testing.assert_close(seg_a, seg_b, rtol=0, atol=0)
+    torch.testing.assert_close(det_a, det_b, rtol=0, atol=0)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert grads_a[0].abs().sum() > 0

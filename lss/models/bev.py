@@ -63,15 +63,24 @@ class BevEncoder(nn.Module):
             *conv_bn_relu(256, out_channels),
         )
 
-    def run_last_stage(self, stage: nn.Module, x: torch.Tensor, bev: torch.Tensor) -> torch.Tensor:
-        return stage(x, bev) if self.full_res_skip else stage(x)
-
-    def forward(self, bev: torch.Tensor, return_stride2: bool = False):
-        """features; with `return_stride2` (features, the stride-2 map the last stage reads)."""
+    def stride2(self, bev: torch.Tensor) -> torch.Tensor:
+        """The stride-2 map the last stage upsamples (B x 256 x nx/2 x ny/2)."""
         x1 = self.layer1(self.stem(bev))
-        x = self.up1(self.layer3(self.layer2(x1)), x1)
-        features = self.run_last_stage(self.up2, x, bev)
-        return (features, x) if return_stride2 else features
+        return self.up1(self.layer3(self.layer2(x1)), x1)
+
+    def forward(self, bev: torch.Tensor) -> torch.Tensor:
+        x = self.stride2(bev)
+        return self.up2(x, bev) if self.full_res_skip else self.up2(x)
+
+    def last_stage_input(
+        self, stage: nn.Module, x: torch.Tensor, bev: torch.Tensor
+    ) -> torch.Tensor:
+        """What a last stage's convolutions read: the stride-2 map upsampled (and with
+        full_res_skip the grid beside it)."""
+        return stage.join(x, bev) if self.full_res_skip else stage[0](x)
+
+    def last_stage_convs(self, stage: nn.Module, joined: torch.Tensor) -> torch.Tensor:
+        return stage.conv(joined) if self.full_res_skip else stage[1:](joined)
 
     def for_heads(self, bev: torch.Tensor, detection_stage=None, branch=None) -> tuple:
         """(the segmentation head's features, the detection head's): with `detection_stage` (the
@@ -82,5 +91,10 @@ class BevEncoder(nn.Module):
         if detection_stage is None:
             features = self(bev)
             return features, branch(features)
-        features, stride2 = self(bev, return_stride2=True)
-        return features, self.run_last_stage(detection_stage, branch(stride2), branch(bev))
+        # both last stages read the same map: upsampled and concatenated once, the detection
+        # branch taken from it (the same gradients as two copies: both operations are linear)
+        joined = self.last_stage_input(self.up2, self.stride2(bev), bev)
+        return (
+            self.last_stage_convs(self.up2, joined),
+            self.last_stage_convs(detection_stage, branch(joined)),
+        )

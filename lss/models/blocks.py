@@ -37,6 +37,10 @@ class Up(nn.Module):
         )
 
     def forward(self, coarse: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.join(coarse, skip))
+
+    def join(self, coarse: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        """What the convolutions read: the skip map and the upsampled coarse map, concatenated."""
         coarse = self.upsample(coarse)
         if coarse.shape[-2:] != skip.shape[-2:]:
             raise ValueError(
@@ -44,7 +48,7 @@ class Up(nn.Module):
                 f"{tuple(skip.shape[-2:])}; input sizes must be divisible by the encoder's total "
                 "stride"
             )
-        return self.conv(torch.cat([skip, coarse], dim=1))
+        return torch.cat([skip, coarse], dim=1)
 
 
 class _ScaleGradient(torch.autograd.Function):
