@@ -76,6 +76,8 @@ RUNS = {
     "hr_refine_on": HR + ("detection.refine=true",),
     # the second stage also reading the camera depth distribution at each box's projected centre
     "hr_refine_depth": HR + ("detection.refine=true", "detection.refine_depth=true"),
+    # and the cameras' context features at the box's centre and face middles
+    "hr_refine_image": HR + ("detection.refine=true", "detection.refine_depth=true", "detection.refine_image=true"),
     "temporal_hr": HR + ("model.temporal.frames=2",),
     # the BEV-space augmentation (BEVDet's flips, rotation and scale of the ego frame) against overfitting a small set;
     # a single flip mirrors the traffic (right-hand driving becomes left-hand), and the headings and velocities the

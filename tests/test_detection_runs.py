@@ -139,6 +139,10 @@ def test_the_256x704_detection_recipes_take_the_default_recipes_cameras():
     a, b = (config_to_dict(load_config(detection, list(runs.RUNS[n]))) for n in ("hr_refine_on", "hr_refine_depth"))
     assert {(s, k) for s in a if isinstance(a[s], dict) for k in a[s] if a[s][k] != b[s][k]} == {
         ("detection", "refine_depth")}
+    # and the image features: one setting more than hr_refine_depth
+    c = config_to_dict(load_config(detection, list(runs.RUNS["hr_refine_image"])))
+    assert {(s, k) for s in b if isinstance(b[s], dict) for k in b[s] if b[s][k] != c[s][k]} == {
+        ("detection", "refine_image")}
     # the BEV augmentation screens: with flips (mirrored traffic) and with rotations alone
     flips, turns = (load_config(detection, list(runs.RUNS[n])).data for n in ("hr_bevaug", "hr_bevrot"))
     assert flips.bev_flip and not turns.bev_flip and tuple(turns.bev_rot_lim) == (-180.0, 180.0)

@@ -187,9 +187,9 @@ def test_decoding_applies_the_chosen_residuals_and_the_score_blend():
             validate(config)
 
 
-@pytest.mark.parametrize("camera_depth", [False, True])
+@pytest.mark.parametrize("camera_depth, camera_image", [(False, False), (True, False), (True, True)])
 def test_a_joint_model_trains_both_heads_and_its_refine_checkpoint_predicts_and_exports(synthetic_root, tmp_path,
-                                                                                        camera_depth):
+                                                                                        camera_depth, camera_image):
     from test_model import TINY
 
     from lss.data.loader import build_dataset
@@ -200,7 +200,8 @@ def test_a_joint_model_trains_both_heads_and_its_refine_checkpoint_predicts_and_
 
     cfg = load_config(None, TINY + [f"data.dataroot={synthetic_root}", "model.heads=[segmentation, detection]",
                                     "detection.head_channels=8", "detection.refine=true", "detection.refine_hidden=16",
-                                    "detection.refine_proposals=8", f"detection.refine_depth={camera_depth}"])
+                                    "detection.refine_proposals=8", f"detection.refine_depth={camera_depth}",
+                                    f"detection.refine_image={camera_image}"])
     dataset = build_dataset(cfg, cfg.data.train_split, True, verbose=False)
     batch = collate([dataset[0], dataset[1]])
     model = build_model(cfg).train()
@@ -214,9 +215,13 @@ def test_a_joint_model_trains_both_heads_and_its_refine_checkpoint_predicts_and_
     assert seg and refiner and trunk
     assert all(g is not None and g.abs().sum() > 0 for g in seg + refiner + trunk)
     first = model.detection.refiner.mlp[0].weight.grad
-    if camera_depth:  # the depth cues are the last inputs of the refiner's MLP: read and trained on
-        assert first[:, -7:].abs().sum() > 0
+    image = model.detection.refiner.image_width
+    assert image == (5 * (cfg.model.context_channels + 1) if camera_image else 0)
+    if camera_depth:  # the depth cues come after the geometry, the image features last: read and trained on
+        assert first[:, first.shape[1] - image - 7:first.shape[1] - image].abs().sum() > 0
         assert model.camera.head.weight.grad.abs().sum() > 0
+    if camera_image:
+        assert first[:, -image:].abs().sum() > 0
 
     ckpt = val_statistics_checkpoint(cfg, tmp_path / "refine.pt", step=3)
     result = Predictor(ckpt, "cpu").predict_batch(collate([build_dataset(cfg, cfg.data.val_split, False,

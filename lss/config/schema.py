@@ -273,8 +273,12 @@ class DetectionConfig:
     # axis-aligned envelope at roi_size x roi_size
     refine_features: Literal["points", "envelope"] = "points"
     # the second stage also reads each camera's depth distribution at the pixel its box's centre
-    # projects to (lss.models.heads.depth_cues): where along the ray the camera puts a surface
+    # projects to (lss.models.heads.camera_cues): where along the ray the camera puts a surface
     refine_depth: bool = False
+    # the second stage also reads the cameras' context features (what the splat lifts) where the
+    # box's centre and four face middles project: the object as the cameras see it, not blurred
+    # along the rays
+    refine_image: bool = False
     # final score = first stage^(1 - alpha) x second stage^alpha
     refine_score_alpha: float = 0.5
     # which parts of the second stage's box residuals the final boxes take (any of centre, size,

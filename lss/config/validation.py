@@ -301,11 +301,12 @@ def validate(cfg: Config) -> Config:
         f"detection.decoder_channels={d.decoder_channels}: the width of the detection head's own "
         "decoder stage, a count >= 1 with detection.decoder: own (null: the BEV encoder's width)",
     )
-    _check(
-        d.refine or not d.refine_depth,
-        "detection.refine_depth: true feeds the second stage, which is off; set detection.refine: "
-        "true as well, or refine_depth: false",
-    )
+    for setting in ("refine_depth", "refine_image"):
+        _check(
+            d.refine or not getattr(d, setting),
+            f"detection.{setting}: true feeds the second stage, which is off; set "
+            f"detection.refine: true as well, or {setting}: false",
+        )
     _check(
         set(d.refine_residuals) <= set(RESIDUAL_PARTS)
         and len(set(d.refine_residuals)) == len(d.refine_residuals),

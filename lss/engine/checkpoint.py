@@ -43,6 +43,7 @@ FIXED_KEYS = (
     "detection.decoder",
     "detection.decoder_channels",
     "detection.refine_depth",
+    "detection.refine_image",
 )
 # Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases:
 # .<name>.<random>.tmp).

@@ -77,7 +77,9 @@ class LiftSplatShoot(nn.Module):
         if own and config.detection.decoder_channels:
             detection_channels = config.detection.decoder_channels
         self.detection = (
-            DetectionHead(detection_channels, config.detection, grid)
+            DetectionHead(
+                detection_channels, config.detection, grid, image_channels=model.context_channels
+            )
             if "detection" in model.heads
             else None
         )
@@ -140,8 +142,9 @@ class LiftSplatShoot(nn.Module):
         if self.detection is not None:
             gt_boxes, gt_labels = batch_ground_truth(batch)
             cameras = None
-            if self.detection.cfg.refine_depth:  # validated: only with detection.refine
-                cameras = {"depth": depth, "frustum": self.splat.frustum}
+            reads = self.detection.cfg  # validated: only with detection.refine
+            if reads.refine_depth or reads.refine_image:
+                cameras = {"depth": depth, "context": context, "frustum": self.splat.frustum}
                 cameras.update({k: batch[k] for k in RIG_KEYS})
             outputs.update(
                 self.detection(

@@ -22,7 +22,7 @@ from lss.geometry.boxes import (
     regression_to_boxes,
 )
 from lss.geometry.proposals import Proposals, jitter_boxes, pad_boxes
-from lss.models.heads.depth_cues import CUE_CHANNELS, depth_cues
+from lss.models.heads.camera_cues import CUE_CHANNELS, depth_cues, image_features
 from lss.config import Config, DetectionConfig
 from lss.geometry import BevGrid
 from lss.models.blocks import conv_bn_relu
@@ -222,21 +222,26 @@ def proposal_rois(
 BOX_POINTS = ((0.0, 0.0), (1.0, 0.0), (-1.0, 0.0), (0.0, 1.0), (0.0, -1.0))
 
 
+def box_points(boxes: torch.Tensor) -> torch.Tensor:
+    """The BOX_POINTS of boxes ... x 9 (rotated with each box) at its centre height: ... x K x 3.
+    From the boxes alone (no tensor from host data: a captured step cannot copy it)."""
+    half_l, half_w = boxes[..., 4:5] / 2, boxes[..., 3:4] / 2
+    along = torch.cat([half_l * a for a, _ in BOX_POINTS], -1)
+    across = torch.cat([half_w * c for _, c in BOX_POINTS], -1)
+    cos, sin = torch.cos(boxes[..., 6:7]), torch.sin(boxes[..., 6:7])
+    x = boxes[..., 0:1] + cos * along - sin * across
+    y = boxes[..., 1:2] + sin * along + cos * across
+    return torch.stack([x, y, boxes[..., 2:3].expand_as(x)], dim=-1)
+
+
 def point_rois(proposals: Proposals, grid: BevGrid) -> torch.Tensor:
     """RoIAlign boxes (B P 5) x 5, one cell wide and centred on each BOX_POINTS point of every
     proposal slot: with a 1 x 1 output and one sample per bin, aligned RoIAlign reads the BEV
     features bilinearly at exactly that point."""
     B, P = proposals.valid.shape
-    boxes = proposals.boxes.reshape(B * P, 1, BOX_DIM)
-    # from the boxes alone (no tensor from host data: a captured step cannot copy it)
-    half_l, half_w = boxes[..., 4] / 2, boxes[..., 3] / 2
-    along = torch.cat([half_l * a for a, _ in BOX_POINTS], 1)
-    across = torch.cat([half_w * c for _, c in BOX_POINTS], 1)
-    cos, sin = torch.cos(boxes[..., 6]), torch.sin(boxes[..., 6])
-    x = boxes[..., 0] + cos * along - sin * across
-    y = boxes[..., 1] + sin * along + cos * across
-    u, v = grid.xy_to_cells(x.reshape(-1), y.reshape(-1))
-    sample = torch.arange(B, device=boxes.device).repeat_interleave(P * len(BOX_POINTS)).float()
+    points = box_points(proposals.boxes.reshape(B * P, BOX_DIM))
+    u, v = grid.xy_to_cells(points[..., 0].reshape(-1), points[..., 1].reshape(-1))
+    sample = torch.arange(B, device=points.device).repeat_interleave(P * len(BOX_POINTS)).float()
     return torch.stack([sample, v - 0.5, u - 0.5, v + 0.5, u + 0.5], dim=1)
 
 
@@ -245,7 +250,9 @@ class BoxRefiner(nn.Module):
     four face middles (features="points", CenterPoint's design) or over its enlarged axis-aligned
     envelope (features="envelope", roi_size x roi_size); an MLP on them, the class and the
     proposal's own geometry predicts a quality logit (the score) and box residuals
-    (lss.geometry.boxes.box_residuals)."""
+    (lss.geometry.boxes.box_residuals). With `camera_depth` it also reads the proposals' depth cues,
+    with `image_channels` > 0 the cameras' context features (that many channels) at the box's
+    BOX_POINTS (lss.models.heads.camera_cues)."""
 
     def __init__(
         self,
@@ -256,6 +263,7 @@ class BoxRefiner(nn.Module):
         enlarge: float = 1.5,
         features: str = "points",
         camera_depth: bool = False,
+        image_channels: int = 0,
     ):
         super().__init__()
         if features not in ("points", "envelope"):
@@ -265,9 +273,11 @@ class BoxRefiner(nn.Module):
         self.roi_size = roi_size if features == "envelope" else 1
         self.enlarge = enlarge
         reads = len(BOX_POINTS) if features == "points" else roi_size * roi_size
-        # one-hot class, sin/cos yaw, log size, z, velocity, score (and the camera depth cues)
+        # one-hot class, sin/cos yaw, log size, z, velocity, score (and the camera depth cues, the
+        # image features with whether a camera sees each point)
         self.camera_depth = camera_depth
-        geometry = num_classes + 9 + (CUE_CHANNELS if camera_depth else 0)
+        self.image_width = len(BOX_POINTS) * (image_channels + 1) if image_channels else 0
+        geometry = num_classes + 9 + (CUE_CHANNELS if camera_depth else 0) + self.image_width
         self.mlp = nn.Sequential(
             nn.Linear(in_channels * reads + geometry, hidden),
             nn.ReLU(inplace=True),
@@ -286,11 +296,13 @@ class BoxRefiner(nn.Module):
         proposals: Proposals,
         grid: BevGrid,
         cues: Optional[torch.Tensor] = None,
+        image: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """bev_features B x C x H x W (the H x W map of `grid`); with camera_depth the proposals'
-        depth cues B x P x CUE_CHANNELS (lss.models.heads.depth_cues). Returns score logits B x P
-        and residuals B x P x 9, zero on invalid slots. Every slot is computed (fixed shapes, no
-        host sync); invalid ones are masked."""
+        depth cues B x P x CUE_CHANNELS, with image_channels their image features B x P x
+        len(BOX_POINTS) (image_channels + 1) (lss.models.heads.camera_cues). Returns score logits
+        B x P and residuals B x P x 9, zero on invalid slots. Every slot is computed (fixed shapes,
+        no host sync); invalid ones are masked."""
         B, P = proposals.valid.shape
         if self.camera_depth and (cues is None or cues.shape != (B, P, CUE_CHANNELS)):
             raise ValueError(
@@ -298,6 +310,13 @@ class BoxRefiner(nn.Module):
                 f"{CUE_CHANNELS} (B x P = {B} x {P}), got "
                 f"{None if cues is None else tuple(cues.shape)}: run the head through "
                 "lss.models.LSS, which passes it the camera depth"
+            )
+        if self.image_width and (image is None or image.shape != (B, P, self.image_width)):
+            raise ValueError(
+                f"BoxRefiner: detection.refine_image needs the proposals' image features B x P x "
+                f"{self.image_width} (B x P = {B} x {P}), got "
+                f"{None if image is None else tuple(image.shape)}: run the head through "
+                "lss.models.LSS, which passes it the camera features"
             )
         if P == 0:
             # Zero-valued use of every parameter: DDP expects gradients for all of them every step.
@@ -333,7 +352,8 @@ class BoxRefiner(nn.Module):
                 boxes[:, 7:9],
                 proposals.scores.reshape(-1, 1),
             ]
-            + ([cues.reshape(B * P, CUE_CHANNELS).float()] if self.camera_depth else []),
+            + ([cues.reshape(B * P, CUE_CHANNELS).float()] if self.camera_depth else [])
+            + ([image.reshape(B * P, self.image_width).float()] if self.image_width else []),
             dim=1,
         )
         hidden = self.mlp(torch.cat([pooled, geometry.to(pooled.dtype)], dim=1))
@@ -370,6 +390,7 @@ class DetectionHead(nn.Module):
         cfg: DetectionConfig,
         grid: BevGrid,
         num_classes: int = len(DETECTION_CLASSES),
+        image_channels: int = 0,
     ):
         super().__init__()
         self.cfg = cfg
@@ -392,6 +413,7 @@ class DetectionHead(nn.Module):
                 cfg.roi_enlarge,
                 cfg.refine_features,
                 cfg.refine_depth,
+                image_channels if cfg.refine_image else 0,
             )
             if cfg.refine
             else None
@@ -426,17 +448,19 @@ class DetectionHead(nn.Module):
                 if extra is not None:
                     proposals = proposals.cat(score_by_heatmap(extra, heat, grid))
         out["det_proposals"] = proposals
-        cues = None
-        if self.cfg.refine_depth:
-            if cameras is None:
+        for setting, key in (("refine_depth", "depth"), ("refine_image", "context")):
+            if getattr(self.cfg, setting) and (cameras is None or key not in cameras):
                 raise ValueError(
-                    "DetectionHead: detection.refine_depth reads the camera depth; pass cameras "
-                    '{"depth": B x N x D x fH x fW, "frustum": D x fH x fW x 3, and the batch\'s '
-                    "calibration (lss.geometry.RIG_KEYS)} (lss.models.LSS does)"
+                    f"DetectionHead: detection.{setting} reads the cameras; pass cameras "
+                    '{"depth": B x N x D x fH x fW and/or "context": B x N x C x fH x fW, '
+                    '"frustum": D x fH x fW x 3, and the batch\'s calibration '
+                    "(lss.geometry.RIG_KEYS)} (lss.models.LSS does)"
                 )
-            cues = depth_cues(proposals.boxes, proposals.valid, cameras)
+        boxes, valid = proposals.boxes, proposals.valid
+        cues = depth_cues(boxes, valid, cameras) if self.cfg.refine_depth else None
+        image = image_features(box_points(boxes), valid, cameras) if self.cfg.refine_image else None
         out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(
-            features, proposals, grid, cues
+            features, proposals, grid, cues, image
         )
         return out
 

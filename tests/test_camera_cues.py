@@ -1,7 +1,9 @@
-"""The second stage's camera depth cues (lss.models.heads.depth_cues, detection.refine_depth): the projection equals
-the numpy ego_to_pixels and is unchanged by the BEV augmentation, the cues read the depth distribution at the pixel a
-box's centre projects to (values against a hand-made distribution), gradients reach only the cells around that pixel,
-and clear errors when the cues or the camera depth are missing."""
+"""The second stage's camera cues (lss.models.heads.camera_cues: detection.refine_depth and refine_image): the
+projection equals the numpy ego_to_pixels and is unchanged by the BEV augmentation, the depth cues read the depth
+distribution at the pixel a box's centre projects to (values against a hand-made distribution), the image features
+read the context features at each box point's pixel (values against a ramp, averaged over the cameras), gradients
+reach only the cells around those pixels, and clear errors when the cues, the cameras or the second stage are
+missing."""
 import math
 
 import numpy as np
@@ -12,7 +14,7 @@ from lss.config import Config, ConfigError, validate
 from lss.data.bev_augmentation import BevAugmentation
 from lss.geometry import NUSCENES_CAMERAS, BevGrid, ego_to_pixels, frustum, load_nuscenes_rig, project_to_cameras
 from lss.geometry.proposals import Proposals
-from lss.models.heads.depth_cues import CUE_CHANNELS, depth_cues
+from lss.models.heads.camera_cues import CUE_CHANNELS, depth_cues, image_features
 from lss.models.heads.detection import BoxRefiner, DetectionHead
 
 FINAL_DIM, DOWNSAMPLE, DBOUND = (128, 352), 16, (4.0, 45.0, 1.0)
@@ -128,7 +130,7 @@ def test_missing_cues_or_camera_depth_and_bad_settings_have_clear_errors():
     config.detection.refine, config.detection.refine_depth = True, True
     config.detection.head_channels, config.detection.refine_hidden = 8, 16
     head = DetectionHead(8, config.detection, grid).eval()
-    with pytest.raises(ValueError, match="refine_depth reads the camera depth"):
+    with pytest.raises(ValueError, match="refine_depth reads the cameras"):
         head(torch.zeros(1, 8, 40, 40))
     depth, f = one_hot_depth(20.0)
     with pytest.raises(ValueError, match="the camera encoder's maps must be the splat's"):
@@ -136,4 +138,98 @@ def test_missing_cues_or_camera_depth_and_bad_settings_have_clear_errors():
                    {"depth": depth[..., :-1], "frustum": f, **rig()})
     config.detection.refine = False
     with pytest.raises(ConfigError, match="refine_depth: true feeds the second stage, which is off"):
+        validate(config)
+
+
+def ramp_context(batch: int = 1, channels: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context features B x 6 x C x fH x fW that are linear in the feature cell: channel 0 the column, 1 the row, 2
+    the camera's index (bilinear reads of them are exact), and the frustum."""
+    f = frustum(FINAL_DIM, DOWNSAMPLE, DBOUND, "centres")
+    fH, fW = f.shape[1:3]
+    context = torch.zeros(batch, 6, channels, fH, fW)
+    context[:, :, 0] = torch.arange(fW, dtype=torch.float32)
+    context[:, :, 1] = torch.arange(fH, dtype=torch.float32)[:, None]
+    context[:, :, 2] = torch.arange(6, dtype=torch.float32)[:, None, None]
+    return context, f
+
+
+def test_image_features_read_the_context_where_each_box_point_projects():
+    from lss.models.heads.detection import BOX_POINTS, box_points
+
+    calib = rig()
+    context, f = ramp_context()
+    boxes = torch.zeros(1, 3, 9)
+    boxes[0, :, 3:6] = torch.tensor([1.9, 4.5, 1.6])
+    boxes[0, 0, :3] = torch.tensor([14.0, 0.5, 0.8])  # ahead: CAM_FRONT alone
+    boxes[0, 0, 6] = 0.3
+    boxes[0, 1, :3] = torch.tensor([0.0, 0.0, 60.0])  # far above the rig: no camera sees it
+    boxes[0, 2, :3] = torch.tensor([15.0, 0.0, 0.8])  # in view but an invalid slot
+    valid = torch.tensor([[True, True, False]])
+    points = box_points(boxes)
+    assert points.shape == (1, 3, len(BOX_POINTS), 3)
+    # the centre, then the front face's middle: half a length along the heading, at the centre height
+    torch.testing.assert_close(points[0, 0, 0], boxes[0, 0, :3])
+    heading = torch.tensor([math.cos(0.3), math.sin(0.3), 0.0])
+    torch.testing.assert_close(points[0, 0, 1], boxes[0, 0, :3] + 2.25 * heading)
+    read = image_features(points, valid, {"context": context, "frustum": f, **calib})
+    C = context.shape[2]
+    assert read.shape == (1, 3, len(BOX_POINTS) * (C + 1))
+    read = read.view(1, 3, len(BOX_POINTS), C + 1)
+    pixels, z = project_to_cameras(points[0, 0][None], *(calib[k] for k in (
+        "intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")))
+    u, v = f[0, 0, :, 0], f[0, :, 0, 1]
+    for k in range(len(BOX_POINTS)):
+        col = (pixels[0, FRONT, k, 0] - u[0]) / (u[1] - u[0])
+        row = (pixels[0, FRONT, k, 1] - v[0]) / (v[1] - v[0])
+        expected = torch.stack([col, row, torch.tensor(float(FRONT)), torch.tensor(1.0)])
+        torch.testing.assert_close(read[0, 0, k], expected, atol=1e-3, rtol=1e-4)
+    # the five points fall on different pixels: the front and rear faces are told apart
+    assert (read[0, 0, 1, :2] - read[0, 0, 2, :2]).abs().max() > 1.0
+    assert torch.equal(read[0, 1], torch.zeros(len(BOX_POINTS), C + 1))  # unseen: zeros and seen 0
+    assert torch.equal(read[0, 2], torch.zeros(len(BOX_POINTS), C + 1))  # invalid slot
+
+
+def test_image_features_average_over_the_cameras_and_pass_gradients_only_there():
+    from lss.models.heads.detection import box_points
+
+    calib = rig()
+    context, f = ramp_context()
+    context.requires_grad_(True)
+    boxes = torch.zeros(1, 1, 9)
+    boxes[0, 0, 3:6] = torch.tensor([1.9, 4.5, 1.6])
+    boxes[0, 0, :3] = torch.tensor([12.0, 5.5, 0.8])  # ahead-left: CAM_FRONT and CAM_FRONT_LEFT overlap there
+    points = box_points(boxes)[:, :, :1]  # the centre alone
+    read = image_features(points, torch.tensor([[True]]), {"context": context, "frustum": f, **calib})
+    pixels, z = project_to_cameras(points[:, 0], *(calib[k] for k in (
+        "intrinsics", "sensor2ego_rot", "sensor2ego_trans", "post_rot", "post_trans")))
+    fH, fW = f.shape[1:3]
+    u, v = f[0, 0, :, 0], f[0, :, 0, 1]
+    col, row = (pixels[..., 0] - u[0]) / (u[1] - u[0]), (pixels[..., 1] - v[0]) / (v[1] - v[0])
+    seen = ((z > DBOUND[0]) & (col >= 0) & (col <= fW - 1) & (row >= 0) & (row <= fH - 1))[0, :, 0]
+    assert int(seen.sum()) == 2, seen  # two cameras: the read is their mean
+    cams = seen.nonzero()[:, 0].float()
+    torch.testing.assert_close(read[0, 0, 2], cams.mean())
+    torch.testing.assert_close(read[0, 0, 0], col[0, seen, 0].mean(), atol=1e-3, rtol=1e-4)
+    assert float(read.detach()[0, 0, 3]) == 1.0
+    read[0, 0, :3].sum().backward()
+    touched = context.grad[0].abs().sum(1).nonzero()  # N x fH x fW cells with a gradient
+    assert set(touched[:, 0].tolist()) == set(seen.nonzero()[:, 0].tolist())
+    assert len(touched) <= 8  # one bilinear footprint per camera
+
+
+def test_refine_image_needs_its_features_the_cameras_and_the_second_stage():
+    grid = BevGrid((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (-10.0, 10.0, 20.0))
+    refiner = BoxRefiner(8, 10, hidden=16, image_channels=4)
+    assert refiner.mlp[0].in_features == 8 * 5 + 10 + 9 + 5 * 5
+    proposals = Proposals.zeros(1, 3, torch.device("cpu"))
+    with pytest.raises(ValueError, match="refine_image needs the proposals' image features B x P x 25"):
+        refiner(torch.zeros(1, 8, 40, 40), proposals, grid)
+    config = Config()
+    config.detection.refine, config.detection.refine_image = True, True
+    config.detection.head_channels, config.detection.refine_hidden = 8, 16
+    head = DetectionHead(8, config.detection, grid, image_channels=4).eval()
+    with pytest.raises(ValueError, match="refine_image reads the cameras"):
+        head(torch.zeros(1, 8, 40, 40), cameras={"depth": torch.zeros(1)})
+    config.detection.refine = False
+    with pytest.raises(ConfigError, match="refine_image: true feeds the second stage, which is off"):
         validate(config)
