@@ -120,25 +120,39 @@ def test_gradients_reach_only_the_cells_around_the_projected_centre():
     assert set(touched[:, 0].tolist()) == {FRONT}  # in CAM_FRONT only
 
 
-def test_missing_cues_or_camera_depth_and_bad_settings_have_clear_errors():
+@pytest.mark.parametrize("setting, reads, what", [
+    ("refine_depth", {"camera_depth": True}, "depth cues B x P x 7"),
+    ("refine_image", {"image_channels": 4}, "image features B x P x 25"),  # 5 points x (4 channels + seen)
+])
+def test_missing_camera_reads_and_bad_settings_have_clear_errors(setting, reads, what):
     grid = BevGrid((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (-10.0, 10.0, 20.0))
-    refiner = BoxRefiner(8, 10, hidden=16, camera_depth=True)
+    refiner = BoxRefiner(8, 10, hidden=16, **reads)
+    assert refiner.mlp[0].in_features == 8 * 5 + 10 + 9 + int(what.split()[-1])
     proposals = Proposals.zeros(1, 3, torch.device("cpu"))
-    with pytest.raises(ValueError, match="needs the proposals' depth cues B x P x 7"):
+    with pytest.raises(ValueError, match=f"needs the proposals' {what}"):
         refiner(torch.zeros(1, 8, 40, 40), proposals, grid)
     config = Config()
-    config.detection.refine, config.detection.refine_depth = True, True
+    config.detection.refine = True
+    setattr(config.detection, setting, True)
     config.detection.head_channels, config.detection.refine_hidden = 8, 16
-    head = DetectionHead(8, config.detection, grid).eval()
-    with pytest.raises(ValueError, match="refine_depth reads the cameras"):
-        head(torch.zeros(1, 8, 40, 40))
+    head = DetectionHead(8, config.detection, grid, image_channels=4).eval()
+    for cameras in (None, {"frustum": torch.zeros(1)}):
+        with pytest.raises(ValueError, match=f"{setting} reads the cameras"):
+            head(torch.zeros(1, 8, 40, 40), cameras=cameras)
+    config.detection.refine = False
+    with pytest.raises(ConfigError, match=f"{setting}: true feeds the second stage, which is off"):
+        validate(config)
+
+
+def test_maps_of_another_size_than_the_frustum_are_refused():
     depth, f = one_hot_depth(20.0)
     with pytest.raises(ValueError, match="the camera encoder's maps must be the splat's"):
         depth_cues(torch.zeros(1, 2, 9), torch.ones(1, 2, dtype=torch.bool),
                    {"depth": depth[..., :-1], "frustum": f, **rig()})
-    config.detection.refine = False
-    with pytest.raises(ConfigError, match="refine_depth: true feeds the second stage, which is off"):
-        validate(config)
+    with pytest.raises(ValueError, match="the camera encoder's maps must be the splat's"):
+        image_features(torch.zeros(1, 2, 5, 3), torch.ones(1, 2, dtype=torch.bool),
+                       {"context": torch.zeros(1, 6, 4, 3, 3), "frustum": f, **rig()})
+
 
 
 def ramp_context(batch: int = 1, channels: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,21 +229,3 @@ def test_image_features_average_over_the_cameras_and_pass_gradients_only_there()
     touched = context.grad[0].abs().sum(1).nonzero()  # N x fH x fW cells with a gradient
     assert set(touched[:, 0].tolist()) == set(seen.nonzero()[:, 0].tolist())
     assert len(touched) <= 8  # one bilinear footprint per camera
-
-
-def test_refine_image_needs_its_features_the_cameras_and_the_second_stage():
-    grid = BevGrid((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (-10.0, 10.0, 20.0))
-    refiner = BoxRefiner(8, 10, hidden=16, image_channels=4)
-    assert refiner.mlp[0].in_features == 8 * 5 + 10 + 9 + 5 * 5
-    proposals = Proposals.zeros(1, 3, torch.device("cpu"))
-    with pytest.raises(ValueError, match="refine_image needs the proposals' image features B x P x 25"):
-        refiner(torch.zeros(1, 8, 40, 40), proposals, grid)
-    config = Config()
-    config.detection.refine, config.detection.refine_image = True, True
-    config.detection.head_channels, config.detection.refine_hidden = 8, 16
-    head = DetectionHead(8, config.detection, grid, image_channels=4).eval()
-    with pytest.raises(ValueError, match="refine_image reads the cameras"):
-        head(torch.zeros(1, 8, 40, 40), cameras={"depth": torch.zeros(1)})
-    config.detection.refine = False
-    with pytest.raises(ConfigError, match="refine_image: true feeds the second stage, which is off"):
-        validate(config)
