@@ -87,6 +87,8 @@ RUNS = {
     "hr_bevrot": HR + ("detection.refine=false", "data.bev_rot_lim=[-180.0,180.0]", "data.bev_scale_lim=[0.95,1.05]"),
     # a rotation within +-22.5 degrees, no flips: the headings keep their relation to the ego frame's axes
     "hr_bevrot_small": HR + ("detection.refine=false", "data.bev_rot_lim=[-22.5,22.5]", "data.bev_scale_lim=[0.95,1.05]"),
+    # class-balanced sampling (CBGS): samples with trucks, buses, motorcycles drawn more often
+    "hr_cbgs": HR + ("detection.refine=false", "data.class_balanced=true"),
     # AdamW's weight decay at 0.01 (BEVDet's; the config's is 1e-4) against overfitting a small set
     "hr_wd": HR + ("detection.refine=false", "optim.weight_decay=0.01"),
     # the rotation-only augmentation with the second stage reading the camera depth distributions

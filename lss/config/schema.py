@@ -43,6 +43,9 @@ class DataConfig:
     bev_rot_lim: tuple[float, float] = (0.0, 0.0)  # degrees about z
     bev_scale_lim: tuple[float, float] = (1.0, 1.0)
     bev_flip: bool = False  # mirror ego x and ego y, each with p = 0.5
+    # class-balanced sampling of the training samples (CBGS, lss.data.samplers.class_balanced_pool:
+    # samples with rare detection classes drawn more often; needs the detection head)
+    class_balanced: bool = False
     classes: tuple[str, ...] = ("vehicle", "pedestrian", "drivable_area", "lane_divider")
     min_visibility: int = 0  # keep boxes whose visibility token >= this (0 keeps all)
     min_lidar_pts: int = 0

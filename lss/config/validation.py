@@ -179,6 +179,12 @@ def validate(cfg: Config) -> Config:
         "model.heads)",
     )
     data.detection_targets = detecting
+    _check(
+        detecting or not data.class_balanced,
+        "data.class_balanced: true balances the training samples by their detection classes, which "
+        f"only a model with the detection head reads (model.heads={list(model.heads)}); add "
+        "detection to model.heads or set data.class_balanced: false",
+    )
 
     for key in ("class_weights", "class_pos_weights", "soft_iou_weights"):
         values = getattr(loss, key)

@@ -331,6 +331,11 @@ class NuScenesBEV(torch.utils.data.Dataset):
         inside = (labels >= 0) & self.grid.contains(boxes[:, 0], boxes[:, 1])
         return boxes[inside], labels[inside]
 
+    def detection_classes(self, index: int) -> np.ndarray:
+        """The distinct detection classes (labels) of the objects inside the BEV grid in sample
+        `index`, without augmentation: what class-balanced sampling counts."""
+        return np.unique(self.detection_targets(index)[1])
+
     def previous_frame(
         self,
         index: int,

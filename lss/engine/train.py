@@ -26,7 +26,7 @@ from lss.data.loader import (
     build_loader,
     ensure_dataset,
 )
-from lss.data.samplers import EpochSampler, StreamSampler
+from lss.data.samplers import EpochSampler, StreamSampler, class_balanced_training_pool
 from lss.engine.checkpointer import Checkpointer, read_resume_state
 from lss.engine.distributed import (
     DistInfo,
@@ -119,12 +119,16 @@ class Trainer:
         self.checkpointer = Checkpointer(
             out_dir, cfg, self.model, optimizer, self.scheduler, scaler, dist_info.is_main
         )
+        pool = class_balanced_training_pool(train_set, t.seed) if cfg.data.class_balanced else None
+        # samples an epoch draws: the training set, or its class-balanced pool (data.class_balanced)
+        self.epoch_draws = len(train_set) if pool is None else len(pool)
         epochs = EpochSampler(
-            len(train_set),
+            self.epoch_draws,
             shuffle=True,
             seed=t.seed,
             rank=dist_info.rank,
             world_size=dist_info.world_size,
+            pool=pool,
         )
         self.batches_per_epoch = epochs.per_rank // t.batch_size
         if self.batches_per_epoch == 0:
@@ -418,7 +422,13 @@ def train(
             writer = MetricsWriter(run_dir, trainer.step if resume else None)
             print(
                 f"lss: training on {device} ({dist_info.world_size} process(es)), "
-                f"{len(train_set)} train / {len(val_set)} val samples, run directory {run_dir}; "
+                f"{len(train_set)} train / {len(val_set)} val samples"
+                + (
+                    f" ({trainer.epoch_draws} class-balanced draws an epoch)"
+                    if cfg.data.class_balanced
+                    else ""
+                )
+                + f", run directory {run_dir}; "
                 f"{choice.describe()}"
             )
         step_hooks = trainer.train_step.hooks  # last: they act on what the other hooks left
