@@ -189,3 +189,27 @@ def test_both_last_stages_read_one_upsampled_map_as_if_each_made_its_own(full_re
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert grads_a[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_the_last_stage_reads_the_grid_in_the_upsampled_maps_dtype_and_layout(channels_last):
+    """Under bf16 autocast the float32 grid joins the bf16 upsampled map as bf16 in the map's memory format (no float32
+    concatenation for each convolution to convert again), and the stage's output is what the convolutions gave on the
+    float32 concatenation."""
+    from lss.models.bev import BevEncoder
+
+    torch.manual_seed(0)
+    stage = BevEncoder.last_stage(8, "pytorch_half_pixel", True, 16).train()
+    coarse = torch.randn(2, 256, 8, 8).to(torch.bfloat16)
+    grid = torch.randn(2, 8, 16, 16)
+    if channels_last:
+        stage = stage.to(memory_format=torch.channels_last)
+        coarse = coarse.contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        joined = stage.join(coarse, grid)
+        out = stage.conv(joined)
+        reference = stage.conv(torch.cat([grid, stage.upsample(coarse).float()], dim=1))
+    assert joined.dtype == torch.bfloat16
+    assert joined.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+    torch.testing.assert_close(joined[:, :8].float(), grid.to(torch.bfloat16).float(), rtol=0, atol=0)

@@ -40,7 +40,10 @@ class Up(nn.Module):
         return self.conv(self.join(coarse, skip))
 
     def join(self, coarse: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-        """What the convolutions read: the skip map and the upsampled coarse map, concatenated."""
+        """What the convolutions read: the skip map and the upsampled coarse map, concatenated in
+        the upsampled map's dtype and memory format. (Under autocast the convolutions read bf16
+        anyway; a float32 skip would otherwise make the concatenation float32 and the layouts'
+        mismatch an NCHW copy, which every convolution reading it then converts again.)"""
         coarse = self.upsample(coarse)
         if coarse.shape[-2:] != skip.shape[-2:]:
             raise ValueError(
@@ -48,6 +51,11 @@ class Up(nn.Module):
                 f"{tuple(skip.shape[-2:])}; input sizes must be divisible by the encoder's total "
                 "stride"
             )
+        channels_last = not coarse.is_contiguous() and coarse.is_contiguous(
+            memory_format=torch.channels_last
+        )
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        skip = skip.to(dtype=coarse.dtype, memory_format=layout)
         return torch.cat([skip, coarse], dim=1)
 
 
