@@ -136,6 +136,9 @@ def test_missing_camera_reads_and_bad_settings_have_clear_errors(setting, reads,
     setattr(config.detection, setting, True)
     config.detection.head_channels, config.detection.refine_hidden = 8, 16
     head = DetectionHead(8, config.detection, grid, image_channels=4).eval()
+    if setting == "refine_image":  # without the features' width the stage would ignore them
+        with pytest.raises(ValueError, match="pass their channel count as image_channels"):
+            DetectionHead(8, config.detection, grid)
     for cameras in (None, {"frustum": torch.zeros(1)}):
         with pytest.raises(ValueError, match=f"{setting} reads the cameras"):
             head(torch.zeros(1, 8, 40, 40), cameras=cameras)
@@ -168,7 +171,7 @@ def ramp_context(batch: int = 1, channels: int = 3) -> tuple[torch.Tensor, torch
 
 
 def test_image_features_read_the_context_where_each_box_point_projects():
-    from lss.models.heads.detection import BOX_POINTS, box_points
+    from lss.geometry.boxes import BOX_POINTS, box_points
 
     calib = rig()
     context, f = ramp_context()
@@ -204,7 +207,7 @@ def test_image_features_read_the_context_where_each_box_point_projects():
 
 
 def test_image_features_average_over_the_cameras_and_pass_gradients_only_there():
-    from lss.models.heads.detection import box_points
+    from lss.geometry.boxes import box_points
 
     calib = rig()
     context, f = ramp_context()

@@ -16,7 +16,8 @@ from lss.data import collate
 from lss.geometry import BevGrid
 from lss.geometry.boxes import DETECTION_CLASSES, REFINE_TARGET_KEYS, apply_residuals, dense_targets
 from lss.geometry.proposals import Proposals, ground_truth_proposals
-from lss.models.heads.detection import BOX_POINTS, BoxRefiner, DetectionHead, decode_detections, point_rois
+from lss.geometry.boxes import BOX_POINTS
+from lss.models.heads.detection import BoxRefiner, DetectionHead, decode_detections, point_rois
 from lss.models.heads.detection_loss import detection_loss, refine_loss
 
 GRID = BevGrid((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (-10.0, 10.0, 20.0))

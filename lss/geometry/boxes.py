@@ -234,6 +234,23 @@ def box_footprints(centers_xy, sizes_wl, yaws) -> np.ndarray:
     return np.stack([x, y], axis=-1)
 
 
+# The points of a box whose features the "points" second stage reads: the centre and the middles of
+# the front, rear, left and right faces (CenterPoint's second stage), in units of (l/2, w/2).
+BOX_POINTS = ((0.0, 0.0), (1.0, 0.0), (-1.0, 0.0), (0.0, 1.0), (0.0, -1.0))
+
+
+def box_points(boxes: torch.Tensor) -> torch.Tensor:
+    """The BOX_POINTS of boxes ... x 9 (rotated with each box) at its centre height: ... x K x 3.
+    From the boxes alone (no tensor from host data: a captured step cannot copy it)."""
+    half_l, half_w = boxes[..., 4:5] / 2, boxes[..., 3:4] / 2
+    along = torch.cat([half_l * a for a, _ in BOX_POINTS], -1)
+    across = torch.cat([half_w * c for _, c in BOX_POINTS], -1)
+    cos, sin = torch.cos(boxes[..., 6:7]), torch.sin(boxes[..., 6:7])
+    x = boxes[..., 0:1] + cos * along - sin * across
+    y = boxes[..., 1:2] + sin * along + cos * across
+    return torch.stack([x, y, boxes[..., 2:3].expand_as(x)], dim=-1)
+
+
 def box_corners(boxes) -> np.ndarray:
     """Corners M x 8 x 3 (float64, the boxes' frame) of boxes M x 9: the bottom face in
     box_footprints' order, then the top face in the same order."""

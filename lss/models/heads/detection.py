@@ -14,11 +14,13 @@ from torch import nn
 
 from lss.geometry.boxes import (
     BOX_DIM,
+    BOX_POINTS,
     DETECTION_CLASSES,
     REFINE_TARGET_KEYS,
     REGRESSION_CHANNELS,
     apply_residuals,
     bev_envelopes,
+    box_points,
     regression_to_boxes,
 )
 from lss.geometry.proposals import Proposals, jitter_boxes, pad_boxes
@@ -217,23 +219,6 @@ def proposal_rois(
     return torch.stack([sample, v - half_cols, u - half_rows, v + half_cols, u + half_rows], dim=1)
 
 
-# The points of a box whose features the "points" second stage reads: the centre and the middles of
-# the front, rear, left and right faces (CenterPoint's second stage), in units of (l/2, w/2).
-BOX_POINTS = ((0.0, 0.0), (1.0, 0.0), (-1.0, 0.0), (0.0, 1.0), (0.0, -1.0))
-
-
-def box_points(boxes: torch.Tensor) -> torch.Tensor:
-    """The BOX_POINTS of boxes ... x 9 (rotated with each box) at its centre height: ... x K x 3.
-    From the boxes alone (no tensor from host data: a captured step cannot copy it)."""
-    half_l, half_w = boxes[..., 4:5] / 2, boxes[..., 3:4] / 2
-    along = torch.cat([half_l * a for a, _ in BOX_POINTS], -1)
-    across = torch.cat([half_w * c for _, c in BOX_POINTS], -1)
-    cos, sin = torch.cos(boxes[..., 6:7]), torch.sin(boxes[..., 6:7])
-    x = boxes[..., 0:1] + cos * along - sin * across
-    y = boxes[..., 1:2] + sin * along + cos * across
-    return torch.stack([x, y, boxes[..., 2:3].expand_as(x)], dim=-1)
-
-
 def point_rois(proposals: Proposals, grid: BevGrid) -> torch.Tensor:
     """RoIAlign boxes (B P 5) x 5, one cell wide and centred on each BOX_POINTS point of every
     proposal slot: with a 1 x 1 output and one sample per bin, aligned RoIAlign reads the BEV
@@ -393,6 +378,12 @@ class DetectionHead(nn.Module):
         image_channels: int = 0,
     ):
         super().__init__()
+        if cfg.refine and cfg.refine_image and image_channels < 1:
+            raise ValueError(
+                "DetectionHead: detection.refine_image reads the cameras' context features; "
+                "pass their channel count as image_channels (lss.models.LSS passes "
+                "model.context_channels)"
+            )
         self.cfg = cfg
         self.grid = grid
         self.num_classes = num_classes
