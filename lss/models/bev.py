@@ -69,8 +69,8 @@ class BevEncoder(nn.Module):
         return self.up1(self.layer3(self.layer2(x1)), x1)
 
     def forward(self, bev: torch.Tensor) -> torch.Tensor:
-        x = self.stride2(bev)
-        return self.up2(x, bev) if self.full_res_skip else self.up2(x)
+        joined = self.last_stage_input(self.up2, self.stride2(bev), bev)
+        return self.last_stage_convs(self.up2, joined)
 
     def last_stage_input(
         self, stage: nn.Module, x: torch.Tensor, bev: torch.Tensor

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lss.ops import UpsampleBilinear
+from lss.ops.upsample import memory_format_of
 
 
 def conv_bn_relu(in_channels: int, out_channels: int, kernel_size: int = 3) -> list[nn.Module]:
@@ -51,11 +52,7 @@ class Up(nn.Module):
                 f"{tuple(skip.shape[-2:])}; input sizes must be divisible by the encoder's total "
                 "stride"
             )
-        channels_last = not coarse.is_contiguous() and coarse.is_contiguous(
-            memory_format=torch.channels_last
-        )
-        layout = torch.channels_last if channels_last else torch.contiguous_format
-        skip = skip.to(dtype=coarse.dtype, memory_format=layout)
+        skip = skip.to(dtype=coarse.dtype, memory_format=memory_format_of(coarse))
         return torch.cat([skip, coarse], dim=1)
 
 

@@ -55,7 +55,9 @@ def _wants_channels_last(x: torch.Tensor) -> bool:
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
-def _memory_format(x: torch.Tensor) -> torch.memory_format:
+def memory_format_of(x: torch.Tensor) -> torch.memory_format:
+    """channels_last for a channels-last map (not also contiguous), else contiguous_format: the
+    layout the kernels give an input's output and gradient."""
     return torch.channels_last if _wants_channels_last(x) else torch.contiguous_format
 
 
@@ -164,7 +166,7 @@ def upsample_bilinear_reference(
     w0, w1, ww0, ww1 = _axis_taps(in_w, out_w, scale_w, mode, device, compute, onnx_rule)
     rows = x.index_select(2, h0) * hw0[:, None] + x.index_select(2, h1) * hw1[:, None]
     out = rows.index_select(3, w0) * ww0 + rows.index_select(3, w1) * ww1
-    return out.to(input.dtype).contiguous(memory_format=_memory_format(input))
+    return out.to(input.dtype).contiguous(memory_format=memory_format_of(input))
 
 
 def upsample_bilinear(
@@ -263,12 +265,12 @@ if _ext.has_ext():
             lambda: f"upsample_bilinear: input must be 4-D, got {tuple(input.shape)}",
         )
         shape = (input.shape[0], input.shape[1], output_size[0], output_size[1])
-        return input.new_empty(shape).contiguous(memory_format=_memory_format(input))
+        return input.new_empty(shape).contiguous(memory_format=memory_format_of(input))
 
     @torch.library.register_fake("lss::_upsample_bilinear_backward")
     def _upsample_bilinear_backward_fake(grad_output, input_size, scales_h, scales_w, mode):
         return grad_output.new_empty(tuple(input_size)).contiguous(
-            memory_format=_memory_format(grad_output)
+            memory_format=memory_format_of(grad_output)
         )
 
     torch.library.register_autograd(
