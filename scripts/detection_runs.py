@@ -70,8 +70,6 @@ RUNS = {
     "temporal_gap2": AT_128 + ("model.temporal.frames=2", "model.temporal.gap=2"),
     # two residual blocks on each frame's grid before the fusion (BEVDet4D's extra BEV encoder)
     "temporal_blocks": AT_128 + ("model.temporal.frames=2", "model.temporal.frame_blocks=2"),
-    # the local correlation volume of the two grids (+-6 m of displacement, 12 m/s at 0.5 s) joined to the fusion
-    "temporal_corr": AT_128 + ("model.temporal.frames=2", "model.temporal.correlation=6"),
     # the same at the default recipe's camera settings (docs/detection.md: two frames there screened above the
     # detection goals): one frame with the second stage off and on, and two frames
     "hr_refine_off": HR + ("detection.refine=false",),

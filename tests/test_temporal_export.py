@@ -16,9 +16,9 @@ from test_temporal_predict import two_frame_checkpoint  # noqa: F401 (a fixture)
 pytest.importorskip("onnxruntime")
 
 
-@pytest.mark.parametrize("frame_blocks, correlation", [(0, 0), (1, 0), (0, 3)])
-def test_two_frame_export_matches_the_model_in_onnxruntime(tmp_path, frame_blocks, correlation):
-    cfg = small_config(frames=2, frame_blocks=frame_blocks, correlation=correlation)
+@pytest.mark.parametrize("frame_blocks", [0, 1])
+def test_two_frame_export_matches_the_model_in_onnxruntime(tmp_path, frame_blocks):
+    cfg = small_config(frames=2, frame_blocks=frame_blocks)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     path = export_model(model, tmp_path / "two.onnx", cfg, rig_inputs=True)

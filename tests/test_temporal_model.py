@@ -32,9 +32,8 @@ ONE_FRAME_REFERENCE = {
 }
 
 
-def small_config(frames=1, frame_blocks=0, correlation=0, **model):
-    temporal = {"frames": frames, **({"frame_blocks": frame_blocks} if frame_blocks else {}),
-                **({"correlation": correlation} if correlation else {})}
+def small_config(frames=1, frame_blocks=0, **model):
+    temporal = {"frames": frames, **({"frame_blocks": frame_blocks} if frame_blocks else {})}
     values = {**SMALL, "model": {**SMALL["model"], **model, "temporal": temporal}}
     return config_from_dict(values)
 
@@ -211,7 +210,7 @@ def test_a_two_frame_checkpoint_is_refused_by_a_one_frame_config(tmp_path):
     cfg = small_config(frames=2)
     path = tmp_path / "two.pt"
     save_checkpoint(path, build_model(cfg), step=1, config=cfg)
-    assert config_to_dict(cfg)["model"]["temporal"] == {"frames": 2, "gap": 1, "frame_blocks": 0, "correlation": 0}
+    assert config_to_dict(cfg)["model"]["temporal"] == {"frames": 2, "gap": 1, "frame_blocks": 0}
     with pytest.raises(CheckpointError, match=r"model.temporal.frames=2.*model.temporal.frames=1"):
         load_checkpoint_model(small_config(), path, torch.device("cpu"))
     # the same weights read two key frames back are another model: refused too, the gap named
@@ -231,11 +230,6 @@ def test_a_two_frame_checkpoint_is_refused_by_a_one_frame_config(tmp_path):
                                                                 "temporal": {"frames": 2, "frame_blocks": 1}}})
     with pytest.raises(CheckpointError, match=r"model.temporal.frame_blocks=0.*model.temporal.frame_blocks=1"):
         load_checkpoint_model(blocks, path, torch.device("cpu"))
-    # so is the correlation volume's embedding
-    volume = config_from_dict({**config_to_dict(cfg), "model": {**config_to_dict(cfg)["model"],
-                                                                "temporal": {"frames": 2, "correlation": 3}}})
-    with pytest.raises(CheckpointError, match=r"model.temporal.correlation=0.*model.temporal.correlation=3"):
-        load_checkpoint_model(volume, path, torch.device("cpu"))
 
 
 def test_export_refuses_a_fixed_rig_for_a_two_frame_model(tmp_path):

@@ -107,10 +107,6 @@ class TemporalConfig:
     # with frames 2: residual blocks run on each frame's splatted grid (the same weights for both)
     # before the two are concatenated, BEVDet4D's extra BEV encoder; 0: the grids as splatted
     frame_blocks: int = 0
-    # with frames 2: the radius, in cells of twice the grid's cell size, of a local correlation
-    # volume between the two grids joined to the fusion (a moving object's displacement between the
-    # frames, shown directly); 0: none. 6 on a 0.5 m grid: +-6 m, 12 m/s at 0.5 s
-    correlation: int = 0
 
 
 @dataclass

@@ -159,16 +159,10 @@ def validate(cfg: Config) -> Config:
         f"model.temporal.frame_blocks={model.temporal.frame_blocks}: expected a whole number of "
         "residual blocks >= 0 (0: the splatted grids are concatenated as they are)",
     )
-    _check(
-        isinstance(model.temporal.correlation, int) and 0 <= model.temporal.correlation <= 16,
-        f"model.temporal.correlation={model.temporal.correlation}: expected a window radius of 0 "
-        "(no correlation) to 16 cells of twice the grid's cell size",
-    )
     # settings of the previous frame: other than their default only with frames 2
     for key, default, why in (
         ("gap", 1, "a one-frame model reads no previous frame"),
         ("frame_blocks", 0, "the blocks run on each frame's grid before the fusion"),
-        ("correlation", 0, "the volume correlates the two frames' grids"),
     ):
         value = getattr(model.temporal, key)
         _check(

@@ -40,7 +40,6 @@ FIXED_KEYS = (
     "model.temporal.frames",
     "model.temporal.gap",
     "model.temporal.frame_blocks",
-    "model.temporal.correlation",
     "detection.decoder",
     "detection.decoder_channels",
     "detection.refine_depth",

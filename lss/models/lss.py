@@ -86,11 +86,7 @@ class LiftSplatShoot(nn.Module):
         # None: a one-frame model keeps its modules and state dict as they were; built last, so
         # that the other modules start as a one-frame model of the same seed does
         self.temporal = (
-            TemporalFusion(
-                grid.nz * model.context_channels,
-                model.temporal.frame_blocks,
-                model.temporal.correlation,
-            )
+            TemporalFusion(grid.nz * model.context_channels, model.temporal.frame_blocks)
             if model.temporal.frames == 2
             else None
         )
