@@ -146,3 +146,24 @@ def test_the_256x704_detection_recipes_take_the_default_recipes_cameras():
     # the BEV augmentation screens: with flips (mirrored traffic) and with rotations alone
     flips, turns = (load_config(detection, list(runs.RUNS[n])).data for n in ("hr_bevaug", "hr_bevrot"))
     assert flips.bev_flip and not turns.bev_flip and tuple(turns.bev_rot_lim) == (-180.0, 180.0)
+
+
+def test_the_augmented_second_stage_recipes_are_the_depth_cue_stage_plus_one_change():
+    from lss.config import config_to_dict, load_config
+
+    runs = _module()
+    detection = REPO / "configs" / "synthetic_detection.yaml"
+    base = config_to_dict(load_config(detection, list(runs.RUNS["hr_refine_depth"])))
+
+    def changes(name):
+        c = config_to_dict(load_config(detection, list(runs.RUNS[name])))
+        return {(s, k): c[s][k] for s in c if isinstance(c[s], dict) for k in c[s] if c[s][k] != base[s][k]}
+
+    assert changes("hr_depth_cbgs") == {("data", "class_balanced"): True}
+    rot = changes("hr_depth_rot_small")
+    assert set(rot) == {("data", "bev_rot_lim"), ("data", "bev_scale_lim")}
+    assert tuple(rot[("data", "bev_rot_lim")]) == (-22.5, 22.5)
+    assert tuple(rot[("data", "bev_scale_lim")]) == (0.95, 1.05)
+    # the rotation screen on the first stage is the same augmentation without the second stage
+    first = config_to_dict(load_config(detection, list(runs.RUNS["hr_bevrot_small"])))
+    assert first["data"]["bev_rot_lim"] == rot[("data", "bev_rot_lim")] and not first["detection"]["refine"]
