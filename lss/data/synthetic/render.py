@@ -173,14 +173,27 @@ def render_camera(
     faces = _rasterize_faces(boxes, rot, pos, cam, sun, inv_depth, face_id, face_st, projected)
     pix = np.flatnonzero(face_id >= 0)
     ground_shadow = shadow & (face_id < 0) & cam.ground
-    img[ground_shadow] *= 0.6
+    np.multiply(img, np.float32(0.6), out=img, where=ground_shadow[..., None])
     if len(pix):
         fid = face_id.reshape(-1)[pix]
-        st = face_st.reshape(2, -1)[:, pix]
-        img.reshape(-1, 3)[pix] = _paint_pixels(faces, fid, st[0], st[1])
         ids.reshape(-1)[pix] = faces["box"][fid]
         visible = np.bincount(ids.reshape(-1)[pix], minlength=n).astype(np.int64)
+        # the object pixels sorted by their face's kind (a stable radix sort of small integers), so
+        # that each kind is painted on one contiguous slice
+        order = np.argsort(faces["kind"].astype(np.uint8)[fid], kind="stable")
+        pix, fid = pix[order], fid[order]
+        st = np.take(face_st.reshape(2, -1), pix, axis=1)
+        _put_pixels(img, pix, _paint_pixels(faces, fid, st[0], st[1]))
     return cv2.convertScaleAbs(img), ids, visible, projected
+
+
+def _put_pixels(img: np.ndarray, pix: np.ndarray, rgb: np.ndarray) -> None:
+    """img.reshape(-1, 3)[pix] = rgb for a C-contiguous H x W x 3 float32 image, as one np.put of
+    12-byte pixels (indexed assignment of rows is several times slower)."""
+    if not (img.flags.c_contiguous and img.dtype == np.float32 and img.shape[-1] == 3):
+        raise ValueError("_put_pixels: img must be a C-contiguous H x W x 3 float32 array")
+    rows = np.dtype((np.void, 12))
+    np.put(img.view(rows).reshape(-1), pix, np.ascontiguousarray(rgb, np.float32).view(rows))
 
 
 def _shadow_mask(boxes: BoxSet, rot, pos, k, w, h, sun) -> np.ndarray:
@@ -346,19 +359,28 @@ def _rasterize_faces(
 
 
 def _paint_pixels(faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Colour of object pixels showing faces `fid` at face coordinates (s, t): the face's base
-    colour with its details (windows, wheels, lamps, clothes, stripes), times the face's sun
-    shading. Returns M x 3 float32."""
+    """Colour of object pixels showing faces `fid` (sorted by the faces' kind) at face coordinates
+    (s, t): the face's base colour with its details (windows, wheels, lamps, clothes, stripes),
+    times the face's sun shading. Returns M x 3 float32."""
     s = np.clip(s, 0.0, 1.0)
     t = np.clip(t, 0.0, 1.0)
-    kind, ftype = faces["kind"][fid], faces["type"][fid]
-    rgb = faces["color"][fid].astype(np.float32)
-    for group in np.flatnonzero(np.bincount(kind, minlength=BUILDING + 1)):
-        sel = np.flatnonzero(kind == group)
-        rgb[sel] = _paint_kind(
-            int(group), ftype[sel], s[sel], t[sel], rgb[sel], faces["extent"][fid[sel]]
-        )
-    return rgb * faces["shade"][fid].astype(np.float32)[:, None]
+    kind = faces["kind"][fid]
+    if np.any(kind[1:] < kind[:-1]):
+        raise ValueError("_paint_pixels: the pixels must be sorted by their face's kind")
+    # per-face values cast before the per-pixel gathers (the same float32 values, fewer bytes);
+    # np.take gathers rows of a small table several times faster than indexing does
+    rgb = np.take(faces["color"].astype(np.float32), fid, axis=0)
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(kind, minlength=BUILDING + 1))])
+    for group in range(BUILDING + 1):
+        a, b = int(bounds[group]), int(bounds[group + 1])
+        if a == b:
+            continue
+        f = fid[a:b]
+        # _paint_kind paints the slice in place
+        extent = np.take(faces["extent"], f, axis=0)
+        _paint_kind(group, faces["type"][f], s[a:b], t[a:b], rgb[a:b], extent)
+    rgb *= np.take(faces["shade"].astype(np.float32), fid)[:, None]
+    return rgb
 
 
 def _paint_kind(
