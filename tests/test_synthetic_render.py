@@ -48,14 +48,17 @@ def test_paint_pixels_paints_each_pixel_as_its_kind_does():
     # each pixel painted alone by its kind's rule, times its face's shade
     for i in range(0, 500, 7):
         f = fid[i : i + 1]
-        one = render._paint_kind(
-            int(faces["kind"][f[0]]),
-            faces["type"][f],
-            np.clip(s[i : i + 1], 0.0, 1.0),
-            np.clip(t[i : i + 1], 0.0, 1.0),
-            faces["color"][f].astype(np.float32),
-            faces["extent"][f],
-        ) * faces["shade"][f].astype(np.float32)[:, None]
+        one = (
+            render._paint_kind(
+                int(faces["kind"][f[0]]),
+                faces["type"][f],
+                np.clip(s[i : i + 1], 0.0, 1.0),
+                np.clip(t[i : i + 1], 0.0, 1.0),
+                faces["color"][f].astype(np.float32),
+                faces["extent"][f],
+            )
+            * faces["shade"][f].astype(np.float32)[:, None]
+        )
         np.testing.assert_array_equal(got[i], one[0])
 
 
