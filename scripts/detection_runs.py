@@ -95,7 +95,7 @@ RUNS = {
     "hr_bevrot_depth": HR + ("detection.refine=true", "detection.refine_depth=true", "data.bev_rot_lim=[-180.0,180.0]",
                              "data.bev_scale_lim=[0.95,1.05]"),
     # the second stage with the depth cues (the best detector measured) with class-balanced sampling, and with the
-    # small rotation: what lifts the 10-scene set's rare trucks and buses without the benchmark set's headings
+    # small rotation: screens for what lifts the 10-scene set's rare trucks and buses without losing the headings
     "hr_depth_cbgs": HR + ("detection.refine=true", "detection.refine_depth=true", "data.class_balanced=true"),
     "hr_depth_rot_small": HR + ("detection.refine=true", "detection.refine_depth=true", "data.bev_rot_lim=[-22.5,22.5]",
                                 "data.bev_scale_lim=[0.95,1.05]"),
