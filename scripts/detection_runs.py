@@ -44,6 +44,11 @@ AT_128 = ("data.final_dim=[128,352]", "data.resize_lim=[0.193,0.225]", "grid.dbo
 # heatmap class weights of configs/synthetic_detection.yaml; the segmentation targets stay the same
 JOINT = ("model.heads=[segmentation,detection]", "data.detection_targets=true",
          "detection.heatmap_class_weights=[1.0,2.5,4.0,1.0,1.0,1.0,4.0,1.0,1.0,1.0]")
+# the second stage reading the camera depth distribution at each box's projected centre, at 256x704
+HR_DEPTH = HR + ("detection.refine=true", "detection.refine_depth=true")
+# BEV rotations (no flips) with a scale of 0.95-1.05: any angle, and within +-22.5 degrees
+ROT_ANY = ("data.bev_rot_lim=[-180.0,180.0]", "data.bev_scale_lim=[0.95,1.05]")
+ROT_SMALL = ("data.bev_rot_lim=[-22.5,22.5]", "data.bev_scale_lim=[0.95,1.05]")
 # name -> overrides of CONFIG; every run gets the same data, steps and seed
 RUNS = {
     # the second stage on the box centre and face middles (the default design), and on the box's envelope
@@ -75,30 +80,28 @@ RUNS = {
     "hr_refine_off": HR + ("detection.refine=false",),
     "hr_refine_on": HR + ("detection.refine=true",),
     # the second stage also reading the camera depth distribution at each box's projected centre
-    "hr_refine_depth": HR + ("detection.refine=true", "detection.refine_depth=true"),
+    "hr_refine_depth": HR_DEPTH,
     # and the cameras' context features at the box's centre and face middles
-    "hr_refine_image": HR + ("detection.refine=true", "detection.refine_depth=true", "detection.refine_image=true"),
+    "hr_refine_image": HR_DEPTH + ("detection.refine_image=true",),
     "temporal_hr": HR + ("model.temporal.frames=2",),
     # the BEV-space augmentation (BEVDet's flips, rotation and scale of the ego frame) against overfitting a small set;
     # a single flip mirrors the traffic (right-hand driving becomes left-hand), and the headings and velocities the
     # head reads from where a vehicle drives with it (docs/detection.md), so also without flips, any rotation
     "hr_bevaug": HR + ("detection.refine=false", "data.bev_flip=true", "data.bev_rot_lim=[-22.5,22.5]",
                        "data.bev_scale_lim=[0.95,1.05]"),
-    "hr_bevrot": HR + ("detection.refine=false", "data.bev_rot_lim=[-180.0,180.0]", "data.bev_scale_lim=[0.95,1.05]"),
+    "hr_bevrot": HR + ("detection.refine=false",) + ROT_ANY,
     # a rotation within +-22.5 degrees, no flips: the headings keep their relation to the ego frame's axes
-    "hr_bevrot_small": HR + ("detection.refine=false", "data.bev_rot_lim=[-22.5,22.5]", "data.bev_scale_lim=[0.95,1.05]"),
+    "hr_bevrot_small": HR + ("detection.refine=false",) + ROT_SMALL,
     # class-balanced sampling (CBGS): samples with trucks, buses, motorcycles drawn more often
     "hr_cbgs": HR + ("detection.refine=false", "data.class_balanced=true"),
     # AdamW's weight decay at 0.01 (BEVDet's; the config's is 1e-4) against overfitting a small set
     "hr_wd": HR + ("detection.refine=false", "optim.weight_decay=0.01"),
     # the rotation-only augmentation with the second stage reading the camera depth distributions
-    "hr_bevrot_depth": HR + ("detection.refine=true", "detection.refine_depth=true", "data.bev_rot_lim=[-180.0,180.0]",
-                             "data.bev_scale_lim=[0.95,1.05]"),
+    "hr_bevrot_depth": HR_DEPTH + ROT_ANY,
     # the second stage with the depth cues (the best detector measured) with class-balanced sampling, and with the
     # small rotation: screens for what lifts the 10-scene set's rare trucks and buses without losing the headings
-    "hr_depth_cbgs": HR + ("detection.refine=true", "detection.refine_depth=true", "data.class_balanced=true"),
-    "hr_depth_rot_small": HR + ("detection.refine=true", "detection.refine_depth=true", "data.bev_rot_lim=[-22.5,22.5]",
-                                "data.bev_scale_lim=[0.95,1.05]"),
+    "hr_depth_cbgs": HR_DEPTH + ("data.class_balanced=true",),
+    "hr_depth_rot_small": HR_DEPTH + ROT_SMALL,
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 
