@@ -132,9 +132,14 @@ def test_the_256x704_detection_recipes_take_the_default_recipes_cameras():
         assert (hr.data.final_dim, hr.data.resize_lim) == (default.data.final_dim, default.data.resize_lim)
         assert (hr.grid.dbound, hr.model.frustum_pixels) == (default.grid.dbound, default.model.frustum_pixels)
     assert load_config(detection, list(runs.RUNS["temporal_hr"])).model.temporal.frames == 2
-    # the config is the measured 256x704 recipe: its first-stage run changes nothing
-    assert config_to_dict(load_config(detection, list(runs.RUNS["hr_refine_off"]))) == config_to_dict(
+    # the config is the measured recipe with the small rotation: that run changes nothing
+    assert config_to_dict(load_config(detection, list(runs.RUNS["hr_depth_rot_small"]))) == config_to_dict(
         load_config(detection))
+    # the recipes measured before it run as they were measured: the first stage alone, no BEV rotation
+    for name in ("hr_refine_off", "refine_off", "temporal", "temporal_hr", "segmentation_alone"):
+        c = load_config(detection, list(runs.RUNS[name]))
+        assert not c.detection.refine and not c.detection.refine_depth, name
+        assert tuple(c.data.bev_rot_lim) == (0.0, 0.0) and tuple(c.data.bev_scale_lim) == (1.0, 1.0), name
     # the second stage with the camera depth cues: one setting more than hr_refine_on
     a, b = (config_to_dict(load_config(detection, list(runs.RUNS[n]))) for n in ("hr_refine_on", "hr_refine_depth"))
     assert {(s, k) for s in a if isinstance(a[s], dict) for k in a[s] if a[s][k] != b[s][k]} == {
