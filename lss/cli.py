@@ -164,7 +164,7 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from lss.engine.eval import evaluate_checkpoint
 
-    evaluate_checkpoint(_load(args), ckpt=args.ckpt, out_dir=args.out)
+    evaluate_checkpoint(_load(args), ckpt=args.ckpt, out_dir=args.out, decode=args.decode)
     return 0
 
 
@@ -345,15 +345,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default=None, help="where eval.json goes (default: the checkpoint's run directory)"
     )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="NAME=detection.KEY=VALUE[;...]",
+        help="also evaluate the detections under other post-processing settings, decoded from the "
+        "same forward pass (repeatable), e.g. score_only=detection.refine_score_alpha=0.0",
+    )
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("viz", help="render camera + BEV pictures of a checkpoint's predictions")
     _add_config_args(p)
     p.add_argument("--ckpt", required=True)
     p.add_argument(
-        "--out",
-        default=None,
-        help="default: viz.out_dir, else viz/ in the checkpoint's run directory",
+        "--out", default=None, help="default: viz.out_dir, else the run directory's viz/"
     )
     p.add_argument(
         "--num", type=_sample_count, default=None, help="number of samples (default: viz.num)"
@@ -400,16 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="intrinsics, extrinsics and image augmentation are graph inputs",
     )
     p.set_defaults(rig_inputs=False)
+    p.add_argument("--rig", default=None, help="fixed rig: a JSON rig file (default: --rig-sample)")
     p.add_argument(
-        "--rig",
-        default=None,
-        help="fixed rig: a JSON rig file (default: validation sample --rig-sample)",
-    )
-    p.add_argument(
-        "--rig-sample",
-        type=int,
-        default=0,
-        help="fixed rig: the validation sample whose rig to use",
+        "--rig-sample", type=int, default=0, help="fixed rig: the validation sample to use"
     )
     p.add_argument(
         "--bev-pool",

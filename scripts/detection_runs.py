@@ -127,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated recipes, from {', '.join(RUNS)} and the --recipe names")
     p.add_argument("--recipe", action="append", default=[],
                    help="NAME=section.key=value[;section.key=value...]: a recipe of its own (add NAME to --runs)")
+    p.add_argument("--decode", action="append", default=[],
+                   help="NAME=detection.key=value[;...]: each finished run's last checkpoint is also evaluated under "
+                        "this post-processing (`lss eval --decode`, one forward pass for all; repeatable)")
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per run before it is stopped")
     p.add_argument("--set", action="append", default=[], dest="overrides", help="extra override for every run")
     p.add_argument("--quick", action="store_true", help="tiny CPU runs on a tiny generated set (tests the path)")
@@ -167,7 +170,7 @@ def run_all(args: argparse.Namespace) -> dict:
         procs[run] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                        env=child_env(2 if args.quick else 4)), time.perf_counter(), log)
         print(f"started {run}: {' '.join(cmd)}", flush=True)
-    results = {}
+    results, evals = {}, {}
     for name, (proc, started, log) in procs.items():
         timed_out = False
         left = None if args.run_timeout is None else max(1.0, args.run_timeout - (time.perf_counter() - started))
@@ -180,6 +183,11 @@ def run_all(args: argparse.Namespace) -> dict:
         results[name] = collect(out / "runs" / name, proc.returncode, timed_out, time.perf_counter() - started)
         if proc.returncode != 0 and not timed_out:
             print(f"{name} failed (exit {proc.returncode}):\n{log_tail(out / 'runs' / name / 'train.log')}")
+        elif args.decode and results[name]["finished"]:
+            evals[name] = start_decode_eval(out / "runs" / name, args.decode, 2 if args.quick else 4)
+    for name, proc in evals.items():  # the runs' evaluations run side by side
+        proc.wait()
+        results[name]["decode"] = collect_decode(out / "runs" / name, proc.returncode)
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.quick else "cpu"
@@ -216,7 +224,32 @@ def over_seeds(results: dict, name: str, seeds: list[int]) -> dict:
                    for c in (points[0].get("iou") or {} if points else {})},
            "AP": {c: stats([(p.get("AP") or {}).get(c) for p in points])
                   for c in (points[0].get("AP") or {} if points else {})}}
+    decoded = [run["decode"] for run in finals if run.get("decode")]
+    if decoded:
+        out["decode"] = {v: {m: stats([d.get(v, {}).get(m) for d in decoded]) for m in METRICS} for v in decoded[0]}
     return out
+
+
+def start_decode_eval(run_dir: Path, decode: list[str], threads: int) -> subprocess.Popen:
+    """`lss eval --decode ...` of a finished run's last checkpoint under its own config, into RUN/decode/."""
+    cmd = lss_command("eval", str(run_dir / "config.yaml"), [], "--ckpt", str(run_dir / "checkpoints" / "last.pt"),
+                      "--out", str(run_dir / "decode"), *[a for spec in decode for a in ("--decode", spec)])
+    log = (run_dir / "decode.log").open("w")
+    print(f"evaluating {run_dir.name}: {' '.join(cmd)}", flush=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_env(threads))
+
+
+def collect_decode(run_dir: Path, returncode: int) -> dict:
+    """{variant: mAP, NDS, vehicle mAP and NDS} of a run's decode evaluation ("(the config)": its own decoding);
+    {} with a message when it failed."""
+    path = run_dir / "decode" / "eval.json"
+    if returncode != 0 or not path.is_file():
+        print(f"{run_dir.name}: the decode evaluation failed (exit {returncode}):\n{log_tail(run_dir / 'decode.log')}")
+        return {}
+    result = json.loads(path.read_text())
+    return {name: {"mAP": d["mAP"], "NDS": d["NDS"], "vehicle_mAP": d["vehicles"]["mAP"],
+                   "vehicle_NDS": d["vehicles"]["NDS"]}
+            for name, d in {"(the config)": result["detection"], **result["detection_decode"]}.items()}
 
 
 def collect(run_dir: Path, returncode: int, timed_out: bool, seconds: float) -> dict:
@@ -300,6 +333,9 @@ def to_text(summary: dict) -> str:
         if recipe["iou"]:
             lines.append("  IoU " + ", ".join(f"{c} {100 * v[0]:.2f} +- {100 * v[1]:.2f}"
                                              for c, v in recipe["iou"].items() if v))
+        for variant, final in (recipe.get("decode") or {}).items():
+            lines.append(f"  decode {variant}: " + "  ".join(f"{m} {v[0]:.4f} +- {v[1]:.4f}"
+                                                           for m, v in final.items() if v))
         if recipe.get("vehicle_tp_errors"):
             lines.append("  TP errors (vehicles) " + ", ".join(
                 f"{k} {v[0]:.3f} +- {v[1]:.3f}" for k, v in recipe["vehicle_tp_errors"].items() if v))

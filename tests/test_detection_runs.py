@@ -172,3 +172,40 @@ def test_the_augmented_second_stage_recipes_are_the_depth_cue_stage_plus_one_cha
     # the rotation screen on the first stage is the same augmentation without the second stage
     first = config_to_dict(load_config(detection, list(runs.RUNS["hr_bevrot_small"])))
     assert first["data"]["bev_rot_lim"] == rot[("data", "bev_rot_lim")] and not first["detection"]["refine"]
+
+
+def test_decode_variants_are_collected_per_run_and_over_seeds(tmp_path):
+    import json
+
+    runs = _module()
+    run_dir = tmp_path / "w_s0"
+    (run_dir / "decode").mkdir(parents=True)
+    summary = {"mAP": 0.2, "NDS": 0.3, "vehicles": {"mAP": 0.4, "NDS": 0.5}}
+    (run_dir / "decode" / "eval.json").write_text(json.dumps(
+        {"detection": summary, "detection_decode": {"q": {**summary, "mAP": 0.25}}}))
+    decode = runs.collect_decode(run_dir, 0)
+    assert decode == {"(the config)": {"mAP": 0.2, "NDS": 0.3, "vehicle_mAP": 0.4, "vehicle_NDS": 0.5},
+                      "q": {"mAP": 0.25, "NDS": 0.3, "vehicle_mAP": 0.4, "vehicle_NDS": 0.5}}
+    assert runs.collect_decode(tmp_path / "missing", 1) == {}  # a failed evaluation: nothing, and a message
+    results = {"w_s0": {**_run(True, 0.2, 0.5, 0.3), "decode": decode},
+               "w_s1": {**_run(True, 0.2, 0.5, 0.3), "decode": {**decode, "q": {**decode["q"], "mAP": 0.35}}}}
+    stats = runs.over_seeds(results, "w", [0, 1])
+    mean, std = stats["decode"]["q"]["mAP"]
+    assert math.isclose(mean, 0.3) and math.isclose(std, math.sqrt(0.005))
+    assert "decode q: mAP 0.3000 +- 0.0707" in runs.to_text(
+        {"device": "cpu", "date": "d", "steps": 1, "seeds": [0, 1], "dataset": {}, "runs": {},
+         "recipes": {"w": {**stats, "AP": {}, "iou": {}}}})
+
+
+@pytest.mark.slow
+def test_a_quick_run_evaluates_its_decode_variants(tmp_path):
+    runs = _module()
+    args = runs.parse_args(["--quick", "--out-dir", str(tmp_path), "--steps", "2", "--eval-every", "2",
+                            "--runs", "refine_on", "--decode", "score_only=detection.refine_score_alpha=0.0"])
+    summary = runs.run_all(args)
+    run = summary["runs"]["refine_on_s0"]
+    assert run["finished"], run
+    assert set(run["decode"]) == {"(the config)", "score_only"}
+    # the config's own decoding in the separate evaluation scores what the run's final evaluation scored
+    assert math.isclose(run["decode"]["(the config)"]["mAP"], run["detection"]["mAP"])
+    assert set(summary["recipes"]["refine_on"]["decode"]) == {"(the config)", "score_only"}

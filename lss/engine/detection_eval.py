@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from pyquaternion import Quaternion
 
-from lss.config import DETECTION_CLASSES, Config
+from lss.config import DETECTION_CLASSES, Config, config_from_dict, config_to_dict
 from lss.data.nuscenes import load_tables, resolve_split
-from lss.errors import DatasetError
+from lss.errors import ConfigError, DatasetError
 from lss.models.heads.detection import decode_detections
 
 TP_ERRORS = ("trans_err", "scale_err", "orient_err", "vel_err", "attr_err")
@@ -35,6 +35,10 @@ _MOVING_SPEED = 0.2
 # The nuScenes vehicle classes; the "vehicles" summary scores those of them with ground truth in the
 # split.
 VEHICLE_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle")
+# detection.* settings that act after the network (decode_detections), and those that act there only
+# without the second stage (with it, the model makes its proposals inside the forward pass)
+DECODE_SETTINGS = ("refine_score_alpha", "refine_residuals", "max_detections")
+PROPOSAL_SETTINGS = ("score_threshold", "nms_iou", "top_k")
 SUBMISSION_META = {
     "use_camera": True,
     "use_lidar": False,
@@ -283,6 +287,55 @@ def evaluate_submission(
     return summary
 
 
+def decode_variants(config: Config, specs: Iterable[str]) -> dict[str, Config]:
+    """Post-processing variants to evaluate on the same forward pass (`lss eval --decode`): each
+    spec is NAME=detection.key=value[;detection.key=value...]; returns {NAME: `config` with those
+    settings}. Only settings that act after the network are accepted (DECODE_SETTINGS, and
+    PROPOSAL_SETTINGS without the second stage)."""
+    allowed = DECODE_SETTINGS + (() if config.detection.refine else PROPOSAL_SETTINGS)
+    variants: dict[str, Config] = {}
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        overrides = [item.strip() for item in rest.split(";") if item.strip()]
+        if not name.strip() or "." in name or not overrides:
+            raise ConfigError(
+                f"--decode {spec!r}: expected NAME=detection.key=value[;detection.key=value...], "
+                "e.g. score_only=detection.refine_score_alpha=0.0"
+            )
+        name = name.strip()
+        if name in variants:
+            raise ConfigError(f"--decode {spec!r}: the name {name!r} is given twice")
+        for item in overrides:
+            section, _, key = item.partition("=")[0].strip().partition(".")
+            if section == "detection" and key in allowed:
+                continue
+            why = (
+                f"detection.{key} makes the second stage's proposals inside the network "
+                "(detection.refine: true): evaluate a config with it instead"
+                if section == "detection" and key in PROPOSAL_SETTINGS
+                else "a decode variant changes the post-processing only"
+            )
+            raise ConfigError(
+                f"--decode {spec!r}: {why}; the settings it takes: "
+                f"{', '.join('detection.' + k for k in allowed)}"
+            )
+        variants[name] = config_from_dict(config_to_dict(config), overrides)
+    return variants
+
+
+def format_decode_table(base: dict, variants: dict[str, dict]) -> str:
+    """Markdown table of the evaluation's own detections (`base`, a summarize() dict) and each
+    decode variant's."""
+    lines = ["| decode | mAP | NDS | vehicle mAP | vehicle NDS |", "|---|---|---|---|---|"]
+    for name, s in {"(the config)": base, **variants}.items():
+        vehicles = s.get("vehicles") or {}
+        lines.append(
+            f"| {name} | {s['mAP']:.4f} | {s['NDS']:.4f} | {vehicles.get('mAP', 0.0):.4f} | "
+            f"{vehicles.get('NDS', 0.0):.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 class DetectionCollector:
     """Gathers the decoded detections of an evaluation loop by sample token, then runs the nuScenes
     evaluation.
@@ -317,9 +370,15 @@ class DetectionCollector:
             self.detections.update(part)
 
     def evaluate(
-        self, nusc, eval_set: str, out_dir: Union[str, Path], verbose: bool = False
+        self,
+        nusc,
+        eval_set: str,
+        out_dir: Union[str, Path],
+        verbose: bool = False,
+        print_table: bool = True,
     ) -> dict:
-        """Metrics of the collected samples (see evaluate_submission); the table is printed."""
+        """Metrics of the collected samples (see evaluate_submission); the table is printed unless
+        `print_table` is false."""
         submission = build_submission(self.detections, nusc, eval_set)
         restrict = (
             None if set(self.detections) == set(submission["results"]) else list(self.detections)
@@ -327,10 +386,13 @@ class DetectionCollector:
         summary = evaluate_submission(
             nusc, submission, eval_set, out_dir, sample_tokens=restrict, verbose=verbose
         )
-        print(format_table(summary), end="")
+        if print_table:
+            print(format_table(summary), end="")
         return summary
 
-    def evaluate_dataset(self, dataset, out_dir: Optional[Union[str, Path]] = None) -> dict:
+    def evaluate_dataset(
+        self, dataset, out_dir: Optional[Union[str, Path]] = None, print_table: bool = True
+    ) -> dict:
         """Metrics on the split of `dataset` (a lss.data.NuScenesBEV), gathered over distributed
         ranks: rank 0 evaluates and shares the result. Files go to `out_dir` (default: a temporary
         folder, removed after)."""
@@ -345,10 +407,14 @@ class DetectionCollector:
         if not distributed or dist.get_rank() == 0:
             nusc = load_tables(dataset.root, dataset.version)
             if out_dir is not None:
-                summary = self.evaluate(nusc, dataset.devkit_split, out_dir)
+                summary = self.evaluate(
+                    nusc, dataset.devkit_split, out_dir, print_table=print_table
+                )
             else:
                 with tempfile.TemporaryDirectory(prefix="lss_detection_eval_") as tmp:
-                    summary = self.evaluate(nusc, dataset.devkit_split, tmp)
+                    summary = self.evaluate(
+                        nusc, dataset.devkit_split, tmp, print_table=print_table
+                    )
         if distributed:
             shared = [summary]
             dist.broadcast_object_list(shared, src=0)

@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from lss.config import Config
+from lss.config import Config, ConfigError
 from lss.data.loader import build_dataset, build_eval_loader
 from lss.engine.distributed import build_autocast, select_device, to_device
 from lss.engine.checkpoint import load_checkpoint_model, run_directory
-from lss.engine.detection_eval import DetectionCollector
+from lss.engine.detection_eval import DetectionCollector, decode_variants, format_decode_table
 from lss.engine.metrics import IoUMeter, format_iou_table
 
 
@@ -34,17 +34,24 @@ def evaluate(
     detection_dir: Optional[Path] = None,
     timing: Optional[dict] = None,
     batches: Optional[Iterable[dict]] = None,
+    decode: Optional[dict[str, Config]] = None,
 ) -> dict:
     """IoU per class over every batch of `loader` (summed over distributed ranks); see
     IoUMeter.compute. With the detection head, also "detection": the nuScenes detection metrics
     (files in `detection_dir` when given). `timing`, when given, receives "samples", "seconds" (the
     IoU pass, workers' start included), "first_batch_s" and "samples_per_s" (the samples after the
     first batch over the time after it: the steady rate).
-    `batches`: a pass over `loader` already started (EvalPasses), instead of a new one."""
+    `batches`: a pass over `loader` already started (EvalPasses), instead of a new one.
+    `decode`: {name: config} of post-processing variants (decode_variants), each decoded from the
+    same outputs and evaluated: result["detection_decode"][name] (files in
+    `detection_dir`/decode/name)."""
     meter = IoUMeter(cfg.data.classes, cfg.eval.threshold, cfg.eval.sweep)
     detections = (
         DetectionCollector(cfg) if "detection" in cfg.model.heads and loader is not None else None
     )
+    if decode and detections is None:
+        raise ValueError("decode variants need the detection head (model.heads) and a loader")
+    variants = {name: DetectionCollector(c) for name, c in (decode or {}).items()}
     was_training = model.training
     model.eval()
     limit = cfg.eval.max_batches
@@ -75,6 +82,8 @@ def evaluate(
             meter.update(outputs["segmentation"][:size], batch["targets"][:size])
             if detections is not None:
                 detections.add(outputs, batch)
+                for collector in variants.values():
+                    collector.add(outputs, batch)
             samples += size
             if first is None and timing is not None:
                 if device.type == "cuda":
@@ -93,6 +102,15 @@ def evaluate(
             timing["samples_per_s"] = rest / max(end - first[0], 1e-9) if rest else None
     if detections is not None:
         result["detection"] = detections.evaluate_dataset(loader.dataset, detection_dir)
+    if variants:
+        result["detection_decode"] = {
+            name: collector.evaluate_dataset(
+                loader.dataset,
+                None if detection_dir is None else Path(detection_dir) / "decode" / name,
+                print_table=False,
+            )
+            for name, collector in variants.items()
+        }
     return result
 
 
@@ -147,10 +165,19 @@ def pad_batch(batch: dict, size: int) -> dict:
     return {k: pad(v) for k, v in batch.items()}
 
 
-def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -> dict:
+def evaluate_checkpoint(
+    cfg: Config, ckpt: str, out_dir: Optional[str] = None, decode: Iterable[str] = ()
+) -> dict:
     """Evaluate checkpoint `ckpt` on data.val_split; writes eval.json to `out_dir` (default: the run
-    directory that holds the checkpoint) and prints the IoU table."""
+    directory that holds the checkpoint) and prints the IoU table. `decode`: `lss eval --decode`
+    specs (decode_variants), the detections also evaluated under each."""
     path = Path(ckpt)
+    if decode and "detection" not in cfg.model.heads:
+        raise ConfigError(
+            "--decode: the config has no detection head (model.heads); decode variants change "
+            "the detection post-processing"
+        )
+    variants = decode_variants(cfg, decode)
     device = select_device(cfg)
     model, state = load_checkpoint_model(cfg, path, device)
     dataset = build_dataset(cfg, cfg.data.val_split, False)
@@ -159,7 +186,14 @@ def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -
     out.mkdir(parents=True, exist_ok=True)
     timing: dict = {}
     result = evaluate(
-        model, loader, cfg, device, build_autocast(cfg, device), detection_dir=out, timing=timing
+        model,
+        loader,
+        cfg,
+        device,
+        build_autocast(cfg, device),
+        detection_dir=out,
+        timing=timing,
+        decode=variants,
     )
     result.update(
         {
@@ -178,5 +212,7 @@ def evaluate_checkpoint(cfg: Config, ckpt: str, out_dir: Optional[str] = None) -
             f"({len(dataset)} samples)",
         )
     )
+    if variants:
+        print(format_decode_table(result["detection"], result["detection_decode"]), end="")
     print(f"wrote {out / 'eval.json'}")
     return result
