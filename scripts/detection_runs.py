@@ -107,6 +107,9 @@ RUNS = {
     # configs/synthetic_detection.yaml since 2026-11-29
     "hr_depth_cbgs": HR_DEPTH + ("data.class_balanced=true",),
     "hr_depth_rot_small": HR_DEPTH + ROT_SMALL,
+    # that recipe with the second stage's score trained towards the share of the evaluation's matching distances
+    # within which each proposal is a true positive
+    "hr_depth_rot_small_q": HR_DEPTH + ROT_SMALL + ("detection.refine_quality=thresholds",),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

@@ -232,3 +232,57 @@ def test_a_joint_model_trains_both_heads_and_its_refine_checkpoint_predicts_and_
     pytest.importorskip("onnx")
     done = export_checkpoint(cfg, ckpt, tmp_path / "refine.onnx")
     assert done["path"].exists()
+
+
+def test_the_quality_targets_follow_the_distance_to_the_truth():
+    from lss.models.heads.detection_loss import quality_target
+
+    distance = torch.tensor([0.0, 0.3, 0.7, 1.5, 3.0, 5.0, float("inf")])
+    torch.testing.assert_close(quality_target(distance, 2.0, "distance"),
+                               torch.tensor([1.0, 0.85, 0.65, 0.25, 0.0, 0.0, 0.0]))
+    # the share of the evaluation's matching distances 0.5, 1, 2, 4 m within which the box is a true positive
+    torch.testing.assert_close(quality_target(distance, 2.0, "thresholds"),
+                               torch.tensor([1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="distance or thresholds"):
+        quality_target(distance, 2.0, "iou")
+
+
+def test_the_refine_score_loss_trains_towards_the_configured_quality():
+    truth = torch.tensor([[[0.0, 0.0, 0.5, 2.0, 4.5, 1.6, 0.0, 0.0, 0.0]]])
+    boxes = truth.repeat(1, 4, 1)
+    boxes[0, :, 0] += torch.tensor([0.3, 1.5, 3.0, 6.0])  # proposals 0.3, 1.5, 3 and 6 m from the truth
+    proposals = Proposals(boxes, torch.full((1, 4), 0.5), torch.zeros(1, 4, dtype=torch.long),
+                          torch.ones(1, 4, dtype=torch.bool))
+    logits = torch.zeros(1, 4, requires_grad=True)
+    outputs = {"det_proposals": proposals, "det_refine_scores": logits,
+               "det_refine_residuals": torch.zeros(1, 4, 9)}
+    batch = {"det_boxes": [truth[0]], "det_labels": [torch.tensor([0])]}
+    weights = torch.tensor(Config().detection.code_weights)
+    for kind, target in (("distance", [0.85, 0.25, 0.0, 0.0]), ("thresholds", [1.0, 0.5, 0.25, 0.0])):
+        loss = refine_loss(outputs, batch, 2.0, weights, kind)["det_refine_score"]
+        (grad,) = torch.autograd.grad(loss, logits)
+        # BCE with logits at 0: d/dlogit = (sigmoid(0) - target) / 4 proposals
+        torch.testing.assert_close(grad[0], (0.5 - torch.tensor(target)) / 4)
+    assert load_config(None, ["detection.refine_quality=thresholds"]).detection.refine_quality == "thresholds"
+    with pytest.raises(ConfigError, match="refine_quality"):
+        load_config(None, ["detection.refine_quality=iou"])
+
+
+def test_the_detection_loss_takes_the_configured_quality():
+    config = Config()
+    config.grid.xbound, config.grid.ybound = (-8.0, 8.0, 0.5), (-8.0, 8.0, 0.5)
+    config.detection.head_channels, config.detection.refine, config.detection.refine_hidden = 8, True, 16
+    torch.manual_seed(0)
+    head = DetectionHead(8, config.detection, BevGrid.from_config(config.grid))
+    boxes = [torch.tensor([[3.3, -2.1, 0.4, 1.9, 4.4, 1.6, 0.7, 1.0, 0.5]])]
+    labels = [torch.tensor([0])]
+    out = head(torch.randn(1, 8, 32, 32), gt_boxes=boxes, gt_labels=labels)
+    batch = {"det_boxes": boxes, "det_labels": labels}
+    weights = torch.tensor(config.detection.code_weights)
+    scores = {}
+    for kind in ("distance", "thresholds"):
+        config.detection.refine_quality = kind
+        scores[kind] = detection_loss(out, batch, config)["det_refine_score"]
+        expected = refine_loss(out, batch, config.detection.match_distance, weights, kind)["det_refine_score"]
+        torch.testing.assert_close(scores[kind], expected * config.detection.refine_weight)
+    assert scores["distance"] != scores["thresholds"]  # the jittered truth lies between 0 and 2 m of its box

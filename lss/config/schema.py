@@ -292,6 +292,10 @@ class DetectionConfig:
     refine_hidden: int = 256
     refine_weight: float = 1.0
     match_distance: float = 2.0  # metres between centres: a proposal's positive ground truth
+    # the second stage's score target from the distance d of a proposal's centre to its nearest
+    # same-class ground truth: "distance", max(0, 1 - d / match_distance); "thresholds", the share
+    # of the nuScenes matching distances (0.5, 1, 2, 4 m) within which it would be a true positive
+    refine_quality: Literal["distance", "thresholds"] = "distance"
     # where the head reads the BEV features (a model with both heads): "shared", the segmentation
     # head's; "own", its own copy of the BEV decoder's last stage on the same stride-2 features
     # (and grid skip), so that the detection losses do not train the last stage that the map

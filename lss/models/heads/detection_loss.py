@@ -28,6 +28,10 @@ from lss.models.heads.detection import batch_ground_truth, padded_truth
 from lss.ops import sigmoid_focal_loss
 
 
+# the centre distances (m) at which the nuScenes detection evaluation matches a box to the truth
+NUSCENES_MATCH_DISTANCES = (0.5, 1.0, 2.0, 4.0)
+
+
 def match_proposals(
     proposals: Proposals,
     gt_boxes: torch.Tensor | Sequence[torch.Tensor],
@@ -106,8 +110,8 @@ def detection_loss(
     """Weighted detection losses (sum them for the total): "det_heatmap" (penalty-reduced focal loss
     of the heatmap logits on the gaussian targets, per object), "det_regression" (weighted L1 at the
     object centres, per object) and, with the second stage, "det_refine_score" (BCE towards
-    1 - distance / match_distance) and "det_refine_box" (weighted L1 of the residuals of the
-    positive proposals).
+    the quality target of detection.refine_quality) and "det_refine_box" (weighted L1 of the
+    residuals of the positive proposals).
 
     `code_weights`, `class_weights`: detection.code_weights and detection.heatmap_class_weights as
     tensors on the device (made here when None; a captured training step passes buffers, as it
@@ -159,26 +163,45 @@ def detection_loss(
     }
 
     if refine:
-        losses.update(refine_loss(outputs, batch, cfg.match_distance, code_weights))
+        losses.update(
+            refine_loss(outputs, batch, cfg.match_distance, code_weights, cfg.refine_quality)
+        )
         losses = {
             k: cfg.refine_weight * v if k.startswith("det_refine") else v for k, v in losses.items()
         }
     return losses
 
 
+def quality_target(distance: torch.Tensor, match_distance: float, kind: str) -> torch.Tensor:
+    """The second stage's score target from each proposal's distance (m, inf without a same-class
+    box) to its nearest same-class ground truth: "distance", max(0, 1 - distance /
+    match_distance); "thresholds", the share of NUSCENES_MATCH_DISTANCES within which the proposal
+    would be a true positive (1, 0.75, 0.5, 0.25 or 0)."""
+    if kind == "distance":
+        return torch.clamp(1 - distance / match_distance, min=0.0)
+    if kind == "thresholds":
+        hits = [(distance < t).float() for t in NUSCENES_MATCH_DISTANCES]
+        return torch.stack(hits).mean(0)
+    raise ValueError(f"refine quality {kind!r}: expected distance or thresholds")
+
+
 def refine_loss(
-    outputs: dict, batch: dict, match_distance: float, code_weights: torch.Tensor
+    outputs: dict,
+    batch: dict,
+    match_distance: float,
+    code_weights: torch.Tensor,
+    quality: str = "distance",
 ) -> dict[str, torch.Tensor]:
     """The second stage's terms, unweighted, in fixed shapes (no host sync): "det_refine_score",
-    BCE of the quality logit towards max(0, 1 - distance / match_distance) to the nearest
-    same-class ground truth, per valid proposal; "det_refine_box", L1 of the residuals of the
-    positive proposals (within match_distance) weighted by code_weights (the unknown velocities
-    of some ground truth weigh 0), per positive."""
+    BCE of the quality logit towards quality_target (`quality`: detection.refine_quality) of the
+    distance to the nearest same-class ground truth, per valid proposal; "det_refine_box", L1 of
+    the residuals of the positive proposals (within match_distance) weighted by code_weights (the
+    unknown velocities of some ground truth weigh 0), per positive."""
     proposals = outputs["det_proposals"]
     gt_boxes, gt_labels = batch_ground_truth(batch)
     matched, distance, positive = match_proposals(proposals, gt_boxes, gt_labels, match_distance)
     valid = proposals.valid.float()
-    score_target = torch.clamp(1 - distance / match_distance, min=0.0)
+    score_target = quality_target(distance, match_distance, quality)
     score = F.binary_cross_entropy_with_logits(
         outputs["det_refine_scores"], score_target, reduction="none"
     )
