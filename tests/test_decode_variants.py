@@ -111,3 +111,30 @@ def test_the_command_line_refuses_a_bad_variant_in_one_line(synthetic_root, tmp_
     segmentation = [i for i in items if not i.startswith(("model.heads", "data.detection_targets", "detection."))]
     assert main(args(segmentation) + ["--decode", "a=detection.max_detections=5"]) == 2
     assert "no detection head" in capsys.readouterr().err
+
+
+def test_the_attribute_follows_the_moving_speed():
+    from lss.engine.detection_eval import default_attribute
+
+    assert default_attribute("car", 0.5) == "vehicle.moving" and default_attribute("car", 0.1) == "vehicle.parked"
+    assert default_attribute("pedestrian", 0.1) == "pedestrian.standing"
+    assert default_attribute("pedestrian", 0.1, moving_speed=0.05) == "pedestrian.moving"
+    assert default_attribute("bicycle", 0.5, moving_speed=1.0) == "cycle.without_rider"
+    assert default_attribute("traffic_cone", 5.0) == ""
+    assert load_config(None, ["detection.moving_speed=0.05"]).detection.moving_speed == 0.05
+    with pytest.raises(ConfigError, match="detection.moving_speed=-1.0: expected a speed"):
+        load_config(None, ["detection.moving_speed=-1.0"])
+
+
+def test_a_moving_speed_variant_changes_the_attributes_only(synthetic_root, tmp_path):
+    cfg = load_config(None, TINY + [f"data.dataroot={synthetic_root}"])
+    ckpt = val_statistics_checkpoint(cfg, tmp_path / "run" / "last.pt", step=3)
+    out = tmp_path / "eval"
+    evaluate_checkpoint(cfg, str(ckpt), str(out), decode=["still=detection.moving_speed=1e9"])
+    base, still = _submission(out), _submission(out / "decode" / "still")
+    assert base.keys() == still.keys()
+    pairs = [(a, b) for token in base for a, b in zip(base[token], still[token], strict=True)]
+    assert pairs and all({**a, "attribute_name": ""} == {**b, "attribute_name": ""} for a, b in pairs)
+    assert {b["attribute_name"] for _, b in pairs} <= {"vehicle.parked", "pedestrian.standing",
+                                                        "cycle.without_rider", ""}
+    assert any(a["attribute_name"] != b["attribute_name"] for a, b in pairs)  # some boxes move at 0.2 m/s

@@ -296,6 +296,9 @@ class DetectionConfig:
     # same-class ground truth: "distance", max(0, 1 - d / match_distance); "thresholds", the share
     # of the nuScenes matching distances (0.5, 1, 2, 4 m) within which it would be a true positive
     refine_quality: Literal["distance", "thresholds"] = "distance"
+    # the evaluation's attribute of a box (moving / parked, standing, with / without rider): moving
+    # above this predicted speed, m/s (the devkit's baselines: 0.2)
+    moving_speed: float = 0.2
     # where the head reads the BEV features (a model with both heads): "shared", the segmentation
     # head's; "own", its own copy of the BEV decoder's last stage on the same stride-2 features
     # (and grid skip), so that the detection losses do not train the last stage that the map

@@ -298,6 +298,11 @@ def validate(cfg: Config) -> Config:
         f"detection.gaussian_overlap={d.gaussian_overlap}: expected a fraction in (0, 1)",
     )
     _check(
+        math.isfinite(d.moving_speed) and d.moving_speed >= 0,
+        f"detection.moving_speed={d.moving_speed}: expected a speed in m/s >= 0 (above it a box "
+        "is called moving; the devkit's baselines use 0.2)",
+    )
+    _check(
         0 <= d.refine_score_alpha <= 1,
         f"detection.refine_score_alpha={d.refine_score_alpha}: expected a weight in [0, 1] "
         "(0: the first stage's score, 1: the second stage's)",

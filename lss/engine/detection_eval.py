@@ -29,15 +29,13 @@ _TABLE_COLUMNS = {
     "vel_err": "AVE (m/s)",
     "attr_err": "AAE (1-acc)",
 }
-# A box slower than this (m/s) gets the "standing still" attribute (the devkit's baselines use the
-# same cut).
-_MOVING_SPEED = 0.2
 # The nuScenes vehicle classes; the "vehicles" summary scores those of them with ground truth in the
 # split.
 VEHICLE_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle")
-# detection.* settings that act after the network (decode_detections), and those that act there only
-# without the second stage (with it, the model makes its proposals inside the forward pass)
-DECODE_SETTINGS = ("refine_score_alpha", "refine_residuals", "max_detections")
+# detection.* settings that act after the network (decode_detections, the attributes), and those
+# that act there only without the second stage (with it, the model makes its proposals inside the
+# forward pass)
+DECODE_SETTINGS = ("refine_score_alpha", "refine_residuals", "max_detections", "moving_speed")
 PROPOSAL_SETTINGS = ("score_threshold", "nms_iou", "top_k")
 SUBMISSION_META = {
     "use_camera": True,
@@ -48,9 +46,10 @@ SUBMISSION_META = {
 }
 
 
-def default_attribute(name: str, speed: float) -> str:
-    """The attribute the evaluation scores (AAE) for a class, from the predicted speed (m/s)."""
-    moving = bool(speed > _MOVING_SPEED)
+def default_attribute(name: str, speed: float, moving_speed: float = 0.2) -> str:
+    """The attribute the evaluation scores (AAE) for a class, from the predicted speed (m/s): moving
+    above `moving_speed` (detection.moving_speed; the devkit's baselines cut at 0.2 m/s)."""
+    moving = bool(speed > moving_speed)
     if name in VEHICLE_CLASSES:
         return "vehicle.moving" if moving else "vehicle.parked"
     if name == "pedestrian":
@@ -78,9 +77,11 @@ def ego_boxes_to_submission(
     ego_translation: np.ndarray,
     ego_rotation: Quaternion,
     classes: tuple[str, ...] = DETECTION_CLASSES,
+    moving_speed: float = 0.2,
 ) -> list[dict]:
     """Submission entries (global frame) of one sample's boxes M x 9 [x, y, z, w, l, h, yaw, vx, vy]
-    (ego frame), scores M and labels M (indices into `classes`)."""
+    (ego frame), scores M and labels M (indices into `classes`); the attributes by
+    default_attribute at `moving_speed`."""
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 9)
     entries = []
     rotation = ego_rotation.rotation_matrix
@@ -100,7 +101,7 @@ def ego_boxes_to_submission(
                 "velocity": velocity.tolist(),
                 "detection_name": name,
                 "detection_score": float(score),
-                "attribute_name": default_attribute(name, float(np.hypot(*velocity))),
+                "attribute_name": default_attribute(name, float(np.hypot(*velocity)), moving_speed),
             }
         )
     return entries
@@ -115,11 +116,16 @@ def split_sample_tokens(nusc, eval_set: str) -> list[str]:
 
 
 def build_submission(
-    detections: dict, nusc, eval_set: str, classes: tuple[str, ...] = DETECTION_CLASSES
+    detections: dict,
+    nusc,
+    eval_set: str,
+    classes: tuple[str, ...] = DETECTION_CLASSES,
+    moving_speed: float = 0.2,
 ) -> dict:
     """The submission JSON object: `detections` maps sample tokens to {"boxes" M x 9 (ego frame),
     "scores" M, "labels" M} (tensors or arrays); samples of the split without detections get an
-    empty list, as the evaluation requires every sample of the split."""
+    empty list, as the evaluation requires every sample of the split. Attributes: moving above
+    `moving_speed` m/s."""
     results = {token: [] for token in split_sample_tokens(nusc, eval_set)}
     for token, det in detections.items():
         if token not in results:
@@ -136,6 +142,7 @@ def build_submission(
             translation,
             rotation,
             classes,
+            moving_speed,
         )
     return {"meta": dict(SUBMISSION_META), "results": results}
 
@@ -379,7 +386,9 @@ class DetectionCollector:
     ) -> dict:
         """Metrics of the collected samples (see evaluate_submission); the table is printed unless
         `print_table` is false."""
-        submission = build_submission(self.detections, nusc, eval_set)
+        submission = build_submission(
+            self.detections, nusc, eval_set, moving_speed=self.config.detection.moving_speed
+        )
         restrict = (
             None if set(self.detections) == set(submission["results"]) else list(self.detections)
         )
