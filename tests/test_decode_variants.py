@@ -45,6 +45,7 @@ def test_a_variant_is_the_config_with_its_settings():
 @pytest.mark.parametrize("spec, message", [
     ("detection.refine_score_alpha=0.0", "expected NAME=detection.key=value"),
     ("name=", "expected NAME=detection.key=value"),
+    ("../up=detection.max_detections=5", "NAME of letters, digits"),
     ("a=model.context_channels=4", "changes the post-processing only"),
     ("a=detection.refine=false", "changes the post-processing only"),
     ("a=detection.nms_iou=0.1", "inside the network"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -303,13 +304,14 @@ def decode_variants(config: Config, specs: Iterable[str]) -> dict[str, Config]:
     variants: dict[str, Config] = {}
     for spec in specs:
         name, _, rest = spec.partition("=")
+        name = name.strip()
         overrides = [item.strip() for item in rest.split(";") if item.strip()]
-        if not name.strip() or "." in name or not overrides:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or not overrides:
             raise ConfigError(
                 f"--decode {spec!r}: expected NAME=detection.key=value[;detection.key=value...], "
+                "NAME of letters, digits, _ and - (its files go to decode/NAME), "
                 "e.g. score_only=detection.refine_score_alpha=0.0"
             )
-        name = name.strip()
         if name in variants:
             raise ConfigError(f"--decode {spec!r}: the name {name!r} is given twice")
         for item in overrides:
