@@ -142,8 +142,10 @@ REFINE = ("detection.refine=true", "detection.refine_hidden=16", "detection.refi
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("extra", [(), REFINE, REFINE + ("detection.refine_depth=true",),
-                                   REFINE + ("detection.refine_depth=true", "detection.refine_image=true")],
-                         ids=["first_stage", "second_stage", "second_stage_camera_depth", "second_stage_cameras"])
+                                   REFINE + ("detection.refine_depth=true", "detection.refine_image=true"),
+                                   REFINE + ("detection.refine_depth=true", "detection.refine_quality=thresholds")],
+                         ids=["first_stage", "second_stage", "second_stage_camera_depth", "second_stage_cameras",
+                              "second_stage_threshold_quality"])
 def test_detection_training_step_on_static_buffers_follows_eager_steps(device, extra, monkeypatch):
     import test_graph_step
 
