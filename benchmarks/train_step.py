@@ -57,7 +57,9 @@ MEMORY_BUDGET = 0.5  # train.compile_memory_budget of the *_budget rows
 def random_batches(
     cfg: Config, batch_size: int, device: torch.device, variants: int = AUG_VARIANTS
 ) -> list[dict]:
-    """`variants` batches of random images on the real rig, each with its own small crop jitter (a new LUT)."""
+    """`variants` batches of random images on the real rig, each with its own small crop jitter (a new LUT); with the
+    detection head (model.heads) also the dense detection targets of random boxes, as the training dataset yields
+    them."""
     g = torch.Generator().manual_seed(0)
     h, w = cfg.data.final_dim
     K, rot, trans = load_nuscenes_rig(cfg.data.cameras)
@@ -85,8 +87,39 @@ def random_batches(
             for k, t in rig.items()
         }
         batch.update(images=images, targets=targets.to(device))
+        if "detection" in cfg.model.heads:
+            batch.update({k: v.to(device) for k, v in detection_targets(cfg, batch_size, g).items()})
         batches.append(batch)
     return batches
+
+
+def detection_targets(cfg: Config, batch_size: int, generator: torch.Generator, per_sample: int = 24) -> dict:
+    """The dense detection targets (lss.geometry.boxes.dense_targets, collated) of `per_sample` random boxes in each
+    sample: centres on a jittered lattice inside the grid (so the objects stay apart), car-to-bus sizes, any yaw
+    and velocity, random classes."""
+    from lss.data import collate
+    from lss.geometry import BevGrid
+    from lss.geometry.boxes import DETECTION_CLASSES, dense_targets
+
+    grid = BevGrid.from_config(cfg.grid)
+    (x0, x1, _), (y0, y1, _) = cfg.grid.xbound, cfg.grid.ybound
+    side = max(1, int(per_sample**0.5 + 0.999))
+    lattice = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(-1, 2)
+    step = torch.tensor([(x1 - x0) / side, (y1 - y0) / side])
+    low = torch.tensor([x0, y0])
+    samples = []
+    for _ in range(batch_size):
+        cells = lattice[torch.randperm(len(lattice), generator=generator)[:per_sample]].float()
+        centre = low + (cells + 0.25 + 0.5 * torch.rand(len(cells), 2, generator=generator)) * step
+        n = len(centre)
+        z = torch.rand(n, 1, generator=generator) - 0.5
+        size = torch.rand(n, 3, generator=generator) * torch.tensor([1.5, 8.0, 2.0]) + torch.tensor([0.5, 0.5, 1.0])
+        yaw = (torch.rand(n, 1, generator=generator) * 2 - 1) * 3.14
+        velocity = torch.randn(n, 2, generator=generator) * 3
+        boxes = torch.cat([centre, z, size, yaw, velocity], 1)
+        labels = torch.randint(0, len(DETECTION_CLASSES), (n,), generator=generator)
+        samples.append(dense_targets(boxes, labels, grid, max_objects=cfg.detection.max_objects))
+    return collate(samples)
 
 
 def _grid_shape(cfg: Config) -> tuple[int, int]:

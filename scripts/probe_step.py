@@ -1,9 +1,11 @@
-"""Probe of the training step of configs/synthetic_segmentation.yaml on a GPU: the first call (warm-up, compilation, capture) and
-the captured step's replay time for one layout (train.channels_last's values, or "hybrid": channels-last but for
-the depthwise convolutions), optionally compiled (with the compiler's phase times), optionally with a kernel
-profile of eager steps. Random images on the real rig, random depth targets; prints one JSON line first.
+"""Probe of the training step of configs/synthetic_segmentation.yaml (or --config) on a GPU: the first call (warm-up,
+compilation, capture) and the captured step's replay time for one layout (train.channels_last's values, or
+"hybrid": channels-last but for the depthwise convolutions), optionally compiled (with the compiler's phase times),
+optionally with a kernel profile of eager steps. Random images on the real rig, random depth targets (and, with the
+detection head, the targets of random boxes); prints one JSON line first.
 
-    python scripts/probe_step.py --layout bev [--compile [--inductor-defaults]] [--profile] [--replays 60]
+    python scripts/probe_step.py [--config configs/synthetic.yaml] --layout bev [--compile [--inductor-defaults]]
+        [--profile] [--replays 60]
 
 scripts/gpu_probe.sh runs the layouts and two cold compilations, each in a process of its own (docs/benchmarks.md)."""
 from __future__ import annotations
@@ -31,6 +33,8 @@ from lss.models import LiftSplatShoot  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--config", default="configs/synthetic_segmentation.yaml",
+                   help="the config whose step is probed (with the detection head: random boxes as its targets)")
     p.add_argument("--layout", default="bev")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--profile", action="store_true")
@@ -45,7 +49,7 @@ def main() -> None:
         compiled.fast_start_compiler = lambda start_workers: []
     imports_s = time.perf_counter() - T0
     hybrid = a.layout == "hybrid"
-    cfg = load_config("configs/synthetic_segmentation.yaml", [f"train.channels_last={'true' if hybrid else a.layout}", *a.set])
+    cfg = load_config(a.config, [f"train.channels_last={'true' if hybrid else a.layout}", *a.set])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = apply_channels_last(LiftSplatShoot(cfg).to(device), cfg.train.channels_last)
@@ -87,7 +91,8 @@ def main() -> None:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    row = {"layout": a.layout, "compile": a.compile, "inductor_defaults": a.inductor_defaults, "set": a.set,
+    row = {"config": a.config, "layout": a.layout, "compile": a.compile, "inductor_defaults": a.inductor_defaults,
+           "set": a.set,
            "imports_s": round(imports_s, 2),
            "first_call_s": round(first_s, 2), "setup": {k: round(v, 2) for k, v in step.setup_seconds.items()},
            "replay_ms": round(statistics.median(times[5:]), 3), "peak_gb": round(step.peak_bytes / 1e9, 2)}
