@@ -376,15 +376,20 @@ def _paint_pixels(faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray) ->
         if a == b:
             continue
         f = fid[a:b]
-        # _paint_kind paints the slice in place
-        extent = np.take(faces["extent"], f, axis=0)
+        # _paint_kind paints the slice in place; only buildings read the faces' extents
+        extent = np.take(faces["extent"], f, axis=0) if group == BUILDING else None
         _paint_kind(group, faces["type"][f], s[a:b], t[a:b], rgb[a:b], extent)
     rgb *= np.take(faces["shade"].astype(np.float32), fid)[:, None]
     return rgb
 
 
 def _paint_kind(
-    kind: int, ftype: np.ndarray, s: np.ndarray, t: np.ndarray, rgb: np.ndarray, extent: np.ndarray
+    kind: int,
+    ftype: np.ndarray,
+    s: np.ndarray,
+    t: np.ndarray,
+    rgb: np.ndarray,
+    extent: np.ndarray | None,
 ) -> np.ndarray:
     side = (ftype == LEFT) | (ftype == RIGHT)
     ends = (ftype == FRONT) | (ftype == BACK)
