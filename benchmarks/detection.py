@@ -8,7 +8,8 @@ import torch
 from lss.geometry.boxes import bev_envelopes
 from lss.config import Config
 from lss.geometry import BevGrid
-from lss.models.heads.detection import BoxRefiner, decode_peaks, propose, proposal_rois
+from lss.models.heads.box_refiner import BoxRefiner, proposal_rois
+from lss.models.heads.detection_decode import decode_peaks, propose
 from lss.ops import batched_nms, roi_align
 
 

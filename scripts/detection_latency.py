@@ -26,7 +26,7 @@ from lss.data.loader import build_dataset  # noqa: E402
 from lss.engine.distributed import build_autocast, select_device, to_device  # noqa: E402
 from lss.models.build import build_model  # noqa: E402
 from lss.engine.checkpoint import load_for_inference  # noqa: E402
-from lss.models.heads.detection import decode_detections, propose  # noqa: E402
+from lss.models.heads.detection_decode import decode_detections, propose  # noqa: E402
 
 CONFIG = "configs/synthetic_detection.yaml"
 

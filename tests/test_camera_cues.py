@@ -15,7 +15,8 @@ from lss.data.bev_augmentation import BevAugmentation
 from lss.geometry import NUSCENES_CAMERAS, BevGrid, ego_to_pixels, frustum, load_nuscenes_rig, project_to_cameras
 from lss.geometry.proposals import Proposals
 from lss.models.heads.camera_cues import CUE_CHANNELS, depth_cues, image_features
-from lss.models.heads.detection import BoxRefiner, DetectionHead
+from lss.models.heads.box_refiner import BoxRefiner
+from lss.models.heads.detection import DetectionHead
 
 FINAL_DIM, DOWNSAMPLE, DBOUND = (128, 352), 16, (4.0, 45.0, 1.0)
 FRONT = NUSCENES_CAMERAS.index("CAM_FRONT")

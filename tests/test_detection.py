@@ -11,8 +11,9 @@ from lss.geometry.boxes import DETECTION_CLASSES, apply_residuals, bev_envelopes
 from lss.geometry.proposals import Proposals, ground_truth_proposals
 from lss.config import Config, ConfigError, validate
 from lss.geometry import BevGrid
-from lss.models.heads.detection import (BoxRefiner, DetectionHead, decode_detections, decode_peaks, propose,
-                                       training_proposals)
+from lss.models.heads.box_refiner import BoxRefiner
+from lss.models.heads.detection import DetectionHead
+from lss.models.heads.detection_decode import decode_detections, decode_peaks, propose, training_proposals
 from lss.models.heads.detection_loss import detection_loss
 
 GRID = BevGrid.from_config(Config().grid).with_shape((200, 200))

@@ -282,7 +282,7 @@ def test_the_detection_heads_maps_are_exported_and_checked(synthetic_root, tmp_p
     """A model with the detection head (on the decoder's output, or on its own last stage as the default config) exports
     its heatmap logits and regression maps beside the segmentation; onnxruntime gives PyTorch's maps and boxes, and
     `lss export --check` holds the maps to the logits' tolerance."""
-    from lss.models.heads.detection import decode_detections
+    from lss.models.heads.detection_decode import decode_detections
 
     extra = ["model.heads=[segmentation, detection]", "data.detection_targets=true", "detection.head_channels=8",
              "model.bev_full_res_skip=true", f"detection.decoder={decoder}"]

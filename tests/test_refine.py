@@ -1,4 +1,4 @@
-"""The detection head's second stage (lss.models.heads.detection.BoxRefiner and its loss): RoIAlign reads the BEV
+"""The detection head's second stage (lss.models.heads.box_refiner.BoxRefiner and its loss): RoIAlign reads the BEV
 features exactly at a box's centre and face middles, the loss on the dataset's padded ground truth equals the loss on
 the box lists, the stage learns to move boxes towards the truth (not a no-op), a joint model's heads both learn, and
 a refine checkpoint loads, predicts and exports."""
@@ -17,7 +17,9 @@ from lss.geometry import BevGrid
 from lss.geometry.boxes import DETECTION_CLASSES, REFINE_TARGET_KEYS, apply_residuals, dense_targets
 from lss.geometry.proposals import Proposals, ground_truth_proposals
 from lss.geometry.boxes import BOX_POINTS
-from lss.models.heads.detection import BoxRefiner, DetectionHead, decode_detections, point_rois
+from lss.models.heads.box_refiner import BoxRefiner, point_rois
+from lss.models.heads.detection import DetectionHead
+from lss.models.heads.detection_decode import decode_detections
 from lss.models.heads.detection_loss import detection_loss, refine_loss
 
 GRID = BevGrid((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (-10.0, 10.0, 20.0))

@@ -20,7 +20,7 @@ from pyquaternion import Quaternion
 from lss.config import DETECTION_CLASSES, Config, config_from_dict, config_to_dict
 from lss.data.nuscenes import load_tables, resolve_split
 from lss.errors import ConfigError, DatasetError
-from lss.models.heads.detection import decode_detections
+from lss.models.heads.detection_decode import decode_detections
 
 TP_ERRORS = ("trans_err", "scale_err", "orient_err", "vel_err", "attr_err")
 _TABLE_COLUMNS = {

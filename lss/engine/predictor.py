@@ -364,7 +364,7 @@ class Predictor:
             )
         detections = [None] * len(probabilities)
         if self.with_boxes:
-            from lss.models.heads.detection import decode_detections
+            from lss.models.heads.detection_decode import decode_detections
 
             detections = [
                 {k: v.detach().cpu().numpy() for k, v in d.items()}

@@ -153,7 +153,7 @@ def export_model(
     first, see `replacing`). Inputs: "images" B x N x 3 x H x W (float32, normalised with
     data.image_mean / image_std), with rig_inputs also the RIG_KEYS B x N x ...; output
     "segmentation" B x K x nx x ny logits, with the detection head also its first stage's maps
-    "det_heatmap" (logits) and "det_regression" (lss.models.heads.detection.decode_detections
+    "det_heatmap" (logits) and "det_regression" (lss.models.heads.detection_decode.decode_detections
     turns them into boxes; the second stage is not exported); a two-frame model
     (model.temporal.frames: 2, rig inputs only) also reads the previous frame's camera features and
     rig and the ego motion and outputs this frame's features (lss.export.temporal). The batch size

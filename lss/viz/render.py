@@ -121,7 +121,7 @@ def render_sample(
 
 def _predictions(outputs: dict, cfg: Config) -> tuple[np.ndarray, Optional[list[dict]]]:
     """B x K x nx x ny probabilities and, with the detection head, each sample's decoded boxes."""
-    from lss.models.heads.detection import decode_detections
+    from lss.models.heads.detection_decode import decode_detections
 
     probs = outputs["segmentation"].detach().float().sigmoid().cpu().numpy()
     detections = decode_detections(outputs, cfg) if "detection" in cfg.model.heads else None
