@@ -109,6 +109,10 @@ RUNS = {
     # that recipe with the second stage's score trained towards the share of the evaluation's matching distances
     # within which each proposal is a true positive
     "hr_depth_rot_small_q": HR_DEPTH + ROT_SMALL + ("detection.refine_quality=thresholds",),
+    # two frames on configs/synthetic_detection.yaml, and with its second stage also reading the previous frame's
+    # depth distributions where each box's centre projects (docs/temporal.md: motion along the camera rays)
+    "temporal_hr_depth_rot_small": HR_DEPTH + ROT_SMALL + ("model.temporal.frames=2",),
+    "temporal_hr_motion": HR_DEPTH + ROT_SMALL + ("model.temporal.frames=2", "detection.refine_motion=true"),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

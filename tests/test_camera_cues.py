@@ -124,6 +124,7 @@ def test_gradients_reach_only_the_cells_around_the_projected_centre():
 @pytest.mark.parametrize("setting, reads, what", [
     ("refine_depth", {"camera_depth": True}, "depth cues B x P x 7"),
     ("refine_image", {"image_channels": 4}, "image features B x P x 25"),  # 5 points x (4 channels + seen)
+    ("refine_motion", {"motion": True}, "depth cues B x P x 7"),  # the previous frame's cameras
 ])
 def test_missing_camera_reads_and_bad_settings_have_clear_errors(setting, reads, what):
     grid = BevGrid((-10.0, 10.0, 0.5), (-10.0, 10.0, 0.5), (-10.0, 10.0, 20.0))

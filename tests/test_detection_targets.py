@@ -124,12 +124,13 @@ def _detection_cfg(*extra):
 
 def _detection_batches(cfg, device, count, batch_fn=None):
     from test_model import rig_batch
+    from test_temporal_step import two_frame_batch
 
     grid = BevGrid.from_config(cfg.grid)
     batches = []
     for s in range(count):
         g = torch.Generator().manual_seed(100 + s)
-        batch = rig_batch(cfg, seed=s)
+        batch = (two_frame_batch if cfg.model.temporal.frames == 2 else rig_batch)(cfg, seed=s)
         boxes = [random_boxes(3, g, spacing=4.0), random_boxes(2, g, spacing=4.0)]
         labels = [torch.randint(0, len(DETECTION_CLASSES), (len(b),), generator=g) for b in boxes]
         batch.update(_dense_batch(boxes, labels, grid, max_objects=8))
@@ -143,9 +144,11 @@ REFINE = ("detection.refine=true", "detection.refine_hidden=16", "detection.refi
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("extra", [(), REFINE, REFINE + ("detection.refine_depth=true",),
                                    REFINE + ("detection.refine_depth=true", "detection.refine_image=true"),
-                                   REFINE + ("detection.refine_depth=true", "detection.refine_quality=thresholds")],
+                                   REFINE + ("detection.refine_depth=true", "detection.refine_quality=thresholds"),
+                                   REFINE + ("model.temporal.frames=2", "detection.refine_depth=true",
+                                             "detection.refine_motion=true")],
                          ids=["first_stage", "second_stage", "second_stage_camera_depth", "second_stage_cameras",
-                              "second_stage_threshold_quality"])
+                              "second_stage_threshold_quality", "second_stage_two_frames_motion"])
 def test_detection_training_step_on_static_buffers_follows_eager_steps(device, extra, monkeypatch):
     import test_graph_step
 

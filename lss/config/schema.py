@@ -282,6 +282,11 @@ class DetectionConfig:
     # box's centre and four face middles project: the object as the cameras see it, not blurred
     # along the rays
     refine_image: bool = False
+    # with model.temporal.frames: 2, the second stage also reads the previous frame's depth
+    # distributions where each box's centre projects into the previous frame's cameras (moved by
+    # the ego motion): a vehicle that moved along the camera ray, which the splat blurs, shows as a
+    # surface nearer or farther than the box (lss.models.heads.camera_cues)
+    refine_motion: bool = False
     # final score = first stage^(1 - alpha) x second stage^alpha
     refine_score_alpha: float = 0.5
     # which parts of the second stage's box residuals the final boxes take (any of centre, size,

@@ -44,6 +44,7 @@ FIXED_KEYS = (
     "detection.decoder_channels",
     "detection.refine_depth",
     "detection.refine_image",
+    "detection.refine_motion",
 )
 # Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases:
 # .<name>.<random>.tmp).

@@ -41,3 +41,15 @@ def previous_cam_to_ego(
         moved_rot = rot @ sensor2ego_rot.float()
         moved_trans = (rot @ sensor2ego_trans.float().unsqueeze(-1)).squeeze(-1) + trans
         return moved_rot, moved_trans
+
+
+def previous_rig(batch: dict, device: torch.device) -> dict:
+    """The previous frame's rig in the current ego frame: the batch's PREVIOUS_RIG_KEYS as
+    RIG_KEYS (float32 on `device`), camera -> ego replaced by previous_cam_to_ego of its
+    "ego_motion". A point fixed in the world projects through it to the pixels and depth at which
+    the previous frame's cameras saw it."""
+    rig = {key: batch[f"prev_{key}"].to(device=device, dtype=torch.float32) for key in RIG_KEYS}
+    rig["sensor2ego_rot"], rig["sensor2ego_trans"] = previous_cam_to_ego(
+        batch["ego_motion"].to(device), rig["sensor2ego_rot"], rig["sensor2ego_trans"]
+    )
+    return rig

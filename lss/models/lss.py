@@ -7,7 +7,7 @@ from torch import nn
 
 from lss.config import Config
 from lss.geometry import RIG_KEYS, BevGrid
-from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS
+from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS, previous_rig
 from lss.models.bev import BevEncoder
 from lss.models.blocks import scale_gradient
 from lss.models.camera import CameraEncoder, use_lss_depthwise_conv
@@ -123,8 +123,10 @@ class LiftSplatShoot(nn.Module):
         depth = depth.unflatten(0, (b, n))
         context = context.unflatten(0, (b, n))
         bev = self.splat(depth, context, lut)
+        previous = None
         if self.temporal is not None:
-            bev = self.temporal(bev, self.previous_bev(batch))
+            previous = self.previous_features(batch)
+            bev = self.temporal(bev, self.splat(*previous, self.splat.previous_lut(batch)))
         # detection.trunk_grad_scale: the detection branch's gradient into the shared BEV encoder
         # (and the splatted grid) scaled where the branch leaves it
         scale = self.detection_grad_scale if torch.is_grad_enabled() else 1.0
@@ -143,9 +145,11 @@ class LiftSplatShoot(nn.Module):
             gt_boxes, gt_labels = batch_ground_truth(batch)
             cameras = None
             reads = self.detection.cfg  # validated: only with detection.refine
-            if reads.refine_depth or reads.refine_image:
+            if reads.refine_depth or reads.refine_image or reads.refine_motion:
                 cameras = {"depth": depth, "context": context, "frustum": self.splat.frustum}
                 cameras.update({k: batch[k] for k in RIG_KEYS})
+            if reads.refine_motion:  # validated: only with two frames
+                cameras["previous"] = self.previous_cameras(batch, previous[0])
             outputs.update(
                 self.detection(
                     detection_features, gt_boxes=gt_boxes, gt_labels=gt_labels, cameras=cameras
@@ -153,12 +157,12 @@ class LiftSplatShoot(nn.Module):
             )
         return outputs
 
-    def previous_bev(self, batch: dict) -> torch.Tensor:
-        """B x (nz*C) x nx x ny: the previous frame's camera features splatted into the current grid
-        through its LUT (Splat.previous_lut). The features are the batch's "prev_depth"
-        B x N x D x fH x fW and "prev_context" B x N x C x fH x fW where given (streaming: the
-        "camera_depth" and "camera_context" outputs of the frame before), else the camera encoder's
-        of "prev_images", without gradients."""
+    def previous_features(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous frame's camera features (depth B x N x D x fH x fW, context
+        B x N x C x fH x fW), which forward splats into the current grid through their LUT
+        (Splat.previous_lut): the batch's "prev_depth" and "prev_context" where given (streaming:
+        the "camera_depth" and "camera_context" outputs of the frame before), else the camera
+        encoder's of "prev_images", without gradients."""
         streamed = "prev_depth" in batch and "prev_context" in batch
         needed = PREVIOUS_FRAME_KEYS[1:] if streamed else PREVIOUS_FRAME_KEYS
         missing = [k for k in needed if k not in batch]
@@ -168,9 +172,8 @@ class LiftSplatShoot(nn.Module):
                 f"{', '.join(missing)}; the dataset yields them when the config it was built from "
                 "has model.temporal.frames: 2 (lss.data.NuScenesBEV.previous_frame)"
             )
-        lut = self.splat.previous_lut(batch)
         if streamed:
-            return self.splat(batch["prev_depth"], batch["prev_context"], lut)
+            return batch["prev_depth"], batch["prev_context"]
         images = batch["prev_images"]
         if images.shape != batch["images"].shape:
             raise ValueError(
@@ -181,4 +184,11 @@ class LiftSplatShoot(nn.Module):
         b, n = images.shape[:2]
         with torch.no_grad():
             depth, context = self.camera(images.flatten(0, 1))
-        return self.splat(depth.unflatten(0, (b, n)), context.unflatten(0, (b, n)), lut)
+        return depth.unflatten(0, (b, n)), context.unflatten(0, (b, n))
+
+    def previous_cameras(self, batch: dict, depth: torch.Tensor) -> dict:
+        """The previous frame's cameras as the detection head's depth cues read them
+        (detection.refine_motion): its depth distributions, the frustum, and its rig with camera ->
+        ego moved into the current ego frame by the ego motion, so that a box of this frame
+        projects to where a static point at its centre was seen before."""
+        return {"depth": depth, "frustum": self.splat.frustum, **previous_rig(batch, depth.device)}

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lss.geometry import RIG_KEYS, BevGrid, FrustumLUT, FrustumLUTCache, frustum
-from lss.geometry.ego_motion import PREVIOUS_RIG_KEYS, previous_cam_to_ego
+from lss.geometry.ego_motion import previous_rig
 from lss.ops import bev_pool, bev_pool_reference
 
 
@@ -60,20 +60,10 @@ class Splat(nn.Module):
         (PREVIOUS_RIG_KEYS) with camera -> ego replaced by ego_motion @ camera -> prev ego; cached
         apart from the current frame's, by that calibration and pose."""
         device = self.frustum.device
-        K, rot, trans, post_rot, post_trans = (
-            batch[k].to(device=device, dtype=torch.float32) for k in PREVIOUS_RIG_KEYS
-        )
+        rig = previous_rig(batch, device)
         with torch.autocast(device_type=device.type, enabled=False):
-            rot, trans = previous_cam_to_ego(batch["ego_motion"].to(device), rot, trans)
             return self.previous_lut_cache.get(
-                self.frustum.contiguous(),
-                K,
-                rot,
-                trans,
-                post_rot,
-                post_trans,
-                self.grid,
-                self.binning,
+                self.frustum.contiguous(), *(rig[k] for k in RIG_KEYS), self.grid, self.binning
             )
 
     def forward(self, depth: torch.Tensor, context: torch.Tensor, lut: FrustumLUT) -> torch.Tensor:

@@ -51,8 +51,9 @@ class BoxRefiner(nn.Module):
     envelope (features="envelope", roi_size x roi_size); an MLP on them, the class and the
     proposal's own geometry predicts a quality logit (the score) and box residuals
     (lss.geometry.boxes.box_residuals). With `camera_depth` it also reads the proposals' depth cues,
-    with `image_channels` > 0 the cameras' context features (that many channels) at the box's
-    BOX_POINTS (lss.models.heads.camera_cues)."""
+    with `motion` the depth cues of the previous frame's cameras (after the current frame's, when
+    both), with `image_channels` > 0 the cameras' context features (that many channels) at the
+    box's BOX_POINTS (lss.models.heads.camera_cues)."""
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class BoxRefiner(nn.Module):
         features: str = "points",
         camera_depth: bool = False,
         image_channels: int = 0,
+        motion: bool = False,
     ):
         super().__init__()
         if features not in ("points", "envelope"):
@@ -73,11 +75,12 @@ class BoxRefiner(nn.Module):
         self.roi_size = roi_size if features == "envelope" else 1
         self.enlarge = enlarge
         reads = len(BOX_POINTS) if features == "points" else roi_size * roi_size
-        # one-hot class, sin/cos yaw, log size, z, velocity, score (and the camera depth cues, the
-        # image features with whether a camera sees each point)
-        self.camera_depth = camera_depth
+        # one-hot class, sin/cos yaw, log size, z, velocity, score (and the depth cues of this
+        # frame's and the previous frame's cameras, the image features with whether a camera sees
+        # each point)
+        self.cue_width = CUE_CHANNELS * (int(camera_depth) + int(motion))
         self.image_width = len(BOX_POINTS) * (image_channels + 1) if image_channels else 0
-        geometry = num_classes + 9 + (CUE_CHANNELS if camera_depth else 0) + self.image_width
+        geometry = num_classes + 9 + self.cue_width + self.image_width
         self.mlp = nn.Sequential(
             nn.Linear(in_channels * reads + geometry, hidden),
             nn.ReLU(inplace=True),
@@ -98,16 +101,17 @@ class BoxRefiner(nn.Module):
         cues: Optional[torch.Tensor] = None,
         image: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """bev_features B x C x H x W (the H x W map of `grid`); with camera_depth the proposals'
-        depth cues B x P x CUE_CHANNELS, with image_channels their image features B x P x
+        """bev_features B x C x H x W (the H x W map of `grid`); with camera_depth and/or motion the
+        proposals' depth cues B x P x CUE_CHANNELS (each; this frame's first), with image_channels
+        their image features B x P x
         len(BOX_POINTS) (image_channels + 1) (lss.models.heads.camera_cues). Returns score logits
         B x P and residuals B x P x 9, zero on invalid slots. Every slot is computed (fixed shapes,
         no host sync); invalid ones are masked."""
         B, P = proposals.valid.shape
-        if self.camera_depth and (cues is None or cues.shape != (B, P, CUE_CHANNELS)):
+        if self.cue_width and (cues is None or cues.shape != (B, P, self.cue_width)):
             raise ValueError(
-                f"BoxRefiner: detection.refine_depth needs the proposals' depth cues B x P x "
-                f"{CUE_CHANNELS} (B x P = {B} x {P}), got "
+                f"BoxRefiner: detection.refine_depth or refine_motion needs the proposals' depth "
+                f"cues B x P x {self.cue_width} (B x P = {B} x {P}), got "
                 f"{None if cues is None else tuple(cues.shape)}: run the head through "
                 "lss.models.LSS, which passes it the camera depth"
             )
@@ -152,7 +156,7 @@ class BoxRefiner(nn.Module):
                 boxes[:, 7:9],
                 proposals.scores.reshape(-1, 1),
             ]
-            + ([cues.reshape(B * P, CUE_CHANNELS).float()] if self.camera_depth else [])
+            + ([cues.reshape(B * P, self.cue_width).float()] if self.cue_width else [])
             + ([image.reshape(B * P, self.image_width).float()] if self.image_width else []),
             dim=1,
         )

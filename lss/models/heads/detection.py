@@ -76,6 +76,7 @@ class DetectionHead(nn.Module):
                 cfg.refine_features,
                 cfg.refine_depth,
                 image_channels if cfg.refine_image else 0,
+                cfg.refine_motion,
             )
             if cfg.refine
             else None
@@ -110,16 +111,24 @@ class DetectionHead(nn.Module):
                 if extra is not None:
                     proposals = proposals.cat(score_by_heatmap(extra, heat, grid))
         out["det_proposals"] = proposals
-        for setting, key in (("refine_depth", "depth"), ("refine_image", "context")):
+        for setting, key in (
+            ("refine_depth", "depth"),
+            ("refine_image", "context"),
+            ("refine_motion", "previous"),
+        ):
             if getattr(self.cfg, setting) and (cameras is None or key not in cameras):
                 raise ValueError(
                     f"DetectionHead: detection.{setting} reads the cameras; pass cameras "
                     '{"depth": B x N x D x fH x fW and/or "context": B x N x C x fH x fW, '
-                    '"frustum": D x fH x fW x 3, and the batch\'s calibration '
-                    "(lss.geometry.RIG_KEYS)} (lss.models.LSS does)"
+                    '"frustum": D x fH x fW x 3, the batch\'s calibration (lss.geometry.RIG_KEYS) '
+                    'and for refine_motion "previous": the previous frame\'s "depth", "frustum" '
+                    "and calibration in the current ego frame} (lss.models.LSS does)"
                 )
         boxes, valid = proposals.boxes, proposals.valid
-        cues = depth_cues(boxes, valid, cameras) if self.cfg.refine_depth else None
+        # this frame's cameras, then the previous frame's (BoxRefiner's order)
+        sources = [cameras] if self.cfg.refine_depth else []
+        sources += [cameras["previous"]] if self.cfg.refine_motion else []
+        cues = torch.cat([depth_cues(boxes, valid, c) for c in sources], -1) if sources else None
         image = image_features(box_points(boxes), valid, cameras) if self.cfg.refine_image else None
         out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(
             features, proposals, grid, cues, image
