@@ -140,14 +140,12 @@ def cmd_make_synthetic(args) -> int:
 
 def cmd_train(args) -> int:
     cfg = _load(args)
-    if (
-        os.environ.get("LOCAL_RANK", "0") == "0"
-    ):  # one per machine under torchrun (the other ranks build their own)
+    # one index build per machine under torchrun (the other ranks build their own), started before
+    # the trainer's imports and the model so that they overlap it
+    if os.environ.get("LOCAL_RANK", "0") == "0":
         from lss.data.loader import index_splits_in_background
 
-        index_splits_in_background(
-            cfg
-        )  # before the trainer's imports and the model: they overlap it
+        index_splits_in_background(cfg)
     from lss.engine.train import train
     from lss.viz import render_batch
 
