@@ -103,25 +103,21 @@ class BoxRefiner(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """bev_features B x C x H x W (the H x W map of `grid`); with camera_depth and/or motion the
         proposals' depth cues B x P x CUE_CHANNELS (each; this frame's first), with image_channels
-        their image features B x P x
-        len(BOX_POINTS) (image_channels + 1) (lss.models.heads.camera_cues). Returns score logits
-        B x P and residuals B x P x 9, zero on invalid slots. Every slot is computed (fixed shapes,
-        no host sync); invalid ones are masked."""
+        their image features B x P x len(BOX_POINTS) (image_channels + 1)
+        (lss.models.heads.camera_cues). Returns score logits B x P and residuals B x P x 9, zero on
+        invalid slots. Every slot is computed (fixed shapes, no host sync); invalid ones are
+        masked."""
         B, P = proposals.valid.shape
-        if self.cue_width and (cues is None or cues.shape != (B, P, self.cue_width)):
-            raise ValueError(
-                f"BoxRefiner: detection.refine_depth or refine_motion needs the proposals' depth "
-                f"cues B x P x {self.cue_width} (B x P = {B} x {P}), got "
-                f"{None if cues is None else tuple(cues.shape)}: run the head through "
-                "lss.models.LSS, which passes it the camera depth"
-            )
-        if self.image_width and (image is None or image.shape != (B, P, self.image_width)):
-            raise ValueError(
-                f"BoxRefiner: detection.refine_image needs the proposals' image features B x P x "
-                f"{self.image_width} (B x P = {B} x {P}), got "
-                f"{None if image is None else tuple(image.shape)}: run the head through "
-                "lss.models.LSS, which passes it the camera features"
-            )
+        for settings, what, width, given in (
+            ("refine_depth or refine_motion", "depth cues", self.cue_width, cues),
+            ("refine_image", "image features", self.image_width, image),
+        ):
+            if width and (given is None or given.shape != (B, P, width)):
+                raise ValueError(
+                    f"BoxRefiner: detection.{settings} needs the proposals' {what} B x P x {width} "
+                    f"(B x P = {B} x {P}), got {None if given is None else tuple(given.shape)}: "
+                    "run the head through lss.models.LSS, which passes it what the cameras see"
+                )
         if P == 0:
             # Zero-valued use of every parameter: DDP expects gradients for all of them every step.
             unused = sum(p.sum() for p in self.parameters()).float() * 0
