@@ -125,8 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "recipe was tuned on; screen, the 10-scene v1.0-mini set of another seed")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--config", default=CONFIG, help="the config every recipe overrides")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000; 4 with --quick)")
+    p.add_argument("--eval-every", type=int, default=None, help="default 500; with --quick, at the end only")
     p.add_argument("--workers", type=int, default=6, help="data workers per run")
     p.add_argument("--seeds", default="0", help="comma-separated training seeds; every recipe runs once per seed")
     p.add_argument("--runs", default="refine_on,refine_off",
@@ -139,7 +139,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per run before it is stopped")
     p.add_argument("--set", action="append", default=[], dest="overrides", help="extra override for every run")
     p.add_argument("--quick", action="store_true", help="tiny CPU runs on a tiny generated set (tests the path)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 4 if args.quick else 2000
+    if args.eval_every is None:
+        args.eval_every = args.steps if args.quick else 500
+    return args
 
 
 def run_all(args: argparse.Namespace) -> dict:

@@ -42,6 +42,11 @@ def test_recipes_and_seeds_from_the_command_line(tmp_path):
     args = runs.parse_args(["--out-dir", str(tmp_path), "--recipe", "no-equals-sign"])
     with pytest.raises(SystemExit, match="expected NAME=section.key=value"):
         runs.run_all(args)
+    # the measured length by default; --quick tests the path in a few steps, evaluated at the end
+    assert (args.steps, args.eval_every) == (2000, 500)
+    quick = runs.parse_args(["--out-dir", str(tmp_path), "--quick"])
+    assert (quick.steps, quick.eval_every) == (4, 4)
+    assert runs.parse_args(["--out-dir", str(tmp_path), "--quick", "--steps", "6"]).eval_every == 6
 
 
 def test_vehicle_tp_errors_are_averaged_over_the_finished_seeds():
