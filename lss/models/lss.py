@@ -123,10 +123,15 @@ class LiftSplatShoot(nn.Module):
         depth = depth.unflatten(0, (b, n))
         context = context.unflatten(0, (b, n))
         bev = self.splat(depth, context, lut)
-        previous = None
+        previous = previous_cams = None
         if self.temporal is not None:
             previous = self.previous_features(batch)
-            bev = self.temporal(bev, self.splat(*previous, self.splat.previous_lut(batch)))
+            # the previous frame's rig moved into the current ego frame, once for its LUT and the
+            # second stage's motion cues (detection.refine_motion: a box of this frame projects to
+            # where a static point at its centre was seen before)
+            rig = previous_rig(batch, depth.device)
+            previous_cams = {"depth": previous[0], "frustum": self.splat.frustum, **rig}
+            bev = self.temporal(bev, self.splat(*previous, self.splat.previous_lut(batch, rig)))
         # detection.trunk_grad_scale: the detection branch's gradient into the shared BEV encoder
         # (and the splatted grid) scaled where the branch leaves it
         scale = self.detection_grad_scale if torch.is_grad_enabled() else 1.0
@@ -149,7 +154,7 @@ class LiftSplatShoot(nn.Module):
                 cameras = {"depth": depth, "context": context, "frustum": self.splat.frustum}
                 cameras.update({k: batch[k] for k in RIG_KEYS})
             if reads.refine_motion:  # validated: only with two frames
-                cameras["previous"] = self.previous_cameras(batch, previous[0])
+                cameras["previous"] = previous_cams
             outputs.update(
                 self.detection(
                     detection_features, gt_boxes=gt_boxes, gt_labels=gt_labels, cameras=cameras
@@ -185,10 +190,3 @@ class LiftSplatShoot(nn.Module):
         with torch.no_grad():
             depth, context = self.camera(images.flatten(0, 1))
         return depth.unflatten(0, (b, n)), context.unflatten(0, (b, n))
-
-    def previous_cameras(self, batch: dict, depth: torch.Tensor) -> dict:
-        """The previous frame's cameras as the detection head's depth cues read them
-        (detection.refine_motion): its depth distributions, the frustum, and its rig with camera ->
-        ego moved into the current ego frame by the ego motion, so that a box of this frame
-        projects to where a static point at its centre was seen before."""
-        return {"depth": depth, "frustum": self.splat.frustum, **previous_rig(batch, depth.device)}

@@ -3,6 +3,8 @@ bev_pool op)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -55,12 +57,14 @@ class Splat(nn.Module):
         with torch.autocast(device_type=self.frustum.device.type, enabled=False):
             return self.lut_cache.get(self.frustum.contiguous(), *rig, self.grid, self.binning)
 
-    def previous_lut(self, batch: dict) -> FrustumLUT:
+    def previous_lut(self, batch: dict, rig: Optional[dict] = None) -> FrustumLUT:
         """The previous frame's LUT into the current grid (model.temporal.frames: 2): its rig
-        (PREVIOUS_RIG_KEYS) with camera -> ego replaced by ego_motion @ camera -> prev ego; cached
-        apart from the current frame's, by that calibration and pose."""
+        (PREVIOUS_RIG_KEYS) with camera -> ego replaced by ego_motion @ camera -> prev ego (`rig`:
+        that rig when the caller has composed it already, lss.geometry.ego_motion.previous_rig);
+        cached apart from the current frame's, by that calibration and pose."""
         device = self.frustum.device
-        rig = previous_rig(batch, device)
+        if rig is None:
+            rig = previous_rig(batch, device)
         with torch.autocast(device_type=device.type, enabled=False):
             return self.previous_lut_cache.get(
                 self.frustum.contiguous(), *(rig[k] for k in RIG_KEYS), self.grid, self.binning
