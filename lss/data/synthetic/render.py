@@ -180,10 +180,11 @@ def render_camera(
         visible = np.bincount(ids.reshape(-1)[pix], minlength=n).astype(np.int64)
         # the object pixels sorted by their face's kind (a stable radix sort of small integers), so
         # that each kind is painted on one contiguous slice
-        order = np.argsort(faces["kind"].astype(np.uint8)[fid], kind="stable")
+        kind = faces["kind"].astype(np.uint8)[fid]
+        order = np.argsort(kind, kind="stable")
         pix, fid = pix[order], fid[order]
         st = np.take(face_st.reshape(2, -1), pix, axis=1)
-        _put_pixels(img, pix, _paint_pixels(faces, fid, st[0], st[1]))
+        _put_pixels(img, pix, _paint_pixels(faces, fid, st[0], st[1], kind[order]))
     return cv2.convertScaleAbs(img), ids, visible, projected
 
 
@@ -358,13 +359,17 @@ def _rasterize_faces(
     }
 
 
-def _paint_pixels(faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
+def _paint_pixels(
+    faces: dict, fid: np.ndarray, s: np.ndarray, t: np.ndarray, kind: np.ndarray | None = None
+) -> np.ndarray:
     """Colour of object pixels showing faces `fid` (sorted by the faces' kind) at face coordinates
     (s, t): the face's base colour with its details (windows, wheels, lamps, clothes, stripes),
-    times the face's sun shading. Returns M x 3 float32."""
+    times the face's sun shading. `kind`: the pixels' faces' kinds (faces["kind"][fid]) where the
+    caller has them. Returns M x 3 float32."""
     s = np.clip(s, 0.0, 1.0)
     t = np.clip(t, 0.0, 1.0)
-    kind = faces["kind"][fid]
+    if kind is None:
+        kind = faces["kind"][fid]
     if np.any(kind[1:] < kind[:-1]):
         raise ValueError("_paint_pixels: the pixels must be sorted by their face's kind")
     # per-face values cast before the per-pixel gathers (the same float32 values, fewer bytes);
