@@ -179,6 +179,8 @@ def test_the_augmented_second_stage_recipes_are_the_depth_cue_stage_plus_one_cha
     two = changes("temporal_hr_depth_rot_small")
     assert set(two) == set(rot) | {("model", "temporal")} and two[("model", "temporal")]["frames"] == 2
     assert changes("temporal_hr_motion") == {**two, ("detection", "refine_motion"): True}
+    assert changes("temporal_hr_motion_cbgs") == {**two, ("detection", "refine_motion"): True,
+                                                 ("data", "class_balanced"): True}
     # the rotation screen on the first stage is the same augmentation without the second stage
     first = config_to_dict(load_config(detection, list(runs.RUNS["hr_bevrot_small"])))
     assert first["data"]["bev_rot_lim"] == rot[("data", "bev_rot_lim")] and not first["detection"]["refine"]
