@@ -123,14 +123,13 @@ class LiftSplatShoot(nn.Module):
         depth = depth.unflatten(0, (b, n))
         context = context.unflatten(0, (b, n))
         bev = self.splat(depth, context, lut)
-        previous = previous_cams = None
+        previous = rig = None
         if self.temporal is not None:
             previous = self.previous_features(batch)
             # the previous frame's rig moved into the current ego frame, once for its LUT and the
             # second stage's motion cues (detection.refine_motion: a box of this frame projects to
             # where a static point at its centre was seen before)
             rig = previous_rig(batch, depth.device)
-            previous_cams = {"depth": previous[0], "frustum": self.splat.frustum, **rig}
             bev = self.temporal(bev, self.splat(*previous, self.splat.previous_lut(batch, rig)))
         # detection.trunk_grad_scale: the detection branch's gradient into the shared BEV encoder
         # (and the splatted grid) scaled where the branch leaves it
@@ -154,7 +153,7 @@ class LiftSplatShoot(nn.Module):
                 cameras = {"depth": depth, "context": context, "frustum": self.splat.frustum}
                 cameras.update({k: batch[k] for k in RIG_KEYS})
             if reads.refine_motion:  # validated: only with two frames
-                cameras["previous"] = previous_cams
+                cameras["previous"] = {"depth": previous[0], "frustum": self.splat.frustum, **rig}
             outputs.update(
                 self.detection(
                     detection_features, gt_boxes=gt_boxes, gt_labels=gt_labels, cameras=cameras
