@@ -181,6 +181,8 @@ def test_the_augmented_second_stage_recipes_are_the_depth_cue_stage_plus_one_cha
     assert changes("temporal_hr_motion") == {**two, ("detection", "refine_motion"): True}
     assert changes("temporal_hr_motion_cbgs") == {**two, ("detection", "refine_motion"): True,
                                                  ("data", "class_balanced"): True}
+    assert changes("temporal_hr_motion_norot") == {("model", "temporal"): two[("model", "temporal")],
+                                                  ("detection", "refine_motion"): True}
     # the rotation screen on the first stage is the same augmentation without the second stage
     first = config_to_dict(load_config(detection, list(runs.RUNS["hr_bevrot_small"])))
     assert first["data"]["bev_rot_lim"] == rot[("data", "bev_rot_lim")] and not first["detection"]["refine"]
