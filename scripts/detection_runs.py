@@ -344,6 +344,12 @@ def to_text(summary: dict) -> str:
                                              if row["has_ground_truth"]))
             lines.append("  TP errors (vehicles) " + ", ".join(
                 f"{k} {v:.3f}" for k, v in det["vehicles"]["tp_errors"].items() if v is not None))
+            flips = (det.get("true_positives") or {}).get("per_class", {})
+            if any(n in flips for n in det["vehicles"]["classes"]):
+                lines.append("  heading flipped / velocity reversed (share of true positives) " + ", ".join(
+                    f"{n} {flips[n]['heading_flipped']:.3f} / "
+                    + ("-" if flips[n]["velocity_reversed"] is None else f"{flips[n]['velocity_reversed']:.3f}")
+                    for n in det["vehicles"]["classes"] if n in flips))
     for name, recipe in summary["recipes"].items():
         final = "  ".join(f"{m} {v[0]:.4f} +- {v[1]:.4f}" for m, v in recipe["final"].items() if v)
         lines.append(f"recipe {name} ({recipe['finished_seeds']} seeds finished): {final}")

@@ -2,6 +2,7 @@
 through decode, NMS and the official DetectionEval; the vehicle summary follows the devkit's formulas."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,24 @@ def test_dataset_targets_as_predictions_score_ap_one(synthetic_root, tmp_path):
     # parked cars both stand still).
     assert vehicles["NDS"] == pytest.approx((5 + 4 + 1 - vehicles["tp_errors"]["attr_err"]) / 10)
     assert "vehicles (car" in (tmp_path / "detection_metrics.md").read_text()
+    # every ground-truth box within the class's evaluation range is a true positive, none turned around or driving
+    # backwards
+    from nuscenes.eval.common.config import config_factory
+
+    ranges = config_factory("detection_cvpr_2019").class_range
+    true_positives = summary["true_positives"]["per_class"]
+    assert set(true_positives) == set(present)
+    for name, row in true_positives.items():
+        count = 0
+        for i in range(len(dataset)):
+            boxes, labels = dataset.detection_targets(i)
+            near = np.hypot(boxes[:, 0], boxes[:, 1]) <= ranges[name]
+            count += int((near & (labels == DETECTION_CLASSES.index(name))).sum())
+        assert row["true_positives"] == count, name
+        assert row["heading_flipped"] in (0.0, None) and row["velocity_reversed"] in (0.0, None), name
+        assert row["velocity_error"]["heading_right"] == pytest.approx(0.0, abs=1e-3), name
+    assert true_positives["car"]["moving"] > 0
+    assert "| car |" in (tmp_path / "detection_metrics.md").read_text().split("true positives within 2.0 m")[1]
 
     # Boxes no lidar point reaches are not in the evaluation's ground truth: targets that keep them turn into false
     # positives ranked with the true ones.

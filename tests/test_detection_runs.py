@@ -223,3 +223,21 @@ def test_a_quick_run_evaluates_its_decode_variants(tmp_path):
     # the config's own decoding in the separate evaluation scores what the run's final evaluation scored
     assert math.isclose(run["decode"]["(the config)"]["mAP"], run["detection"]["mAP"])
     assert set(summary["recipes"]["refine_on"]["decode"]) == {"(the config)", "score_only"}
+
+
+def test_the_summary_prints_the_vehicles_heading_flips():
+    runs = _module()
+    det = {"per_class": {"car": {"AP": 0.7, "has_ground_truth": True}, "truck": {"AP": 0.4, "has_ground_truth": True}},
+           "vehicles": {"classes": ["car", "truck"], "tp_errors": {"vel_err": 1.5, "attr_err": None}},
+           "true_positives": {"per_class": {"car": {"heading_flipped": 0.02, "velocity_reversed": 0.05},
+                                            "truck": {"heading_flipped": 0.125, "velocity_reversed": None}}}}
+    run = {"finished": True, "timed_out": False, "returncode": 0, "last_step": 6000, "wall_seconds": 1.0,
+           "curve": [], "detection": det}
+    text = runs.to_text({"device": "cpu", "date": "d", "steps": 1, "seeds": [0], "dataset": {},
+                         "runs": {"w_s0": run}, "recipes": {}})
+    assert "AP car 0.700, truck 0.400" in text and "vel_err 1.500" in text
+    assert "heading flipped / velocity reversed (share of true positives) car 0.020 / 0.050, truck 0.125 / -" in text
+    # summaries written before the true positives were reported print as they did
+    del det["true_positives"]
+    assert "heading flipped" not in runs.to_text({"device": "cpu", "date": "d", "steps": 1, "seeds": [0],
+                                                  "dataset": {}, "runs": {"w_s0": run}, "recipes": {}})

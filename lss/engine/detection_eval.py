@@ -19,6 +19,7 @@ from pyquaternion import Quaternion
 
 from lss.config import DETECTION_CLASSES, Config, config_from_dict, config_to_dict
 from lss.data.nuscenes import load_tables, resolve_split
+from lss.engine.detection_motion import format_heading_table, heading_and_velocity
 from lss.errors import ConfigError, DatasetError
 from lss.models.heads.detection_decode import decode_detections
 
@@ -256,7 +257,8 @@ def evaluate_submission(
     """Run the official DetectionEval (detection_cvpr_2019) on a submission (object or JSON path).
 
     Writes OUT_DIR/detection_submission.json (when given an object), detection_metrics.json and
-    detection_metrics.md; returns summarize()'s dict plus "eval_set" and "num_samples". With
+    detection_metrics.md; returns summarize()'s dict plus "eval_set", "num_samples" and
+    "true_positives" (lss.engine.detection_motion: heading flips and reversed velocities). With
     `sample_tokens`, the evaluation is restricted to those samples of the split (e.g. when
     eval.max_batches stopped early).
     """
@@ -290,8 +292,13 @@ def evaluate_submission(
     summary = summarize(metrics, {box.detection_name for box in evaluator.gt_boxes.all})
     summary["eval_set"] = eval_set
     summary["num_samples"] = len(evaluator.sample_tokens)
+    summary["true_positives"] = heading_and_velocity(
+        evaluator.gt_boxes, evaluator.pred_boxes, summary["classes_with_gt"]
+    )
     (out_dir / "detection_metrics.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "detection_metrics.md").write_text(format_table(summary))
+    (out_dir / "detection_metrics.md").write_text(
+        format_table(summary) + "\n" + format_heading_table(summary["true_positives"])
+    )
     return summary
 
 
