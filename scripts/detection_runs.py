@@ -121,6 +121,12 @@ RUNS = {
     # and without the BEV rotation: one frame's truck velocity error is 1.6-1.8 m/s without it and 2.3-2.7 with it
     # (docs/temporal.md)
     "temporal_hr_motion_norot": HR_DEPTH + ("model.temporal.frames=2", "detection.refine_motion=true"),
+    # the second stage also calling the proposals that face the wrong way (the truck's heading flips under the
+    # rotation, and its velocity with them: docs/temporal.md), on the config and on two frames with the motion cues
+    "hr_depth_rot_small_reversal": HR_DEPTH + ROT_SMALL + ("detection.refine_reversal=true",),
+    "temporal_hr_motion_reversal": HR_DEPTH
+    + ROT_SMALL
+    + ("model.temporal.frames=2", "detection.refine_motion=true", "detection.refine_reversal=true"),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

@@ -165,7 +165,8 @@ def test_second_stage_gradients_reach_bev_features_through_roi_align(device):
                           torch.tensor([[True, False], [True, False]], device=device))
     refiner = BoxRefiner(8, 10, roi_size=3, hidden=16, enlarge=1.0).to(device)
     torch.nn.init.normal_(refiner.residual.weight)
-    scores, residuals = refiner(features, proposals, grid)
+    scores, residuals, reversal = refiner(features, proposals, grid)
+    assert reversal is None  # detection.refine_reversal off
     assert residuals[:, 1].abs().sum() == 0 and scores[:, 1].abs().sum() == 0
     (scores.sum() + residuals.sum()).backward()
     grad = features.grad.abs().sum(1).cpu()  # B x H x W

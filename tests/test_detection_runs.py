@@ -183,6 +183,9 @@ def test_the_augmented_second_stage_recipes_are_the_depth_cue_stage_plus_one_cha
                                                  ("data", "class_balanced"): True}
     assert changes("temporal_hr_motion_norot") == {("model", "temporal"): two[("model", "temporal")],
                                                   ("detection", "refine_motion"): True}
+    reversal = {("detection", "refine_reversal"): True}
+    assert changes("hr_depth_rot_small_reversal") == {**rot, **reversal}
+    assert changes("temporal_hr_motion_reversal") == {**two, ("detection", "refine_motion"): True, **reversal}
     # the rotation screen on the first stage is the same augmentation without the second stage
     first = config_to_dict(load_config(detection, list(runs.RUNS["hr_bevrot_small"])))
     assert first["data"]["bev_rot_lim"] == rot[("data", "bev_rot_lim")] and not first["detection"]["refine"]

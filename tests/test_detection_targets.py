@@ -146,9 +146,11 @@ REFINE = ("detection.refine=true", "detection.refine_hidden=16", "detection.refi
                                    REFINE + ("detection.refine_depth=true", "detection.refine_image=true"),
                                    REFINE + ("detection.refine_depth=true", "detection.refine_quality=thresholds"),
                                    REFINE + ("model.temporal.frames=2", "detection.refine_depth=true",
-                                             "detection.refine_motion=true")],
+                                             "detection.refine_motion=true"),
+                                   REFINE + ("detection.refine_reversal=true",)],
                          ids=["first_stage", "second_stage", "second_stage_camera_depth", "second_stage_cameras",
-                              "second_stage_threshold_quality", "second_stage_two_frames_motion"])
+                              "second_stage_threshold_quality", "second_stage_two_frames_motion",
+                              "second_stage_reversal"])
 def test_detection_training_step_on_static_buffers_follows_eager_steps(device, extra, monkeypatch):
     import test_graph_step
 
@@ -165,7 +167,9 @@ def test_detection_training_step_on_static_buffers_follows_eager_steps(device, e
         for a, b in zip(eager, graphed):
             assert math.isclose(a, b, rel_tol=2e-2), (eager, graphed)
     assert all(math.isfinite(v) and v > 0 for v in graphed)
-    assert ("loss/det_refine_box" in step(_detection_batches(cfg, device, 1)[0])) == bool(extra)
+    logs = step(_detection_batches(cfg, device, 1)[0])
+    assert ("loss/det_refine_box" in logs) == bool(extra)
+    assert ("loss/det_refine_reversal" in logs) == ("detection.refine_reversal=true" in extra)
 
 
 def test_heatmap_class_weights_scale_each_class_heatmap_loss():

@@ -67,7 +67,7 @@ def test_both_designs_mask_invalid_slots_and_pass_gradients_only_through_valid_o
     valid = torch.tensor([[True, False, False], [False, False, True]])
     refiner = BoxRefiner(8, 10, roi_size=3, hidden=16, enlarge=1.0, features=features)
     torch.nn.init.normal_(refiner.residual.weight)
-    scores, residuals = refiner(bev, Proposals(boxes, torch.full((2, 3), 0.5), torch.zeros(2, 3, dtype=torch.long),
+    scores, residuals, _ = refiner(bev, Proposals(boxes, torch.full((2, 3), 0.5), torch.zeros(2, 3, dtype=torch.long),
                                                valid), GRID)
     assert scores.shape == (2, 3) and residuals.shape == (2, 3, 9)
     assert scores[~valid].abs().sum() == 0 and residuals[~valid].abs().sum() == 0

@@ -287,6 +287,13 @@ class DetectionConfig:
     # the ego motion): a vehicle that moved along the camera ray, which the splat blurs, shows as a
     # surface nearer or farther than the box (lss.models.heads.camera_cues)
     refine_motion: bool = False
+    # the second stage also predicts whether each proposal faces the wrong way (heading more than
+    # 90 degrees off); a proposal it calls reversed is turned around (heading + 180 degrees,
+    # velocity negated: the head's velocity follows its heading) before the residuals apply
+    refine_reversal: bool = False
+    # the share of the jittered ground-truth proposals turned around while training with it, so
+    # that the reversal logit sees wrong-way boxes from the first step
+    refine_reversal_share: float = 0.25
     # final score = first stage^(1 - alpha) x second stage^alpha
     refine_score_alpha: float = 0.5
     # which parts of the second stage's box residuals the final boxes take (any of centre, size,

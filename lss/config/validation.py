@@ -312,12 +312,17 @@ def validate(cfg: Config) -> Config:
         f"detection.decoder_channels={d.decoder_channels}: the width of the detection head's own "
         "decoder stage, a count >= 1 with detection.decoder: own (null: the BEV encoder's width)",
     )
-    for setting in ("refine_depth", "refine_image", "refine_motion"):
+    for setting in ("refine_depth", "refine_image", "refine_motion", "refine_reversal"):
         _check(
             d.refine or not getattr(d, setting),
             f"detection.{setting}: true feeds the second stage, which is off; set "
             f"detection.refine: true as well, or {setting}: false",
         )
+    _check(
+        0 <= d.refine_reversal_share < 1,
+        f"detection.refine_reversal_share={d.refine_reversal_share}: expected the share of the "
+        "jittered ground-truth proposals turned around, in [0, 1)",
+    )
     _check(
         not d.refine_motion or model.temporal.frames == 2,
         "detection.refine_motion: true reads the previous frame's depth distributions; set "

@@ -179,6 +179,28 @@ def box_residuals(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     )
 
 
+def turn_around(boxes: torch.Tensor, reversed_: torch.Tensor) -> torch.Tensor:
+    """Boxes ... x 9 with those where `reversed_` (bool ...) turned around: heading + pi (wrapped
+    to [-pi, pi)), velocity negated; the others unchanged."""
+    yaw = boxes[..., BOX_YAW]
+    turned = torch.remainder(yaw + 2 * math.pi, 2 * math.pi) - math.pi
+    flip = reversed_.unsqueeze(-1)
+    return torch.cat(
+        [
+            boxes[..., :BOX_YAW],
+            torch.where(reversed_, turned, yaw).unsqueeze(-1),
+            torch.where(flip, -boxes[..., BOX_VELOCITY], boxes[..., BOX_VELOCITY]),
+        ],
+        dim=-1,
+    )
+
+
+def reversed_heading(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """bool ...: whether each proposal's heading is more than 90 degrees from its target's."""
+    d_yaw = torch.remainder(targets[..., BOX_YAW] - proposals[..., BOX_YAW] + math.pi, 2 * math.pi)
+    return (d_yaw - math.pi).abs() > math.pi / 2
+
+
 def apply_residuals(
     proposals: torch.Tensor, residuals: torch.Tensor, parts: Sequence[str] = tuple(RESIDUAL_PARTS)
 ) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lss.geometry.boxes import BOX_DIM, centre_cells
+from lss.geometry.boxes import BOX_DIM, centre_cells, turn_around
 from lss.geometry.grid import BevGrid
 
 
@@ -65,12 +65,16 @@ def jitter_boxes(
     centre_jitter: float = 0.5,
     size_jitter: float = 0.1,
     yaw_jitter: float = 0.2,
+    turn_share: float = 0.0,
 ) -> Proposals:
     """Jittered copies of padded ground-truth boxes B x M x 9 (labels B x M, -1 on padding) as
     B x M proposals with score 0, valid where the label is a class and the jittered centre stays on
     the grid's map; unknown (NaN) velocities become 0. Jitter: centre std in metres, relative size
     std, yaw std in radians, one randn(B, M, 4) drawn on `generator`'s device (default: the global
-    generator of the boxes' device, so that a captured CUDA step draws it on the GPU)."""
+    generator of the boxes' device, so that a captured CUDA step draws it on the GPU). With
+    `turn_share` > 0 that share of the copies (one rand(B, M) after the randn) is also turned
+    around (lss.geometry.boxes.turn_around): the wrong-way proposals the second stage's reversal
+    logit learns from."""
     device = generator.device if generator is not None else boxes.device
     noise = torch.randn(*boxes.shape[:2], 4, generator=generator, device=device).to(boxes.device)
     jittered = torch.cat(
@@ -83,6 +87,9 @@ def jitter_boxes(
         ],
         dim=-1,
     )
+    if turn_share > 0:
+        draw = torch.rand(*boxes.shape[:2], generator=generator, device=device).to(boxes.device)
+        jittered = turn_around(jittered, draw < turn_share)
     flat = jittered.reshape(-1, BOX_DIM)
     _, _, ok = centre_cells(flat, labels.reshape(-1), grid, num_classes)
     valid = ok.view(labels.shape)

@@ -50,10 +50,11 @@ class BoxRefiner(nn.Module):
     four face middles (features="points", CenterPoint's design) or over its enlarged axis-aligned
     envelope (features="envelope", roi_size x roi_size); an MLP on them, the class and the
     proposal's own geometry predicts a quality logit (the score) and box residuals
-    (lss.geometry.boxes.box_residuals). With `camera_depth` it also reads the proposals' depth cues,
-    with `motion` the depth cues of the previous frame's cameras (after the current frame's, when
-    both), with `image_channels` > 0 the cameras' context features (that many channels) at the
-    box's BOX_POINTS (lss.models.heads.camera_cues)."""
+    (lss.geometry.boxes.box_residuals), with `reversal` also a logit for the proposal facing the
+    wrong way (lss.geometry.boxes.reversed_heading). With `camera_depth` it also reads the
+    proposals' depth cues, with `motion` the depth cues of the previous frame's cameras (after the
+    current frame's, when both), with `image_channels` > 0 the cameras' context features (that
+    many channels) at the box's BOX_POINTS (lss.models.heads.camera_cues)."""
 
     def __init__(
         self,
@@ -66,6 +67,7 @@ class BoxRefiner(nn.Module):
         camera_depth: bool = False,
         image_channels: int = 0,
         motion: bool = False,
+        reversal: bool = False,
     ):
         super().__init__()
         if features not in ("points", "envelope"):
@@ -89,6 +91,7 @@ class BoxRefiner(nn.Module):
         )
         self.score = nn.Linear(hidden, 1)
         self.residual = nn.Linear(hidden, BOX_DIM)
+        self.reversal = nn.Linear(hidden, 1) if reversal else None
         # Start as the identity on boxes, so that early training does not move the proposals around.
         nn.init.zeros_(self.residual.weight)
         nn.init.zeros_(self.residual.bias)
@@ -100,13 +103,13 @@ class BoxRefiner(nn.Module):
         grid: BevGrid,
         cues: Optional[torch.Tensor] = None,
         image: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """bev_features B x C x H x W (the H x W map of `grid`); with camera_depth and/or motion the
         proposals' depth cues B x P x CUE_CHANNELS (each; this frame's first), with image_channels
         their image features B x P x len(BOX_POINTS) (image_channels + 1)
-        (lss.models.heads.camera_cues). Returns score logits B x P and residuals B x P x 9, zero on
-        invalid slots. Every slot is computed (fixed shapes, no host sync); invalid ones are
-        masked."""
+        (lss.models.heads.camera_cues). Returns score logits B x P, residuals B x P x 9 and with
+        `reversal` reversal logits B x P (else None), zero on invalid slots. Every slot is computed
+        (fixed shapes, no host sync); invalid ones are masked."""
         B, P = proposals.valid.shape
         for settings, what, width, given in (
             ("refine_depth or refine_motion", "depth cues", self.cue_width, cues),
@@ -124,6 +127,9 @@ class BoxRefiner(nn.Module):
             return (
                 bev_features.new_zeros(B, 0, dtype=torch.float32) + unused,
                 bev_features.new_zeros(B, 0, BOX_DIM, dtype=torch.float32) + unused,
+                None
+                if self.reversal is None
+                else bev_features.new_zeros(B, 0, dtype=torch.float32) + unused,
             )
         if self.features == "points":
             rois, sampling = point_rois(proposals, grid), 1
@@ -162,4 +168,9 @@ class BoxRefiner(nn.Module):
         residuals = torch.where(
             valid.unsqueeze(-1), self.residual(hidden).float().view(B, P, BOX_DIM), 0.0
         )
-        return score_logits, residuals
+        reversal = (
+            None
+            if self.reversal is None
+            else torch.where(valid, self.reversal(hidden).float().view(B, P), 0.0)
+        )
+        return score_logits, residuals, reversal

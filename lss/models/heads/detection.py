@@ -37,7 +37,8 @@ class DetectionHead(nn.Module):
     `extra_proposals` and, while training with cfg.refine_gt_proposals, jittered copies of the
     ground truth (gt_boxes / gt_labels: padded B x M x 9 / B x M tensors with label -1 on padding,
     as the dataset's dense targets, or one M_b x 9 / M_b tensor per sample), all scored by the
-    heatmap), "det_refine_scores" B x P logits and "det_refine_residuals" B x P x 9.
+    heatmap), "det_refine_scores" B x P logits and "det_refine_residuals" B x P x 9, with
+    cfg.refine_reversal "det_refine_reversal" B x P logits (the proposal faces the wrong way).
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class DetectionHead(nn.Module):
                 cfg.refine_depth,
                 image_channels if cfg.refine_image else 0,
                 cfg.refine_motion,
+                cfg.refine_reversal,
             )
             if cfg.refine
             else None
@@ -130,9 +132,10 @@ class DetectionHead(nn.Module):
         sources += [cameras["previous"]] if self.cfg.refine_motion else []
         cues = torch.cat([depth_cues(boxes, valid, c) for c in sources], -1) if sources else None
         image = image_features(box_points(boxes), valid, cameras) if self.cfg.refine_image else None
-        out["det_refine_scores"], out["det_refine_residuals"] = self.refiner(
-            features, proposals, grid, cues, image
-        )
+        scores, residuals, reversal = self.refiner(features, proposals, grid, cues, image)
+        out["det_refine_scores"], out["det_refine_residuals"] = scores, residuals
+        if reversal is not None:
+            out["det_refine_reversal"] = reversal
         return out
 
     def _ground_truth(self, gt_boxes, gt_labels, grid: BevGrid, device) -> Optional[Proposals]:
@@ -142,7 +145,8 @@ class DetectionHead(nn.Module):
         if gt_labels is None:
             raise ValueError("DetectionHead: gt_boxes were given without gt_labels")
         boxes, labels = padded_truth(gt_boxes, gt_labels, device)
-        return jitter_boxes(boxes, labels, grid, self.num_classes)
+        turn = self.cfg.refine_reversal_share if self.cfg.refine_reversal else 0.0
+        return jitter_boxes(boxes, labels, grid, self.num_classes, turn_share=turn)
 
 
 def batch_ground_truth(batch: dict) -> tuple:

@@ -15,6 +15,7 @@ from lss.geometry.boxes import (
     apply_residuals,
     bev_envelopes,
     regression_to_boxes,
+    turn_around,
 )
 from lss.geometry.proposals import Proposals
 from lss.ops import batched_nms
@@ -137,16 +138,19 @@ def decode_detections(outputs: dict, config: Config) -> list[dict]:
     "boxes" M x 9 (ego frame), "scores" M (descending) and "labels" M (int64 into
     DETECTION_CLASSES).
 
-    With the second stage the proposals' boxes get the residuals (of detection.refine_residuals)
+    With the second stage the proposals' boxes (turned around where the second stage calls them
+    reversed, with detection.refine_reversal) get the residuals (of detection.refine_residuals)
     and the score is
     first stage^(1 - a) x second stage^a (a = detection.refine_score_alpha); without it the
     first-stage proposals are the detections."""
     cfg = config.detection
     if "det_refine_scores" in outputs:
         proposals = outputs["det_proposals"]
-        boxes = apply_residuals(
-            proposals.boxes, outputs["det_refine_residuals"].detach(), cfg.refine_residuals
-        )
+        start = proposals.boxes
+        if "det_refine_reversal" in outputs:
+            start = turn_around(start, outputs["det_refine_reversal"].detach() > 0)
+        residuals = outputs["det_refine_residuals"].detach()
+        boxes = apply_residuals(start, residuals, cfg.refine_residuals)
         alpha = cfg.refine_score_alpha
         quality = torch.sigmoid(outputs["det_refine_scores"].detach().float())
         scores = proposals.scores.clamp(min=0) ** (1 - alpha) * quality**alpha

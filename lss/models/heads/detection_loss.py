@@ -20,6 +20,8 @@ from lss.geometry.boxes import (
     box_residuals,
     encode_targets,
     pad_targets,
+    reversed_heading,
+    turn_around,
 )
 from lss.config import Config
 from lss.geometry import BevGrid
@@ -196,7 +198,10 @@ def refine_loss(
     BCE of the quality logit towards quality_target (`quality`: detection.refine_quality) of the
     distance to the nearest same-class ground truth, per valid proposal; "det_refine_box", L1 of
     the residuals of the positive proposals (within match_distance) weighted by code_weights (the
-    unknown velocities of some ground truth weigh 0), per positive."""
+    unknown velocities of some ground truth weigh 0), per positive. With "det_refine_reversal" in
+    `outputs` also "det_refine_reversal", BCE of that logit towards whether the positive faces the
+    wrong way (lss.geometry.boxes.reversed_heading), per positive; the residuals are then those of
+    the proposal turned around where it does (what decode_detections applies them to)."""
     proposals = outputs["det_proposals"]
     gt_boxes, gt_labels = batch_ground_truth(batch)
     matched, distance, positive = match_proposals(proposals, gt_boxes, gt_labels, match_distance)
@@ -205,7 +210,12 @@ def refine_loss(
     score = F.binary_cross_entropy_with_logits(
         outputs["det_refine_scores"], score_target, reduction="none"
     )
-    residual_target = box_residuals(proposals.boxes, matched)
+    reversal = outputs.get("det_refine_reversal")
+    start = proposals.boxes
+    if reversal is not None:
+        reversed_ = reversed_heading(proposals.boxes, torch.nan_to_num(matched)) & positive
+        start = turn_around(proposals.boxes, reversed_)
+    residual_target = box_residuals(start, matched)
     # by slices: indexing by a list would copy the list from the host (a captured step cannot)
     weight = (
         torch.cat([code_weights[i : i + 1] for i in RESIDUAL_WEIGHT_CHANNELS])
@@ -213,10 +223,17 @@ def refine_loss(
         * positive.unsqueeze(-1).float()
     )
     box_l1 = (outputs["det_refine_residuals"] - torch.nan_to_num(residual_target)).abs() * weight
-    return {
+    positives = positive.sum().clamp(min=1)
+    terms = {
         "det_refine_score": (score * valid).sum() / valid.sum().clamp(min=1),
-        "det_refine_box": box_l1.sum() / positive.sum().clamp(min=1),
+        "det_refine_box": box_l1.sum() / positives,
     }
+    if reversal is not None:
+        turned = F.binary_cross_entropy_with_logits(
+            reversal.float(), reversed_.float(), reduction="none"
+        )
+        terms["det_refine_reversal"] = (turned * positive.float()).sum() / positives
+    return terms
 
 
 class DetectionLoss(nn.Module):
