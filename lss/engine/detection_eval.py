@@ -405,7 +405,8 @@ class DetectionCollector:
             nusc, submission, eval_set, out_dir, sample_tokens=restrict, verbose=verbose
         )
         if print_table:
-            print(format_table(summary), end="")
+            heading = format_heading_table(summary["true_positives"])
+            print(format_table(summary), heading, sep="\n", end="")
         return summary
 
     def evaluate_dataset(
