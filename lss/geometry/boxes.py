@@ -162,12 +162,17 @@ def regression_to_boxes(
     )
 
 
+def yaw_difference(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """... : each target's heading minus its proposal's, wrapped to [-pi, pi)."""
+    d_yaw = targets[..., BOX_YAW] - proposals[..., BOX_YAW]
+    return torch.remainder(d_yaw + math.pi, 2 * math.pi) - math.pi
+
+
 def box_residuals(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """What the second stage learns, ... x 9: centre and velocity differences, log size ratios,
     wrapped yaw difference (so that apply_residuals(proposals, box_residuals(proposals, targets)) ==
     targets)."""
-    d_yaw = targets[..., BOX_YAW] - proposals[..., BOX_YAW]
-    d_yaw = torch.remainder(d_yaw + math.pi, 2 * math.pi) - math.pi
+    d_yaw = yaw_difference(proposals, targets)
     return torch.cat(
         [
             targets[..., BOX_CENTRE] - proposals[..., BOX_CENTRE],
@@ -197,8 +202,7 @@ def turn_around(boxes: torch.Tensor, reversed_: torch.Tensor) -> torch.Tensor:
 
 def reversed_heading(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """bool ...: whether each proposal's heading is more than 90 degrees from its target's."""
-    d_yaw = torch.remainder(targets[..., BOX_YAW] - proposals[..., BOX_YAW] + math.pi, 2 * math.pi)
-    return (d_yaw - math.pi).abs() > math.pi / 2
+    return yaw_difference(proposals, targets).abs() > math.pi / 2
 
 
 def apply_residuals(

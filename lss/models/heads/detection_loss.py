@@ -213,7 +213,7 @@ def refine_loss(
     reversal = outputs.get("det_refine_reversal")
     start = proposals.boxes
     if reversal is not None:
-        reversed_ = reversed_heading(proposals.boxes, torch.nan_to_num(matched)) & positive
+        reversed_ = reversed_heading(proposals.boxes, matched) & positive
         start = turn_around(proposals.boxes, reversed_)
     residual_target = box_residuals(start, matched)
     # by slices: indexing by a list would copy the list from the host (a captured step cannot)
