@@ -212,7 +212,7 @@ def subset_scores(per_class: dict, classes: Iterable[str], mean_ap_weight: float
 
 def format_table(summary: dict) -> str:
     """Markdown table of a summary(): one row per class (AP and TP errors), then the means, mAP and
-    NDS."""
+    NDS, and evaluate_submission's true-positive table where the summary has it."""
 
     def cell(v):
         return "-" if v is None else f"{v:.3f}"
@@ -243,6 +243,8 @@ def format_table(summary: dict) -> str:
             f"vehicles ({', '.join(vehicles['classes'])}): mAP {vehicles['mAP']:.4f}, NDS "
             f"{vehicles['NDS']:.4f}"
         )
+    if "true_positives" in summary:
+        lines += ["", format_heading_table(summary["true_positives"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -296,9 +298,7 @@ def evaluate_submission(
         evaluator.gt_boxes, evaluator.pred_boxes, summary["classes_with_gt"]
     )
     (out_dir / "detection_metrics.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "detection_metrics.md").write_text(
-        format_table(summary) + "\n" + format_heading_table(summary["true_positives"])
-    )
+    (out_dir / "detection_metrics.md").write_text(format_table(summary))
     return summary
 
 
@@ -405,8 +405,7 @@ class DetectionCollector:
             nusc, submission, eval_set, out_dir, sample_tokens=restrict, verbose=verbose
         )
         if print_table:
-            heading = format_heading_table(summary["true_positives"])
-            print(format_table(summary), heading, sep="\n", end="")
+            print(format_table(summary), end="")
         return summary
 
     def evaluate_dataset(

@@ -162,10 +162,14 @@ def regression_to_boxes(
     )
 
 
+def wrap_angle(angle: torch.Tensor) -> torch.Tensor:
+    """Angles (radians) wrapped to [-pi, pi)."""
+    return torch.remainder(angle + math.pi, 2 * math.pi) - math.pi
+
+
 def yaw_difference(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """... : each target's heading minus its proposal's, wrapped to [-pi, pi)."""
-    d_yaw = targets[..., BOX_YAW] - proposals[..., BOX_YAW]
-    return torch.remainder(d_yaw + math.pi, 2 * math.pi) - math.pi
+    return wrap_angle(targets[..., BOX_YAW] - proposals[..., BOX_YAW])
 
 
 def box_residuals(proposals: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -188,12 +192,11 @@ def turn_around(boxes: torch.Tensor, reversed_: torch.Tensor) -> torch.Tensor:
     """Boxes ... x 9 with those where `reversed_` (bool ...) turned around: heading + pi (wrapped
     to [-pi, pi)), velocity negated; the others unchanged."""
     yaw = boxes[..., BOX_YAW]
-    turned = torch.remainder(yaw + 2 * math.pi, 2 * math.pi) - math.pi
     flip = reversed_.unsqueeze(-1)
     return torch.cat(
         [
             boxes[..., :BOX_YAW],
-            torch.where(reversed_, turned, yaw).unsqueeze(-1),
+            torch.where(reversed_, wrap_angle(yaw + math.pi), yaw).unsqueeze(-1),
             torch.where(flip, -boxes[..., BOX_VELOCITY], boxes[..., BOX_VELOCITY]),
         ],
         dim=-1,
