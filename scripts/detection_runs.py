@@ -127,6 +127,20 @@ RUNS = {
     "temporal_hr_motion_reversal": HR_DEPTH
     + ROT_SMALL
     + ("model.temporal.frames=2", "detection.refine_motion=true", "detection.refine_reversal=true"),
+    # the second stage also reading both frames' splatted grids where each box is and where it was if it moved as
+    # it says or the other way (the truck's wrong-way boxes carry its velocity error: docs/temporal.md), without
+    # and with the reversal logit that can act on them
+    "temporal_hr_motion_grid": HR_DEPTH
+    + ROT_SMALL
+    + ("model.temporal.frames=2", "detection.refine_motion=true", "detection.refine_motion_grid=true"),
+    "temporal_hr_motion_grid_reversal": HR_DEPTH
+    + ROT_SMALL
+    + (
+        "model.temporal.frames=2",
+        "detection.refine_motion=true",
+        "detection.refine_motion_grid=true",
+        "detection.refine_reversal=true",
+    ),
 }
 METRICS = ("mAP", "NDS", "vehicle_mAP", "vehicle_NDS")
 

@@ -147,10 +147,12 @@ REFINE = ("detection.refine=true", "detection.refine_hidden=16", "detection.refi
                                    REFINE + ("detection.refine_depth=true", "detection.refine_quality=thresholds"),
                                    REFINE + ("model.temporal.frames=2", "detection.refine_depth=true",
                                              "detection.refine_motion=true"),
-                                   REFINE + ("detection.refine_reversal=true",)],
+                                   REFINE + ("detection.refine_reversal=true",),
+                                   REFINE + ("model.temporal.frames=2", "detection.refine_motion_grid=true",
+                                             "detection.refine_reversal=true")],
                          ids=["first_stage", "second_stage", "second_stage_camera_depth", "second_stage_cameras",
                               "second_stage_threshold_quality", "second_stage_two_frames_motion",
-                              "second_stage_reversal"])
+                              "second_stage_reversal", "second_stage_two_frames_motion_grid"])
 def test_detection_training_step_on_static_buffers_follows_eager_steps(device, extra, monkeypatch):
     import test_graph_step
 

@@ -287,6 +287,12 @@ class DetectionConfig:
     # the ego motion): a vehicle that moved along the camera ray, which the splat blurs, shows as a
     # surface nearer or farther than the box (lss.models.heads.camera_cues)
     refine_motion: bool = False
+    # with model.temporal.frames: 2, the second stage also reads both frames' splatted grids at the
+    # box's centre and face middles: this frame's there, the previous frame's where those points
+    # were one frame interval before if the box moved at its velocity, and where they were if it
+    # moved the other way (lss.models.heads.box_refiner.motion_reads): which way it moves,
+    # whichever way its heading points
+    refine_motion_grid: bool = False
     # the second stage also predicts whether each proposal faces the wrong way (heading more than
     # 90 degrees off); a proposal it calls reversed is turned around (heading + 180 degrees,
     # velocity negated: the head's velocity follows its heading) before the residuals apply

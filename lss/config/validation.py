@@ -312,7 +312,13 @@ def validate(cfg: Config) -> Config:
         f"detection.decoder_channels={d.decoder_channels}: the width of the detection head's own "
         "decoder stage, a count >= 1 with detection.decoder: own (null: the BEV encoder's width)",
     )
-    for setting in ("refine_depth", "refine_image", "refine_motion", "refine_reversal"):
+    for setting in (
+        "refine_depth",
+        "refine_image",
+        "refine_motion",
+        "refine_motion_grid",
+        "refine_reversal",
+    ):
         _check(
             d.refine or not getattr(d, setting),
             f"detection.{setting}: true feeds the second stage, which is off; set "
@@ -327,6 +333,11 @@ def validate(cfg: Config) -> Config:
         not d.refine_motion or model.temporal.frames == 2,
         "detection.refine_motion: true reads the previous frame's depth distributions; set "
         "model.temporal.frames: 2 as well, or refine_motion: false",
+    )
+    _check(
+        not d.refine_motion_grid or model.temporal.frames == 2,
+        "detection.refine_motion_grid: true reads the previous frame's splatted grid; set "
+        "model.temporal.frames: 2 as well, or refine_motion_grid: false",
     )
     _check(
         set(d.refine_residuals) <= set(RESIDUAL_PARTS)

@@ -45,6 +45,7 @@ FIXED_KEYS = (
     "detection.refine_depth",
     "detection.refine_image",
     "detection.refine_motion",
+    "detection.refine_motion_grid",
     "detection.refine_reversal",
 )
 # Temp files of atomic_save: .<name>.<host>-<pid>.<random>.tmp (older releases:

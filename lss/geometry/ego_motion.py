@@ -12,6 +12,8 @@ from lss.geometry.camera import RIG_KEYS
 # motion B x 4 x 4 taking the previous ego frame into the current (augmented) ego frame.
 PREVIOUS_RIG_KEYS = tuple(f"prev_{key}" for key in RIG_KEYS)
 PREVIOUS_FRAME_KEYS = ("prev_images", *PREVIOUS_RIG_KEYS, "ego_motion")
+# seconds between two nuScenes key frames (2 Hz); model.temporal.gap of them lie between the frames
+KEY_FRAME_INTERVAL = 0.5
 
 
 def previous_cam_to_ego(

@@ -7,7 +7,7 @@ from torch import nn
 
 from lss.config import Config
 from lss.geometry import RIG_KEYS, BevGrid
-from lss.geometry.ego_motion import PREVIOUS_FRAME_KEYS, previous_rig
+from lss.geometry.ego_motion import KEY_FRAME_INTERVAL, PREVIOUS_FRAME_KEYS, previous_rig
 from lss.models.bev import BevEncoder
 from lss.models.blocks import scale_gradient
 from lss.models.camera import CameraEncoder, use_lss_depthwise_conv
@@ -78,7 +78,12 @@ class LiftSplatShoot(nn.Module):
             detection_channels = config.detection.decoder_channels
         self.detection = (
             DetectionHead(
-                detection_channels, config.detection, grid, image_channels=model.context_channels
+                detection_channels,
+                config.detection,
+                grid,
+                image_channels=model.context_channels,
+                grid_channels=grid.nz * model.context_channels,
+                motion_interval=KEY_FRAME_INTERVAL * model.temporal.gap,
             )
             if "detection" in model.heads
             else None
@@ -123,14 +128,15 @@ class LiftSplatShoot(nn.Module):
         depth = depth.unflatten(0, (b, n))
         context = context.unflatten(0, (b, n))
         bev = self.splat(depth, context, lut)
-        previous = rig = None
+        previous = rig = frames = None
         if self.temporal is not None:
             previous = self.previous_features(batch)
             # the previous frame's rig moved into the current ego frame, once for its LUT and the
             # second stage's motion cues (detection.refine_motion: a box of this frame projects to
             # where a static point at its centre was seen before)
             rig = previous_rig(batch, depth.device)
-            bev = self.temporal(bev, self.splat(*previous, self.splat.previous_lut(batch, rig)))
+            frames = (bev, self.splat(*previous, self.splat.previous_lut(batch, rig)))
+            bev = self.temporal(*frames)
         # detection.trunk_grad_scale: the detection branch's gradient into the shared BEV encoder
         # (and the splatted grid) scaled where the branch leaves it
         scale = self.detection_grad_scale if torch.is_grad_enabled() else 1.0
@@ -156,7 +162,11 @@ class LiftSplatShoot(nn.Module):
                 cameras["previous"] = {"depth": previous[0], "frustum": self.splat.frustum, **rig}
             outputs.update(
                 self.detection(
-                    detection_features, gt_boxes=gt_boxes, gt_labels=gt_labels, cameras=cameras
+                    detection_features,
+                    gt_boxes=gt_boxes,
+                    gt_labels=gt_labels,
+                    cameras=cameras,
+                    frames=frames if reads.refine_motion_grid else None,
                 )
             )
         return outputs

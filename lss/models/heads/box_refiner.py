@@ -1,6 +1,7 @@
 """The detection head's second stage: the BEV features read with RoIAlign at each proposal (its
 centre and face middles, or its enlarged envelope), optionally with the cameras' depth cues and
-context features there, and a small MLP that refines the proposal's score and box."""
+context features there and both frames' splatted grids around it, and a small MLP that refines
+the proposal's score and box."""
 
 from __future__ import annotations
 
@@ -35,14 +36,73 @@ def proposal_rois(
 
 
 def point_rois(proposals: Proposals, grid: BevGrid) -> torch.Tensor:
-    """RoIAlign boxes (B P 5) x 5, one cell wide and centred on each BOX_POINTS point of every
-    proposal slot: with a 1 x 1 output and one sample per bin, aligned RoIAlign reads the BEV
-    features bilinearly at exactly that point."""
-    B, P = proposals.valid.shape
-    points = box_points(proposals.boxes.reshape(B * P, BOX_DIM))
+    """RoIAlign boxes (B P 5) x 5 on each BOX_POINTS point of every proposal slot (rois_at)."""
+    return rois_at(box_points(proposals.boxes), grid)
+
+
+def rois_at(points: torch.Tensor, grid: BevGrid) -> torch.Tensor:
+    """RoIAlign boxes (B ...) x 5, one cell wide and centred on each of points B x ... x 2 (or x 3;
+    ego x, y in metres): with a 1 x 1 output and one sample per bin, aligned RoIAlign reads a map
+    of `grid` bilinearly at exactly that point (zero off the map)."""
+    B = points.shape[0]
     u, v = grid.xy_to_cells(points[..., 0].reshape(-1), points[..., 1].reshape(-1))
-    sample = torch.arange(B, device=points.device).repeat_interleave(P * len(BOX_POINTS)).float()
-    return torch.stack([sample, v - 0.5, u - 0.5, v + 0.5, u + 0.5], dim=1)
+    sample = torch.arange(B, device=points.device).repeat_interleave(u.numel() // max(B, 1))
+    return torch.stack([sample.float(), v - 0.5, u - 0.5, v + 0.5, u + 0.5], dim=1)
+
+
+def read_grid(bev: torch.Tensor, points: torch.Tensor, grid: BevGrid) -> torch.Tensor:
+    """A map B x C x H x W of `grid` read bilinearly at points B x ... x 2 (or x 3): B x ... x C,
+    float32, zero off the map; gradients reach the map."""
+    pooled = roi_align(
+        bev.float(),
+        rois_at(points, grid),
+        (1, 1),
+        spatial_scale=1.0,
+        sampling_ratio=1,
+        aligned=True,
+        validate=False,
+    )
+    return pooled.reshape(*points.shape[:-1], bev.shape[1])
+
+
+# detection.refine_motion_grid: the two frames' splatted grids read at each BOX_POINTS point, this
+# frame's there and the previous frame's where the point was `interval` seconds before if the box
+# moved at its velocity, and where it was if it moved the other way (motion_reads); each read
+# embedded to MOTION_EMBED channels by the refiner
+MOTION_READS = 3
+MOTION_EMBED = 16
+
+
+def motion_reads(
+    current: torch.Tensor,
+    previous: torch.Tensor,
+    boxes: torch.Tensor,
+    grid: BevGrid,
+    interval: float,
+) -> torch.Tensor:
+    """The splatted grids of this frame and the previous one (B x C x H x W each, the map of
+    `grid`, both in this frame's ego frame) read at the BOX_POINTS of boxes B x P x 9: B x P x
+    MOTION_READS x K x C, this frame's at the points, the previous frame's at the points minus the
+    box's velocity x `interval` (seconds between the frames: where they were if the box moved as
+    it says) and at the points plus it (where they were if it moved the other way). Of a moving
+    object the first of the two previous reads matches this frame's and the second does not,
+    whichever way its heading points; an unknown (non-finite) velocity reads as standing still."""
+    if current.shape != previous.shape:
+        raise ValueError(
+            f"motion_reads: this frame's grid is {tuple(current.shape)} but the previous frame's "
+            f"{tuple(previous.shape)}: both frames are splatted into the same grid"
+        )
+    points = box_points(boxes)[..., :2]  # B x P x K x 2
+    velocity = torch.nan_to_num(boxes[..., 7:9].float(), nan=0.0, posinf=0.0, neginf=0.0)
+    shift = (velocity * interval).unsqueeze(-2)
+    return torch.stack(
+        [
+            read_grid(current, points, grid),
+            read_grid(previous, points - shift, grid),
+            read_grid(previous, points + shift, grid),
+        ],
+        dim=2,
+    )
 
 
 class BoxRefiner(nn.Module):
@@ -54,7 +114,9 @@ class BoxRefiner(nn.Module):
     wrong way (lss.geometry.boxes.reversed_heading). With `camera_depth` it also reads the
     proposals' depth cues, with `motion` the depth cues of the previous frame's cameras (after the
     current frame's, when both), with `image_channels` > 0 the cameras' context features (that
-    many channels) at the box's BOX_POINTS (lss.models.heads.camera_cues)."""
+    many channels) at the box's BOX_POINTS (lss.models.heads.camera_cues), with `motion_grid` > 0
+    both frames' splatted grids (that many channels) around the box (motion_reads), each read
+    embedded by one linear layer."""
 
     def __init__(
         self,
@@ -68,6 +130,7 @@ class BoxRefiner(nn.Module):
         image_channels: int = 0,
         motion: bool = False,
         reversal: bool = False,
+        motion_grid: int = 0,
     ):
         super().__init__()
         if features not in ("points", "envelope"):
@@ -82,7 +145,10 @@ class BoxRefiner(nn.Module):
         # each point)
         self.cue_width = CUE_CHANNELS * (int(camera_depth) + int(motion))
         self.image_width = len(BOX_POINTS) * (image_channels + 1) if image_channels else 0
-        geometry = num_classes + 9 + self.cue_width + self.image_width
+        self.motion_embed = nn.Linear(motion_grid, MOTION_EMBED) if motion_grid else None
+        self.motion_shape = (MOTION_READS, len(BOX_POINTS), motion_grid)
+        self.motion_width = MOTION_READS * len(BOX_POINTS) * MOTION_EMBED if motion_grid else 0
+        geometry = num_classes + 9 + self.cue_width + self.image_width + self.motion_width
         self.mlp = nn.Sequential(
             nn.Linear(in_channels * reads + geometry, hidden),
             nn.ReLU(inplace=True),
@@ -103,23 +169,27 @@ class BoxRefiner(nn.Module):
         grid: BevGrid,
         cues: Optional[torch.Tensor] = None,
         image: Optional[torch.Tensor] = None,
+        motion: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """bev_features B x C x H x W (the H x W map of `grid`); with camera_depth and/or motion the
         proposals' depth cues B x P x CUE_CHANNELS (each; this frame's first), with image_channels
         their image features B x P x len(BOX_POINTS) (image_channels + 1)
-        (lss.models.heads.camera_cues). Returns score logits B x P, residuals B x P x 9 and with
+        (lss.models.heads.camera_cues), with motion_grid their motion_reads B x P x MOTION_READS x
+        len(BOX_POINTS) x motion_grid. Returns score logits B x P, residuals B x P x 9 and with
         `reversal` reversal logits B x P (else None), zero on invalid slots. Every slot is computed
         (fixed shapes, no host sync); invalid ones are masked."""
         B, P = proposals.valid.shape
-        for settings, what, width, given in (
-            ("refine_depth or refine_motion", "depth cues", self.cue_width, cues),
-            ("refine_image", "image features", self.image_width, image),
+        for settings, what, shape, given in (
+            ("refine_depth or refine_motion", "depth cues", (self.cue_width,), cues),
+            ("refine_image", "image features", (self.image_width,), image),
+            ("refine_motion_grid", "motion reads", self.motion_shape, motion),
         ):
-            if width and (given is None or given.shape != (B, P, width)):
+            if shape[-1] and (given is None or given.shape != (B, P, *shape)):
                 raise ValueError(
-                    f"BoxRefiner: detection.{settings} needs the proposals' {what} B x P x {width} "
-                    f"(B x P = {B} x {P}), got {None if given is None else tuple(given.shape)}: "
-                    "run the head through lss.models.LSS, which passes it what the cameras see"
+                    f"BoxRefiner: detection.{settings} needs the proposals' {what} B x P x "
+                    f"{' x '.join(map(str, shape))} (B x P = {B} x {P}), got "
+                    f"{None if given is None else tuple(given.shape)}: run the head through "
+                    "lss.models.LSS, which passes it what the cameras and both frames see"
                 )
         if P == 0:
             # Zero-valued use of every parameter: DDP expects gradients for all of them every step.
@@ -159,7 +229,12 @@ class BoxRefiner(nn.Module):
                 proposals.scores.reshape(-1, 1),
             ]
             + ([cues.reshape(B * P, self.cue_width).float()] if self.cue_width else [])
-            + ([image.reshape(B * P, self.image_width).float()] if self.image_width else []),
+            + ([image.reshape(B * P, self.image_width).float()] if self.image_width else [])
+            + (
+                [self.motion_embed(motion.float()).reshape(B * P, self.motion_width)]
+                if self.motion_embed is not None
+                else []
+            ),
             dim=1,
         )
         hidden = self.mlp(torch.cat([pooled, geometry.to(pooled.dtype)], dim=1))

@@ -21,7 +21,7 @@ from lss.geometry.boxes import (
 )
 from lss.geometry.proposals import Proposals, jitter_boxes, pad_boxes
 from lss.models.blocks import conv_bn_relu
-from lss.models.heads.box_refiner import BoxRefiner
+from lss.models.heads.box_refiner import BoxRefiner, motion_reads
 from lss.models.heads.camera_cues import depth_cues, image_features
 from lss.models.heads.detection_decode import propose, score_by_heatmap, training_proposals
 
@@ -39,6 +39,9 @@ class DetectionHead(nn.Module):
     as the dataset's dense targets, or one M_b x 9 / M_b tensor per sample), all scored by the
     heatmap), "det_refine_scores" B x P logits and "det_refine_residuals" B x P x 9, with
     cfg.refine_reversal "det_refine_reversal" B x P logits (the proposal faces the wrong way).
+    With cfg.refine_motion_grid the second stage also reads `frames` (this frame's and the
+    previous frame's splatted grids, `grid_channels` channels each) around each proposal,
+    `motion_interval` seconds apart (box_refiner.motion_reads).
     """
 
     def __init__(
@@ -48,8 +51,17 @@ class DetectionHead(nn.Module):
         grid: BevGrid,
         num_classes: int = len(DETECTION_CLASSES),
         image_channels: int = 0,
+        grid_channels: int = 0,
+        motion_interval: float = 0.5,
     ):
         super().__init__()
+        if cfg.refine and cfg.refine_motion_grid and grid_channels < 1:
+            raise ValueError(
+                "DetectionHead: detection.refine_motion_grid reads both frames' splatted grids; "
+                "pass their channel count as grid_channels (lss.models.LSS passes grid.nz x "
+                "model.context_channels)"
+            )
+        self.motion_interval = motion_interval
         if cfg.refine and cfg.refine_image and image_channels < 1:
             raise ValueError(
                 "DetectionHead: detection.refine_image reads the cameras' context features; "
@@ -79,6 +91,7 @@ class DetectionHead(nn.Module):
                 image_channels if cfg.refine_image else 0,
                 cfg.refine_motion,
                 cfg.refine_reversal,
+                grid_channels if cfg.refine_motion_grid else 0,
             )
             if cfg.refine
             else None
@@ -91,6 +104,7 @@ class DetectionHead(nn.Module):
         gt_boxes: Optional[torch.Tensor | Sequence[torch.Tensor]] = None,
         gt_labels: Optional[torch.Tensor | Sequence[torch.Tensor]] = None,
         cameras: Optional[dict] = None,
+        frames: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> dict:
         if bev_features.dim() != 4:
             raise ValueError(
@@ -132,7 +146,17 @@ class DetectionHead(nn.Module):
         sources += [cameras["previous"]] if self.cfg.refine_motion else []
         cues = torch.cat([depth_cues(boxes, valid, c) for c in sources], -1) if sources else None
         image = image_features(box_points(boxes), valid, cameras) if self.cfg.refine_image else None
-        scores, residuals, reversal = self.refiner(features, proposals, grid, cues, image)
+        motion = None
+        if self.cfg.refine_motion_grid:
+            if frames is None or len(frames) != 2:
+                raise ValueError(
+                    "DetectionHead: detection.refine_motion_grid reads both frames' splatted "
+                    "grids; pass frames=(this frame's, the previous frame's), each B x C x nx x ny "
+                    "in this frame's ego frame (lss.models.LSS does)"
+                )
+            splat_grid = self.grid.with_shape(frames[0].shape[-2:])
+            motion = motion_reads(*frames, boxes, splat_grid, self.motion_interval)
+        scores, residuals, reversal = self.refiner(features, proposals, grid, cues, image, motion)
         out["det_refine_scores"], out["det_refine_residuals"] = scores, residuals
         if reversal is not None:
             out["det_refine_reversal"] = reversal
