@@ -12,14 +12,14 @@ import torch
 from lss.config import Config, ConfigError, config_to_dict, validate
 from lss.engine.checkpoint import config_mismatches
 from lss.geometry import BevGrid
-from lss.geometry.boxes import BOX_POINTS, reversed_heading
+from lss.geometry.boxes import BOX_POINTS
 from lss.geometry.ego_motion import KEY_FRAME_INTERVAL
 from lss.models.build import build_model
 from lss.models.heads import detection as detection_module
 from lss.models.heads.box_refiner import MOTION_EMBED, MOTION_READS, motion_reads, read_grid
 from lss.models.heads.detection import DetectionHead
-from lss.models.heads.detection_loss import detection_loss
 from test_motion_cues import motion_config
+from test_reversal import reversal_calls, reversal_config
 from test_temporal_model import previous_of, rig_batch
 
 
@@ -161,36 +161,18 @@ def _moving_scene(g: torch.Generator, channels: int = 4):
 @pytest.mark.parametrize("reads", [True, False])
 def test_with_the_motion_reads_the_reversal_logit_learns_which_way_a_moving_object_faces(reads):
     """The grids show where each object is and was, not its front: with the reads the reversal logit calls the
-    turned-around copies of the truth (heading and velocity turned) and not the others, whatever the heading (new
-    every step); without them it cannot."""
+    turned-around copies of the truth (heading and velocity turned) and not the others; without them it cannot."""
     torch.manual_seed(0)
-    config = Config()
-    config.grid.xbound, config.grid.ybound = (-8.0, 8.0, 0.5), (-8.0, 8.0, 0.5)
-    config.model.temporal.frames = 2
-    config.detection.head_channels, config.detection.refine, config.detection.refine_hidden = 16, True, 64
-    config.detection.refine_reversal, config.detection.refine_reversal_share = True, 0.5
-    config.detection.refine_motion_grid = reads
+    config = reversal_config()
+    config.model.temporal.frames, config.detection.refine_motion_grid = 2, reads
     validate(config)
     head = DetectionHead(8, config.detection, BevGrid.from_config(config.grid), grid_channels=4)
-    optimizer = torch.optim.Adam(head.refiner.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(300):
+
+    def scene(g):
         features, frames, boxes, labels = _moving_scene(g)
-        optimizer.zero_grad()
-        out = head(features, gt_boxes=boxes, gt_labels=labels, frames=frames if reads else None)
-        losses = detection_loss(out, {"det_boxes": boxes, "det_labels": labels}, config)
-        losses["det_refine_reversal"].backward()
-        optimizer.step()
-    calls, truths = [], []
-    with torch.no_grad():
-        for _ in range(20):
-            features, frames, boxes, labels = _moving_scene(g)
-            out = head(features, gt_boxes=boxes, gt_labels=labels, frames=frames if reads else None)
-            slots = out["det_proposals"].valid.clone()
-            slots[:, : config.detection.refine_proposals] = False  # the jittered ground truth slots
-            calls.append(out["det_refine_reversal"][slots] > 0)
-            truths.append(reversed_heading(out["det_proposals"].boxes[slots], boxes[0]))
-    calls, truths = torch.cat(calls), torch.cat(truths)
+        return features, {"frames": frames} if reads else {}, boxes, labels
+
+    calls, truths = reversal_calls(head, config, scene, steps=300)
     assert 0.3 < truths.float().mean() < 0.7
     accuracy = (calls == truths).float().mean()
     assert accuracy > 0.9 if reads else accuracy < 0.75

@@ -128,36 +128,53 @@ def _scene(g: torch.Generator, marked: bool):
     return features, [boxes], [torch.tensor([0, 1, 0])]
 
 
-@pytest.mark.parametrize("marked", [True, False])
-def test_the_second_stage_learns_which_proposals_face_the_wrong_way(marked):
-    """With the objects' fronts in the BEV features the reversal logit learns to call the turned-around copies of
-    the truth and not the others (new headings every step: nothing to memorise); without them it cannot."""
-    torch.manual_seed(0)
-    config = Config()
-    config.grid.xbound, config.grid.ybound = (-8.0, 8.0, 0.5), (-8.0, 8.0, 0.5)
-    config.detection.head_channels, config.detection.refine, config.detection.refine_hidden = 16, True, 64
-    config.detection.refine_reversal, config.detection.refine_reversal_share = True, 0.5
-    validate(config)
-    head = DetectionHead(8, config.detection, BevGrid.from_config(config.grid))
+def reversal_calls(head: DetectionHead, config: Config, scene, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trains `head`'s second stage on `steps` scenes (scene(g) -> features, head keyword arguments, ground-truth
+    boxes, labels; new headings every step: nothing to memorise) against the reversal loss alone, then returns its
+    calls (logit > 0) and the truth (reversed_heading) on the jittered ground-truth proposals of 20 new scenes."""
     optimizer = torch.optim.Adam(head.refiner.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)
-    for _ in range(400):
-        features, boxes, labels = _scene(g, marked)
+    for _ in range(steps):
+        features, inputs, boxes, labels = scene(g)
         optimizer.zero_grad()
-        losses = detection_loss(head(features, gt_boxes=boxes, gt_labels=labels),
+        losses = detection_loss(head(features, gt_boxes=boxes, gt_labels=labels, **inputs),
                                 {"det_boxes": boxes, "det_labels": labels}, config)
         losses["det_refine_reversal"].backward()
         optimizer.step()
     calls, truths = [], []
     with torch.no_grad():
         for _ in range(20):
-            features, boxes, labels = _scene(g, marked)
-            out = head(features, gt_boxes=boxes, gt_labels=labels)
+            features, inputs, boxes, labels = scene(g)
+            out = head(features, gt_boxes=boxes, gt_labels=labels, **inputs)
             slots = out["det_proposals"].valid.clone()
             slots[:, : config.detection.refine_proposals] = False  # the jittered ground truth slots
             calls.append(out["det_refine_reversal"][slots] > 0)
             truths.append(reversed_heading(out["det_proposals"].boxes[slots], boxes[0]))
-    calls, truths = torch.cat(calls), torch.cat(truths)
+    return torch.cat(calls), torch.cat(truths)
+
+
+def reversal_config() -> Config:
+    """A 16 m grid, a small second stage with the reversal logit, half the jittered truth turned around."""
+    config = Config()
+    config.grid.xbound, config.grid.ybound = (-8.0, 8.0, 0.5), (-8.0, 8.0, 0.5)
+    config.detection.head_channels, config.detection.refine, config.detection.refine_hidden = 16, True, 64
+    config.detection.refine_reversal, config.detection.refine_reversal_share = True, 0.5
+    return config
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_the_second_stage_learns_which_proposals_face_the_wrong_way(marked):
+    """With the objects' fronts in the BEV features the reversal logit learns to call the turned-around copies of
+    the truth and not the others; without them it cannot."""
+    torch.manual_seed(0)
+    config = validate(reversal_config())
+    head = DetectionHead(8, config.detection, BevGrid.from_config(config.grid))
+
+    def scene(g):
+        features, boxes, labels = _scene(g, marked)
+        return features, {}, boxes, labels
+
+    calls, truths = reversal_calls(head, config, scene, steps=400)
     assert 0.3 < truths.float().mean() < 0.7
     accuracy = (calls == truths).float().mean()
     assert accuracy > 0.9 if marked else accuracy < 0.75

@@ -55,19 +55,28 @@ class DetectionHead(nn.Module):
         motion_interval: float = 0.5,
     ):
         super().__init__()
-        if cfg.refine and cfg.refine_motion_grid and grid_channels < 1:
-            raise ValueError(
-                "DetectionHead: detection.refine_motion_grid reads both frames' splatted grids; "
-                "pass their channel count as grid_channels (lss.models.LSS passes grid.nz x "
-                "model.context_channels)"
-            )
+        for setting, reads, argument, passed, channels in (
+            (
+                "refine_image",
+                "the cameras' context features",
+                "image_channels",
+                "model.context_channels",
+                image_channels,
+            ),
+            (
+                "refine_motion_grid",
+                "both frames' splatted grids",
+                "grid_channels",
+                "grid.nz x model.context_channels",
+                grid_channels,
+            ),
+        ):
+            if cfg.refine and getattr(cfg, setting) and channels < 1:
+                raise ValueError(
+                    f"DetectionHead: detection.{setting} reads {reads}; pass their channel count "
+                    f"as {argument} (lss.models.LSS passes {passed})"
+                )
         self.motion_interval = motion_interval
-        if cfg.refine and cfg.refine_image and image_channels < 1:
-            raise ValueError(
-                "DetectionHead: detection.refine_image reads the cameras' context features; "
-                "pass their channel count as image_channels (lss.models.LSS passes "
-                "model.context_channels)"
-            )
         self.cfg = cfg
         self.grid = grid
         self.num_classes = num_classes
