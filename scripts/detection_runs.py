@@ -370,6 +370,11 @@ def to_text(summary: dict) -> str:
                     f"{n} {flips[n]['heading_flipped']:.3f} / "
                     + ("-" if flips[n]["velocity_reversed"] is None else f"{flips[n]['velocity_reversed']:.3f}")
                     for n in det["vehicles"]["classes"] if n in flips))
+                errors = {n: flips[n].get("velocity_error") or {} for n in det["vehicles"]["classes"] if n in flips}
+                lines.append("  velocity error facing right / the wrong way (m/s) " + ", ".join(
+                    f"{n} " + " / ".join("-" if e.get(k) is None else f"{e[k]:.2f}"
+                                         for k in ("heading_right", "heading_flipped"))
+                    for n, e in errors.items()))
     for name, recipe in summary["recipes"].items():
         final = "  ".join(f"{m} {v[0]:.4f} +- {v[1]:.4f}" for m, v in recipe["final"].items() if v)
         lines.append(f"recipe {name} ({recipe['finished_seeds']} seeds finished): {final}")

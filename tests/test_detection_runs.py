@@ -232,14 +232,18 @@ def test_the_summary_prints_the_vehicles_heading_flips():
     runs = _module()
     det = {"per_class": {"car": {"AP": 0.7, "has_ground_truth": True}, "truck": {"AP": 0.4, "has_ground_truth": True}},
            "vehicles": {"classes": ["car", "truck"], "tp_errors": {"vel_err": 1.5, "attr_err": None}},
-           "true_positives": {"per_class": {"car": {"heading_flipped": 0.02, "velocity_reversed": 0.05},
-                                            "truck": {"heading_flipped": 0.125, "velocity_reversed": None}}}}
+           "true_positives": {"per_class": {
+               "car": {"heading_flipped": 0.02, "velocity_reversed": 0.05,
+                       "velocity_error": {"heading_right": 0.714, "heading_flipped": 0.338}},
+               "truck": {"heading_flipped": 0.125, "velocity_reversed": None,
+                         "velocity_error": {"heading_right": 1.116, "heading_flipped": None}}}}}
     run = {"finished": True, "timed_out": False, "returncode": 0, "last_step": 6000, "wall_seconds": 1.0,
            "curve": [], "detection": det}
     text = runs.to_text({"device": "cpu", "date": "d", "steps": 1, "seeds": [0], "dataset": {},
                          "runs": {"w_s0": run}, "recipes": {}})
     assert "AP car 0.700, truck 0.400" in text and "vel_err 1.500" in text
     assert "heading flipped / velocity reversed (share of true positives) car 0.020 / 0.050, truck 0.125 / -" in text
+    assert "velocity error facing right / the wrong way (m/s) car 0.71 / 0.34, truck 1.12 / -" in text
     # summaries written before the true positives were reported print as they did
     del det["true_positives"]
     assert "heading flipped" not in runs.to_text({"device": "cpu", "date": "d", "steps": 1, "seeds": [0],
