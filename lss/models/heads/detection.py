@@ -19,6 +19,7 @@ from lss.geometry.boxes import (
     REGRESSION_CHANNELS,
     box_points,
 )
+from lss.geometry.ego_motion import KEY_FRAME_INTERVAL
 from lss.geometry.proposals import Proposals, jitter_boxes, pad_boxes
 from lss.models.blocks import conv_bn_relu
 from lss.models.heads.box_refiner import BoxRefiner, motion_reads
@@ -52,7 +53,7 @@ class DetectionHead(nn.Module):
         num_classes: int = len(DETECTION_CLASSES),
         image_channels: int = 0,
         grid_channels: int = 0,
-        motion_interval: float = 0.5,
+        motion_interval: float = KEY_FRAME_INTERVAL,
     ):
         super().__init__()
         for setting, reads, argument, passed, channels in (
