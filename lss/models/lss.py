@@ -166,7 +166,7 @@ class LiftSplatShoot(nn.Module):
                     gt_boxes=gt_boxes,
                     gt_labels=gt_labels,
                     cameras=cameras,
-                    frames=frames if reads.refine_motion_grid else None,
+                    frames=tuple(map(branch, frames)) if reads.refine_motion_grid else None,
                 )
             )
         return outputs
