@@ -16,8 +16,8 @@ from lss.data import collate
 from lss.geometry import BevGrid
 from lss.geometry.boxes import DETECTION_CLASSES, REFINE_TARGET_KEYS, apply_residuals, dense_targets
 from lss.geometry.proposals import Proposals, ground_truth_proposals
-from lss.geometry.boxes import BOX_POINTS
-from lss.models.heads.box_refiner import BoxRefiner, point_rois
+from lss.geometry.boxes import BOX_POINTS, box_points
+from lss.models.heads.box_refiner import BoxRefiner, read_grid
 from lss.models.heads.detection import DetectionHead
 from lss.models.heads.detection_decode import decode_detections
 from lss.models.heads.detection_loss import detection_loss, refine_loss
@@ -34,7 +34,7 @@ def _bilinear(features, x, y, grid):
 
 
 @pytest.mark.parametrize("device", devices())
-def test_point_rois_read_the_features_at_the_box_centre_and_face_middles(device):
+def test_the_points_design_reads_the_features_at_the_box_centre_and_face_middles(device):
     g = torch.Generator().manual_seed(0)
     features = torch.randn(2, 6, 40, 40, generator=g, dtype=torch.float64).float().to(device)
     boxes = torch.tensor([[[2.3, -1.7, 0.0, 1.9, 4.4, 1.5, 0.6, 0, 0], [-4.1, 3.2, 0.0, 0.8, 0.7, 1.7, -2.5, 0, 0]],
@@ -42,10 +42,8 @@ def test_point_rois_read_the_features_at_the_box_centre_and_face_middles(device)
     proposals = Proposals(boxes.to(device), torch.zeros(2, 2, device=device),
                           torch.zeros(2, 2, dtype=torch.long, device=device), torch.ones(2, 2, dtype=torch.bool,
                                                                                          device=device))
-    from lss.ops import roi_align
-
-    read = roi_align(features, point_rois(proposals, GRID), (1, 1), spatial_scale=1.0, sampling_ratio=1,
-                     aligned=True).view(2, 2, len(BOX_POINTS), 6)
+    read = read_grid(features, box_points(proposals.boxes), GRID)
+    assert read.shape == (2, 2, len(BOX_POINTS), 6)
     for b in range(2):
         for p in range(2):
             x, y, _, w, length, _, yaw = boxes[b, p, :7].tolist()

@@ -35,11 +35,6 @@ def proposal_rois(
     return torch.stack([sample, v - half_cols, u - half_rows, v + half_cols, u + half_rows], dim=1)
 
 
-def point_rois(proposals: Proposals, grid: BevGrid) -> torch.Tensor:
-    """RoIAlign boxes (B P 5) x 5 on each BOX_POINTS point of every proposal slot (rois_at)."""
-    return rois_at(box_points(proposals.boxes), grid)
-
-
 def rois_at(points: torch.Tensor, grid: BevGrid) -> torch.Tensor:
     """RoIAlign boxes (B ...) x 5, one cell wide and centred on each of points B x ... x 2 (or x 3;
     ego x, y in metres): with a 1 x 1 output and one sample per bin, aligned RoIAlign reads a map
@@ -53,6 +48,9 @@ def rois_at(points: torch.Tensor, grid: BevGrid) -> torch.Tensor:
 def read_grid(bev: torch.Tensor, points: torch.Tensor, grid: BevGrid) -> torch.Tensor:
     """A map B x C x H x W of `grid` read bilinearly at points B x ... x 2 (or x 3): B x ... x C,
     float32, zero off the map; gradients reach the map."""
+    # float32: in bf16 a point near cell 200 would be off by a whole cell. validate=False skips a
+    # host sync: the rois are built here (batch indices by construction, finite unless the
+    # network's outputs are not, and then the loss stops training anyway).
     pooled = roi_align(
         bev.float(),
         rois_at(points, grid),
@@ -202,21 +200,18 @@ class BoxRefiner(nn.Module):
                 else bev_features.new_zeros(B, 0, dtype=torch.float32) + unused,
             )
         if self.features == "points":
-            rois, sampling = point_rois(proposals, grid), 1
-        else:
-            rois, sampling = proposal_rois(proposals, grid, self.enlarge), 2
-        # float32: in bf16 a roi corner near cell 200 would be off by a whole cell. validate=False
-        # skips a host sync: the rois are our own decoding (batch indices by construction, boxes
-        # finite unless the network's outputs are not, and then the loss stops training anyway).
-        pooled = roi_align(
-            bev_features.float(),
-            rois,
-            (self.roi_size, self.roi_size),
-            spatial_scale=1.0,
-            sampling_ratio=sampling,
-            aligned=True,
-            validate=False,
-        ).reshape(B * P, -1)
+            pooled = read_grid(bev_features, box_points(proposals.boxes), grid)
+        else:  # float32 and no validation, as read_grid
+            pooled = roi_align(
+                bev_features.float(),
+                proposal_rois(proposals, grid, self.enlarge),
+                (self.roi_size, self.roi_size),
+                spatial_scale=1.0,
+                sampling_ratio=2,
+                aligned=True,
+                validate=False,
+            )
+        pooled = pooled.reshape(B * P, -1)
         boxes = proposals.boxes.reshape(B * P, BOX_DIM)
         geometry = torch.cat(
             [
