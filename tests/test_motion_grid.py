@@ -22,15 +22,7 @@ from test_motion_cues import motion_config
 from test_reversal import reversal_calls, reversal_config
 from test_temporal_model import previous_of, rig_batch
 
-
-
-def _grid() -> BevGrid:
-    config = Config()
-    config.grid.xbound, config.grid.ybound = (-8.0, 8.0, 0.5), (-8.0, 8.0, 0.5)
-    return BevGrid.from_config(config.grid)
-
-
-GRID = _grid()
+GRID = BevGrid.from_config(reversal_config().grid)  # 16 m at 0.5 m: 32 x 32 cells
 
 
 def _cell_values(channels=3, seed=0):

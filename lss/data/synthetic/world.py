@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lss.geometry.ego_motion import KEY_FRAME_INTERVAL
+
 from .reproducible import dot
 from .roads import (
     CROSSING_DEPTH,
@@ -24,7 +26,7 @@ from .roads import (
     stable_seed,
 )
 
-SAMPLE_PERIOD = 0.5  # key frames at 2 Hz
+SAMPLE_PERIOD = KEY_FRAME_INTERVAL  # key frames at 2 Hz, as nuScenes'
 ANNOTATION_RANGE = 80.0  # objects closer than this to the ego are annotated (and rendered)
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lss.geometry import BevGrid
-from lss.geometry.boxes import BOX_DIM, BOX_POINTS, bev_envelopes, box_points
+from lss.geometry.boxes import BOX_DIM, BOX_POINTS, BOX_VELOCITY, bev_envelopes, box_points
 from lss.geometry.proposals import Proposals
 from lss.models.heads.camera_cues import CUE_CHANNELS
 from lss.ops import roi_align
@@ -91,16 +91,10 @@ def motion_reads(
             f"{tuple(previous.shape)}: both frames are splatted into the same grid"
         )
     points = box_points(boxes)[..., :2]  # B x P x K x 2
-    velocity = torch.nan_to_num(boxes[..., 7:9].float(), nan=0.0, posinf=0.0, neginf=0.0)
+    velocity = torch.nan_to_num(boxes[..., BOX_VELOCITY].float(), nan=0.0, posinf=0.0, neginf=0.0)
     shift = (velocity * interval).unsqueeze(-2)
-    return torch.stack(
-        [
-            read_grid(current, points, grid),
-            read_grid(previous, points - shift, grid),
-            read_grid(previous, points + shift, grid),
-        ],
-        dim=2,
-    )
+    before = read_grid(previous, torch.stack([points - shift, points + shift], dim=2), grid)
+    return torch.cat([read_grid(current, points, grid).unsqueeze(2), before], dim=2)
 
 
 class BoxRefiner(nn.Module):
